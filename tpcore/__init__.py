@@ -1,0 +1,21 @@
+"""tpcore: tensor-parallel inference for Hugging Face transformers models, on GPUs or CPU ranks."""
+
+from tpcore.auto import AutoPolicy, UnsupportedModelError
+from tpcore.engine import ParallelEngine
+from tpcore.hookspecs import hookimpl
+from tpcore.policy import Layer, Policy, ShardingError, divide
+from tpcore.replacer import TensorReplacer
+
+__all__ = [
+    "AutoPolicy",
+    "Layer",
+    "ParallelEngine",
+    "Policy",
+    "ShardingError",
+    "TensorReplacer",
+    "UnsupportedModelError",
+    "divide",
+    "hookimpl",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,54 @@
+"""The ``tpcore`` console script."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from tpcore.plugins import plugin_infos, registered_policies
+
+
+def _plugins(args: argparse.Namespace) -> int:
+    infos = plugin_infos()
+    entries = registered_policies()
+    rows = []
+    for info in infos:
+        policies = [
+            {"name": e.policy.policy_name(), "layer_class": e.policy.layer_class_name()}
+            for e in entries
+            if e.plugin == info.name
+        ]
+        rows.append({
+            "name": info.name,
+            "distribution": info.distribution,
+            "version": info.version,
+            "policies": policies,
+            "error": info.error,
+        })
+    if args.json:
+        json.dump(rows, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    if not rows:
+        print("No tpcore plugins installed (pip install tp-bert, tp-gpt, tp-t5, ...).")
+    for row in rows:
+        status = f"  FAILED: {row['error']}" if row["error"] else ""
+        print(f"{row['distribution']} {row['version']} (entry point {row['name']!r}){status}")
+        for policy in row["policies"]:
+            print(f"    {policy['name']:<24} {policy['layer_class']}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tpcore", description="Tensor-parallel inference for transformers models.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    plugins = commands.add_parser("plugins", help="list installed plugins and the policies each registers")
+    plugins.add_argument("--json", action="store_true", help="print JSON")
+    plugins.set_defaults(run=_plugins)
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,23 @@
+"""Hook specifications of tpcore plugins (pluggy project ``"tpcore"``).
+
+A plugin distribution declares an entry point in the group ``tpcore`` naming the module that
+holds its hook implementations, marked with :data:`tpcore.hookimpl`.
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+PROJECT = "tpcore"
+
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+"""Marker for hook implementations in plugins: ``@tpcore.hookimpl``."""
+
+
+@hookspec
+def tpcore_register_policies() -> list[type]:
+    """Return the :class:`tpcore.Policy` classes this plugin provides.
+
+    :return: a list of ``Policy`` subclasses, one per transformer layer class.
+    """

@@ -1,0 +1,156 @@
+"""Plugin manager: lazy, per-entry-point loading of the ``tpcore`` entry-point group.
+
+Environment switches (read on first use of the registry):
+
+``TPCORE_DISABLE_PLUGIN_AUTOLOAD=1``
+    load no entry points at all (policies then come only from ``custom_policies``).
+``TPCORE_PLUGINS=tp-bert,tp-gpt``
+    load only these plugins, by distribution or entry-point name; empty loads none.
+
+A plugin that fails to import or register is reported with its distribution name and version
+(a :class:`PluginLoadWarning`, and in :func:`plugin_infos`) and the others still load.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import threading
+import traceback
+import warnings
+from dataclasses import dataclass, field
+
+import pluggy
+
+from tpcore import hookspecs
+from tpcore.policy import Policy
+
+__all__ = [
+    "PluginInfo",
+    "PluginLoadWarning",
+    "PolicyEntry",
+    "get_plugin_manager",
+    "plugin_infos",
+    "registered_policies",
+    "reset_plugins",
+]
+
+DISABLE_AUTOLOAD_ENV = "TPCORE_DISABLE_PLUGIN_AUTOLOAD"
+ONLY_PLUGINS_ENV = "TPCORE_PLUGINS"
+
+
+class PluginLoadWarning(UserWarning):
+    """An installed plugin could not be loaded; the others were."""
+
+
+@dataclass
+class PluginInfo:
+    """An entry point of the ``tpcore`` group and what came of loading it."""
+
+    name: str
+    distribution: str
+    version: str
+    policies: list[str] = field(default_factory=list)
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class PolicyEntry:
+    """A registered policy and the plugin it came from."""
+
+    policy: type[Policy]
+    plugin: str
+    distribution: str
+    version: str
+
+
+_lock = threading.RLock()
+_manager: pluggy.PluginManager | None = None
+_infos: list[PluginInfo] = []
+
+
+def _selected(entry_point, dist_name: str) -> bool:
+    if os.environ.get(DISABLE_AUTOLOAD_ENV, "").strip() not in ("", "0"):
+        return False
+    only = os.environ.get(ONLY_PLUGINS_ENV)
+    if only is None:
+        return True
+    wanted = {name.strip() for name in only.split(",") if name.strip()}
+    return entry_point.name in wanted or dist_name in wanted
+
+
+def _load_entry_points(manager: pluggy.PluginManager) -> list[PluginInfo]:
+    infos = []
+    for entry_point in importlib.metadata.entry_points(group=hookspecs.PROJECT):
+        dist = entry_point.dist
+        dist_name = dist.metadata["Name"] if dist is not None else entry_point.name
+        version = dist.version if dist is not None else "?"
+        if not _selected(entry_point, dist_name) or manager.get_plugin(entry_point.name):
+            continue
+        info = PluginInfo(entry_point.name, dist_name, version)
+        try:
+            plugin = entry_point.load()
+            manager.register(plugin, name=entry_point.name)
+            policies = _policies_of(manager, plugin)
+            info.policies = [policy.policy_name() for policy in policies]
+        except Exception as error:  # a broken plugin must not take the others down
+            if manager.get_plugin(entry_point.name) is not None:
+                manager.unregister(name=entry_point.name)
+            info.error = "".join(traceback.format_exception_only(type(error), error)).strip()
+            warnings.warn(
+                f"tpcore plugin {entry_point.name!r} from {dist_name} {version} failed to load: "
+                f"{info.error}",
+                PluginLoadWarning,
+                stacklevel=3,
+            )
+        infos.append(info)
+    return infos
+
+
+def _policies_of(manager: pluggy.PluginManager, plugin) -> list[type[Policy]]:
+    """The policies one registered plugin returns, validated."""
+    impls = [impl for impl in manager.hook.tpcore_register_policies.get_hookimpls() if impl.plugin is plugin]
+    policies = []
+    for impl in impls:
+        for policy in impl.function() or []:
+            if not (isinstance(policy, type) and issubclass(policy, Policy)):
+                raise TypeError(f"tpcore_register_policies returned {policy!r}, not a Policy subclass")
+            policies.append(policy)
+    return policies
+
+
+def get_plugin_manager() -> pluggy.PluginManager:
+    """The process-wide plugin manager, loading entry points on first call."""
+    global _manager, _infos
+    with _lock:
+        if _manager is None:
+            manager = pluggy.PluginManager(hookspecs.PROJECT)
+            manager.add_hookspecs(hookspecs)
+            _infos = _load_entry_points(manager)
+            manager.check_pending()
+            _manager = manager
+        return _manager
+
+
+def plugin_infos() -> list[PluginInfo]:
+    """Every entry point considered on load, loaded or failed."""
+    get_plugin_manager()
+    return list(_infos)
+
+
+def registered_policies() -> list[PolicyEntry]:
+    """All policies of all loaded plugins, with the plugin each came from."""
+    manager = get_plugin_manager()
+    entries = []
+    for name, plugin in manager.list_name_plugin():
+        info = next((i for i in _infos if i.name == name), None)
+        dist, version = (info.distribution, info.version) if info else (name, "?")
+        entries.extend(PolicyEntry(policy, name, dist, version) for policy in _policies_of(manager, plugin))
+    return entries
+
+
+def reset_plugins() -> None:
+    """Forget loaded plugins so the next use reloads them (for tests and env changes)."""
+    global _manager, _infos
+    with _lock:
+        _manager, _infos = None, []
