@@ -19,13 +19,15 @@ def _plugins(args: argparse.Namespace) -> int:
             for e in entries
             if e.plugin == info.name
         ]
-        rows.append({
-            "name": info.name,
-            "distribution": info.distribution,
-            "version": info.version,
-            "policies": policies,
-            "error": info.error,
-        })
+        rows.append(
+            {
+                "name": info.name,
+                "distribution": info.distribution,
+                "version": info.version,
+                "policies": policies,
+                "error": info.error,
+            }
+        )
     if args.json:
         json.dump(rows, sys.stdout, indent=2)
         sys.stdout.write("\n")

@@ -65,8 +65,7 @@ def row_parallel_class(module: nn.Module) -> type[nn.Module]:
     if _Conv1D is not None and type(module) is _Conv1D:
         return RowParallelConv1D
     raise ShardingError(
-        f"no row-parallel layer for a {type(module).__qualname__}; "
-        "give the policy's Layer a replace= class"
+        f"no row-parallel layer for a {type(module).__qualname__}; give the policy's Layer a replace= class"
     )
 
 

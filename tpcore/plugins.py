@@ -98,8 +98,7 @@ def _load_entry_points(manager: pluggy.PluginManager) -> list[PluginInfo]:
                 manager.unregister(name=entry_point.name)
             info.error = "".join(traceback.format_exception_only(type(error), error)).strip()
             warnings.warn(
-                f"tpcore plugin {entry_point.name!r} from {dist_name} {version} failed to load: "
-                f"{info.error}",
+                f"tpcore plugin {entry_point.name!r} from {dist_name} {version} failed to load: {info.error}",
                 PluginLoadWarning,
                 stacklevel=3,
             )

@@ -26,9 +26,7 @@ def check_divisible(size: int, world_size: int, n_fused: int = 1) -> None:
     pieces = n_fused * world_size
     if size % pieces:
         fused = f" ({n_fused} fused tensors x {world_size} ranks)" if n_fused > 1 else ""
-        raise ShardingError(
-            f"size {size} cannot be split into {pieces} equal pieces{fused}"
-        )
+        raise ShardingError(f"size {size} cannot be split into {pieces} equal pieces{fused}")
 
 
 def shard(tensor: torch.Tensor, dim: int, rank: int, world_size: int, n_fused: int = 1) -> torch.Tensor:
