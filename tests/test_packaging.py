@@ -1,0 +1,264 @@
+"""Packaging: AutoPolicy finds the BERT policies only through the entry point of installed wheels.
+
+The module builds real wheels of tpcore and of plugins/tp-bert, installs them (not editable) into a fresh venv
+made with uv, and runs scripts there, away from this checkout:
+
+1. with only the tpcore wheel, a BertModel is unsupported, and the error names the model and ``pip install tp-``;
+2. after installing the tp-bert wheel, ``tpcore plugins`` lists it, the policy for the model comes from its entry
+   point, tp_bert is imported from the venv's site-packages, and a one-rank engine reproduces the unsplit model;
+3. two gloo ranks under ``torch.distributed.run`` reproduce BertForMaskedLM's logits.
+
+Needs uv (``nox -s tests`` installs it), and an index or a warm uv cache for hatchling and transformers. torch is
+pinned by constraints.txt to the local CPU wheel (UV_FIND_LINKS, taken from PIP_FIND_LINKS). About 30 s with a
+warm uv cache. Deselect with ``-m "not packaging"``.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.packaging
+
+ROOT = Path(__file__).resolve().parents[1]
+PLUGIN = ROOT / "plugins" / "tp-bert"
+CONSTRAINTS = ROOT / "constraints.txt"
+
+CONFIG = "BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)"
+
+UNSUPPORTED_SCRIPT = f"""
+import json
+import tpcore
+from transformers import BertConfig, BertModel
+
+model = BertModel({CONFIG})
+try:
+    tpcore.ParallelEngine(num_gpus=1, backend="gloo").parallelize(model)
+except tpcore.UnsupportedModelError as error:
+    print(json.dumps({{"raised": True, "message": str(error)}}))
+else:
+    print(json.dumps({{"raised": False}}))
+"""
+
+# Shared by the one-rank and the two-rank scripts: the same seed gives every rank the same weights and inputs.
+MODEL_AND_INPUTS = f"""
+import copy
+import torch
+from transformers import BertConfig, BertForMaskedLM
+
+torch.manual_seed(0)
+model = BertForMaskedLM({CONFIG}).eval()
+reference = copy.deepcopy(model)
+input_ids = torch.randint(0, 128, (2, 7))
+attention_mask = torch.ones_like(input_ids)
+attention_mask[1, 5:] = 0  # padding in the second sequence
+with torch.no_grad():
+    expected = reference(input_ids=input_ids, attention_mask=attention_mask).logits
+"""
+
+ONE_RANK_SCRIPT = (
+    """
+import importlib.metadata
+import json
+import sysconfig
+import tp_bert
+import tpcore
+"""
+    + MODEL_AND_INPUTS
+    + """
+entries = tpcore.AutoPolicy().entries_for(model)
+tpcore.ParallelEngine(num_gpus=1, backend="gloo").parallelize(model)
+with torch.no_grad():
+    actual = model(input_ids=input_ids, attention_mask=attention_mask).logits
+direct_url = importlib.metadata.distribution("tp-bert").read_text("direct_url.json")
+print(json.dumps({
+    "entries": [{"policy": e.policy.policy_name(), "distribution": e.distribution} for e in entries],
+    "max_diff": (actual - expected).abs().max().item(),
+    "tp_bert_file": tp_bert.__file__,
+    "tpcore_file": tpcore.__file__,
+    "purelib": sysconfig.get_paths()["purelib"],
+    "direct_url": json.loads(direct_url) if direct_url else None,
+}))
+"""
+)
+
+TWO_RANK_SCRIPT = (
+    """
+import json
+import sys
+from pathlib import Path
+import torch.distributed as dist
+import tpcore
+"""
+    + MODEL_AND_INPUTS
+    + """
+entries = tpcore.AutoPolicy().entries_for(model)
+model = tpcore.ParallelEngine(num_gpus=2, backend="gloo").parallelize(model)
+with torch.no_grad():
+    actual = model(input_ids=input_ids, attention_mask=attention_mask).logits
+result = {
+    "rank": dist.get_rank(),
+    "world_size": dist.get_world_size(),
+    "distributions": sorted({e.distribution for e in entries}),
+    "query_rows": model.bert.encoder.layer[0].attention.self.query.weight.shape[0],
+    "max_diff": (actual - expected).abs().max().item(),
+    "scale": expected.abs().max().item(),
+}
+dist.barrier()
+dist.destroy_process_group()
+Path(sys.argv[1], f"rank{result['rank']}.json").write_text(json.dumps(result))
+"""
+)
+
+
+def _uv() -> str | None:
+    """uv's executable: the one of the ``uv`` Python package (as nox installs it), else the one on PATH."""
+    try:
+        from uv import find_uv_bin
+
+        return find_uv_bin()
+    except (ImportError, FileNotFoundError):
+        return shutil.which("uv")
+
+
+def _env(bin_dir: Path | None = None) -> dict[str, str]:
+    """This process's environment without anything that would leak the checkout or a world into a child."""
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in {"PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "WORLD_SIZE", "RANK", "LOCAL_RANK"}
+        and not key.startswith(("MASTER_", "TPCORE_", "TORCHELASTIC_"))
+    }
+    env["PYTHONNOUSERSITE"] = "1"
+    if os.environ.get("PIP_FIND_LINKS") and not env.get("UV_FIND_LINKS"):
+        env["UV_FIND_LINKS"] = ",".join(os.environ["PIP_FIND_LINKS"].split())  # the local CPU torch wheel
+    if bin_dir is not None:
+        env["PATH"] = os.pathsep.join([str(bin_dir), env.get("PATH", "")])
+    return env
+
+
+def _run(args: list[str], cwd: Path, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
+    result = subprocess.run([str(a) for a in args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, (
+        f"{' '.join(map(str, args))} exited with {result.returncode}\n"
+        f"--- stdout ---\n{result.stdout[-4000:]}\n--- stderr ---\n{result.stderr[-8000:]}"
+    )
+    return result
+
+
+def _last_json(result: subprocess.CompletedProcess):
+    """The JSON document a script printed last, on one line."""
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@dataclass
+class FreshVenv:
+    path: Path
+    bin: Path
+    python: Path
+    work: Path
+    unsupported: dict  # what the BertModel script saw before tp-bert was installed
+    plugins_before: list  # `tpcore plugins --json` before tp-bert was installed
+
+    def run(self, *args, timeout: float = 300) -> subprocess.CompletedProcess:
+        return _run(list(args), self.work, _env(self.bin), timeout)
+
+    def script(self, name: str, text: str, *args, timeout: float = 300) -> subprocess.CompletedProcess:
+        path = self.work / name
+        path.write_text(textwrap.dedent(text))
+        return self.run(self.python, path, *args, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def wheels(tmp_path_factory) -> dict[str, Path]:
+    uv = _uv()
+    if uv is None:
+        pytest.skip("uv is not installed: run `nox -s tests` (it installs uv) or `pip install uv`")
+    out = tmp_path_factory.mktemp("wheels")
+    for project in (ROOT, PLUGIN):
+        _run([uv, "build", "--wheel", "--out-dir", out, project], out, _env(), timeout=600)
+    found = {wheel.name.split("-")[0]: wheel for wheel in out.glob("*.whl")}
+    assert set(found) == {"tpcore", "tp_bert"}, f"unexpected wheels: {sorted(found)}"
+    return found
+
+
+@pytest.fixture(scope="module")
+def venv(wheels, tmp_path_factory) -> FreshVenv:
+    """A fresh venv with the tpcore wheel, checked once without tp-bert and then given the tp-bert wheel."""
+    uv = _uv()
+    work = tmp_path_factory.mktemp("fresh")
+    path = work / "venv"
+    _run([uv, "venv", "--quiet", "--python", sys.executable, path], work, _env())
+    bin_dir = path / ("Scripts" if os.name == "nt" else "bin")
+    python = bin_dir / ("python.exe" if os.name == "nt" else "python")
+    install = [uv, "pip", "install", "--quiet", "--python", python, "-c", CONSTRAINTS]
+    versions = {name: importlib.metadata.version(name) for name in ("transformers", "pluggy")}
+    pins = [f"{name}=={version}" for name, version in versions.items()]  # the same as in this interpreter
+    _run([*install, "torch==2.13.0", *pins, wheels["tpcore"]], work, _env(), timeout=900)
+
+    fresh = FreshVenv(path, bin_dir, python, work, {}, [])
+    fresh.unsupported = _last_json(fresh.script("unsupported.py", UNSUPPORTED_SCRIPT))
+    fresh.plugins_before = json.loads(fresh.run(bin_dir / "tpcore", "plugins", "--json").stdout)
+
+    # The tpcore wheel is named again so that tp-bert's "tpcore>=0.1" can only resolve to it.
+    _run([*install, wheels["tp_bert"], wheels["tpcore"]], work, _env(), timeout=600)
+    return fresh
+
+
+def test_without_plugin_bert_is_unsupported(venv):
+    assert venv.plugins_before == []
+    assert venv.unsupported["raised"], "a BertModel was parallelized with no plugin installed"
+    message = venv.unsupported["message"]
+    assert "BertModel" in message
+    assert "pip install tp-" in message
+
+
+def test_plugins_command_lists_tp_bert(venv):
+    rows = json.loads(venv.run(venv.bin / "tpcore", "plugins", "--json").stdout)
+    tp_bert = [row for row in rows if row["distribution"] == "tp-bert"]
+    assert len(tp_bert) == 1, rows
+    assert tp_bert[0]["error"] is None
+    assert "BertPolicy" in [policy["name"] for policy in tp_bert[0]["policies"]]
+
+
+def test_policy_comes_from_installed_wheel(venv):
+    result = _last_json(venv.script("one_rank.py", ONE_RANK_SCRIPT))
+    assert result["entries"], "AutoPolicy found no policy for BertForMaskedLM"
+    assert result["entries"][0] == {"policy": "BertPolicy", "distribution": "tp-bert"}
+    assert result["max_diff"] <= 1e-6
+
+    # Imported from the fresh venv's site-packages, from a wheel, not an editable install of this checkout.
+    purelib = Path(result["purelib"]).resolve()
+    for name in ("tp_bert_file", "tpcore_file"):
+        module_file = Path(result[name]).resolve()
+        assert module_file.is_relative_to(purelib), f"{name}={module_file} is not under {purelib}"
+        assert not module_file.is_relative_to(ROOT)
+    assert not (result["direct_url"] or {}).get("dir_info", {}).get("editable")
+    for pth in purelib.glob("*.pth"):
+        assert str(ROOT) not in pth.read_text(), f"{pth} points into the checkout"
+
+
+def test_two_gloo_ranks_match_unsplit_model(venv):
+    out = venv.work / "two_ranks"
+    out.mkdir(exist_ok=True)
+    script = venv.work / "two_ranks.py"
+    script.write_text(TWO_RANK_SCRIPT)
+    launch = [venv.python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", script, out]
+    venv.run(*launch, timeout=300)
+
+    results = sorted((json.loads(p.read_text()) for p in out.glob("rank*.json")), key=lambda r: r["rank"])
+    assert [r["rank"] for r in results] == [0, 1]
+    for result in results:
+        assert result["world_size"] == 2
+        assert result["distributions"] == ["tp-bert"]
+        assert result["query_rows"] == 32, "the query projection was not split in two"
+        assert result["max_diff"] <= 1e-5 * max(1.0, result["scale"]), result

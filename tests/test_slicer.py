@@ -1,0 +1,288 @@
+"""Property tests of :mod:`tpcore.slicer`: pure (tensor, rank, world) -> shard functions."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tpcore import Layer, ShardingError
+from tpcore.slicer import COLUMN, ROW, TensorSlicer, check_divisible, shard, split_dims
+
+FAST = settings(max_examples=40, deadline=None)
+
+worlds = st.integers(min_value=1, max_value=4)
+small = st.integers(min_value=1, max_value=5)
+seeds = st.integers(min_value=0, max_value=2**31 - 1)
+
+
+def randn(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def mentions(message: str, number: int) -> bool:
+    return re.search(rf"(?<!\d){number}(?!\d)", message) is not None
+
+
+# -- shard -------------------------------------------------------------------------------------
+
+
+@FAST
+@given(world=worlds, per_rank=small, other=small, ndim=st.integers(1, 3), data=st.data(), seed=seeds)
+def test_shards_of_all_ranks_reassemble_the_tensor(world, per_rank, other, ndim, data, seed):
+    dim = data.draw(st.integers(min_value=-ndim, max_value=ndim - 1), label="dim")
+    shape = [other] * ndim
+    shape[dim] = per_rank * world
+    tensor = randn(*shape, seed=seed)
+
+    shards = [shard(tensor, dim, rank, world) for rank in range(world)]
+
+    for piece in shards:
+        expected = list(shape)
+        expected[dim] = per_rank
+        assert list(piece.shape) == expected
+        assert piece.is_contiguous()
+    assert torch.equal(torch.cat(shards, dim=dim), tensor)
+
+
+@FAST
+@given(world=worlds, per_rank=small, other=small, seed=seeds)
+def test_shard_is_the_rank_th_contiguous_block(world, per_rank, other, seed):
+    tensor = randn(per_rank * world, other, seed=seed)
+    for rank in range(world):
+        assert torch.equal(shard(tensor, 0, rank, world), tensor[rank * per_rank : (rank + 1) * per_rank])
+        assert torch.equal(shard(tensor.T, 1, rank, world), tensor.T[:, rank * per_rank : (rank + 1) * per_rank])
+
+
+@FAST
+@given(
+    world=worlds,
+    heads_per_rank=st.integers(1, 3),
+    head_dim=st.integers(1, 4),
+    hidden=small,
+    reversed_layout=st.booleans(),
+)
+def test_fused_qkv_keeps_each_heads_q_k_v_on_one_rank(world, heads_per_rank, head_dim, hidden, reversed_layout):
+    heads = heads_per_rank * world
+    size = 3 * heads * head_dim
+    # Row i of the (out, in) weight is labelled i: part p (q, k, v), head h, element j is at p*heads*head_dim + h*head_dim + j.
+    labels = torch.arange(size, dtype=torch.float64)
+    weight = labels[:, None].expand(size, hidden).clone()
+    dim = 0
+    if reversed_layout:  # Conv1D stores (in, out)
+        weight, dim = weight.T.contiguous(), 1
+
+    for rank in range(world):
+        piece = shard(weight, dim, rank, world, n_fused=3)
+        assert piece.shape[dim] == size // world
+        q, k, v = weight.chunk(3, dim=dim)
+        expected = torch.cat([part.chunk(world, dim=dim)[rank] for part in (q, k, v)], dim=dim)
+        assert torch.equal(piece, expected)
+
+        rows = piece.select(1 - dim, 0).view(3, heads_per_rank, head_dim)
+        for part in range(3):
+            for local_head in range(heads_per_rank):
+                head = rank * heads_per_rank + local_head
+                start = part * heads * head_dim + head * head_dim
+                assert rows[part, local_head].tolist() == list(range(start, start + head_dim))
+
+
+@FAST
+@given(world=worlds, per_rank=small, other=small, n_fused=st.integers(1, 4), seed=seeds)
+def test_fused_shards_reassemble_per_block(world, per_rank, other, n_fused, seed):
+    tensor = randn(other, n_fused * world * per_rank, seed=seed)
+    shards = [shard(tensor, 1, rank, world, n_fused=n_fused) for rank in range(world)]
+    blocks = tensor.chunk(n_fused, dim=1)
+    for index, block in enumerate(blocks):
+        rebuilt = torch.cat([piece.chunk(n_fused, dim=1)[index] for piece in shards], dim=1)
+        assert torch.equal(rebuilt, block)
+
+
+@FAST
+@given(world=st.integers(2, 4), n_fused=st.integers(1, 3), size=st.integers(1, 40), other=small)
+def test_non_divisible_size_raises_sharding_error_naming_the_size(world, n_fused, size, other):
+    if size % (world * n_fused) == 0:
+        size += 1
+    tensor = torch.zeros(other, size)
+    with pytest.raises(ShardingError) as info:
+        shard(tensor, 1, 0, world, n_fused=n_fused)
+    message = str(info.value)
+    assert mentions(message, size)
+    assert mentions(message, world * n_fused)
+    assert isinstance(info.value, ValueError)  # ShardingError is a ValueError
+
+    with pytest.raises(ShardingError) as info:
+        check_divisible(size, world, n_fused)
+    assert mentions(str(info.value), size)
+    if n_fused > 1:
+        assert f"{n_fused} fused" in str(info.value)
+        assert f"{world} ranks" in str(info.value)
+
+
+def test_divisible_by_world_but_not_by_fused_pieces_raises():
+    # 8 splits evenly over 2 ranks, but not into 3 fused tensors x 2 ranks
+    with pytest.raises(ShardingError, match=r"size 8 cannot be split into 6 equal pieces \(3 fused tensors x 2 ranks\)"):
+        shard(torch.zeros(8, 2), 0, 0, 2, n_fused=3)
+
+
+@pytest.mark.parametrize(("size", "world", "n_fused"), [(12, 4, 3), (8, 2, 1), (0, 3, 1), (6, 1, 3)])
+def test_check_divisible_accepts_exact_sizes(size, world, n_fused):
+    assert check_divisible(size, world, n_fused) is None
+
+
+@pytest.mark.parametrize(("rank", "world"), [(-1, 2), (2, 2), (5, 4), (0, 0)])
+def test_bad_rank_raises(rank, world):
+    tensor = torch.zeros(8, 8)
+    with pytest.raises(ValueError, match=rf"rank {rank} is outside a world of {world}"):
+        shard(tensor, 0, rank, world)
+    with pytest.raises(ValueError, match=rf"rank {rank} is outside a world of {world}"):
+        TensorSlicer(rank, world)
+
+
+# -- split_dims --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("style", "reversed_layout", "expected"),
+    [
+        (COLUMN, False, (0, 0)),  # Linear (out, in): split out features; bias split
+        (COLUMN, True, (1, 0)),  # Conv1D (in, out): out features are dim 1; bias split
+        (ROW, False, (1, None)),  # Linear: split in features; bias whole
+        (ROW, True, (0, None)),  # Conv1D: in features are dim 0; bias whole
+    ],
+)
+def test_split_dims(style, reversed_layout, expected):
+    assert split_dims(style, Layer(weight="w", bias="b", reversed=reversed_layout)) == expected
+    # n_fused does not change the dimension
+    assert split_dims(style, Layer(weight="w", n_fused=3, reversed=reversed_layout)) == expected
+
+
+def test_split_dims_rejects_unknown_style():
+    with pytest.raises(ValueError, match="unknown parallel style 'diagonal'"):
+        split_dims("diagonal", Layer(weight="w"))
+
+
+@FAST
+@given(
+    world=worlds,
+    specs=st.lists(st.tuples(st.sampled_from([COLUMN, ROW]), st.booleans()), min_size=2, max_size=6),
+    seed=seeds,
+)
+def test_split_dim_is_never_carried_over_to_the_next_tensor(world, specs, seed):
+    """A slicer used for a reversed tensor and then a plain one splits each along its own dimension."""
+    out_features, in_features = 2 * world, 3 * world
+    for rank in range(world):
+        slicer = TensorSlicer(rank, world)
+        for index, (style, reversed_layout) in enumerate(specs):
+            layer = Layer(weight="w", bias="b", reversed=reversed_layout)
+            weight = randn(out_features, in_features, seed=seed + index)  # (out, in)
+            bias = randn(out_features, seed=seed + index + 1)
+            stored = weight.T.contiguous() if reversed_layout else weight
+            slice_fn = slicer.column_slice if style == COLUMN else slicer.row_slice
+            got_weight, got_bias = slice_fn(layer, stored, bias)
+            # Compare in (out, in) layout whatever the storage layout
+            got = got_weight.T if reversed_layout else got_weight
+            if style == COLUMN:
+                per = out_features // world
+                assert torch.equal(got, weight[rank * per : (rank + 1) * per])
+                assert torch.equal(got_bias, bias[rank * per : (rank + 1) * per])
+            else:
+                per = in_features // world
+                assert torch.equal(got, weight[:, rank * per : (rank + 1) * per])
+                assert got_bias is bias
+
+
+# -- TensorSlicer ------------------------------------------------------------------------------
+
+
+@FAST
+@given(world=worlds, out_per=small, in_per=small, reversed_layout=st.booleans(), with_bias=st.booleans(), seed=seeds)
+def test_column_slices_reassemble(world, out_per, in_per, reversed_layout, with_bias, seed):
+    out_features, in_features = out_per * world, in_per * world
+    layer = Layer(weight="w", bias="b" if with_bias else None, reversed=reversed_layout)
+    weight = randn(in_features, out_features, seed=seed) if reversed_layout else randn(out_features, in_features, seed=seed)
+    bias = randn(out_features, seed=seed + 1) if with_bias else None
+    weight_dim = 1 if reversed_layout else 0
+
+    pieces = [TensorSlicer(rank, world).column_slice(layer, weight, bias) for rank in range(world)]
+
+    for piece_weight, _ in pieces:
+        assert piece_weight.shape[weight_dim] == out_per
+        assert piece_weight.shape[1 - weight_dim] == in_features
+    assert torch.equal(torch.cat([w for w, _ in pieces], dim=weight_dim), weight)
+    if with_bias:
+        assert all(b.shape == (out_per,) for _, b in pieces)
+        assert torch.equal(torch.cat([b for _, b in pieces]), bias)
+    else:
+        assert all(b is None for _, b in pieces)
+
+
+@FAST
+@given(world=worlds, out_per=small, in_per=small, reversed_layout=st.booleans(), seed=seeds)
+def test_row_slices_reassemble_and_keep_bias_whole(world, out_per, in_per, reversed_layout, seed):
+    out_features, in_features = out_per * world, in_per * world
+    layer = Layer(weight="w", bias="b", reversed=reversed_layout)
+    weight = randn(in_features, out_features, seed=seed) if reversed_layout else randn(out_features, in_features, seed=seed)
+    bias = randn(out_features, seed=seed + 1)
+    weight_dim = 0 if reversed_layout else 1
+    bias_before = bias.clone()
+
+    pieces = [TensorSlicer(rank, world).row_slice(layer, weight, bias) for rank in range(world)]
+
+    for piece_weight, piece_bias in pieces:
+        assert piece_weight.shape[weight_dim] == in_per
+        assert piece_weight.shape[1 - weight_dim] == out_features
+        assert piece_bias is bias
+    assert torch.equal(torch.cat([w for w, _ in pieces], dim=weight_dim), weight)
+    assert torch.equal(bias, bias_before)
+
+
+@FAST
+@given(world=worlds, heads_per_rank=st.integers(1, 3), head_dim=st.integers(1, 3), hidden=small, seed=seeds)
+def test_fused_column_slice_of_conv1d_qkv_matches_per_rank_q_k_v(world, heads_per_rank, head_dim, hidden, seed):
+    size = heads_per_rank * world * head_dim  # per q, k or v
+    layer = Layer(weight="c_attn.weight", bias="c_attn.bias", n_fused=3, reversed=True)
+    weight = randn(hidden, 3 * size, seed=seed)  # Conv1D (in, out)
+    bias = randn(3 * size, seed=seed + 1)
+    per = size // world
+    for rank in range(world):
+        got_weight, got_bias = TensorSlicer(rank, world).column_slice(layer, weight, bias)
+        assert got_weight.shape == (hidden, 3 * per)
+        assert got_bias.shape == (3 * per,)
+        for part in range(3):
+            columns = slice(part * size + rank * per, part * size + (rank + 1) * per)
+            assert torch.equal(got_weight[:, part * per : (part + 1) * per], weight[:, columns])
+            assert torch.equal(got_bias[part * per : (part + 1) * per], bias[columns])
+
+
+def test_slicer_reports_non_divisible_tensor_through_column_and_row_slice():
+    slicer = TensorSlicer(0, 4)
+    with pytest.raises(ShardingError, match=r"size 10 "):
+        slicer.column_slice(Layer(weight="w", bias="b"), torch.zeros(10, 8), torch.zeros(10))
+    with pytest.raises(ShardingError, match=r"size 6 "):
+        slicer.row_slice(Layer(weight="w"), torch.zeros(8, 6), None)
+    with pytest.raises(ShardingError, match=r"size 10 "):
+        slicer.row_slice(Layer(weight="w", reversed=True), torch.zeros(10, 8), None)
+
+
+def test_slicing_does_not_modify_the_input():
+    weight = torch.arange(24.0).view(6, 4)
+    before = weight.clone()
+    for rank in range(2):
+        TensorSlicer(rank, 2).column_slice(Layer(weight="w", n_fused=3), weight, None)
+        TensorSlicer(rank, 2).row_slice(Layer(weight="w"), weight, None)
+    assert torch.equal(weight, before)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: a dim-0 shard is a view of the whole tensor's storage (.contiguous() is a no-op), "
+    "so a rank that keeps its shard keeps the full tensor alive",
+)
+def test_shard_does_not_keep_the_whole_tensor_alive():
+    tensor = torch.randn(64, 32)
+    piece = shard(tensor, 0, 1, 4)
+    assert piece.untyped_storage().nbytes() == piece.numel() * piece.element_size()

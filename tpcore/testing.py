@@ -1,0 +1,187 @@
+"""Equivalence checking: run a model split over gloo ranks and compare it with the unsplit model.
+
+For policy authors and for tpcore's own tests::
+
+    from tpcore.testing import ModelSpec, PoolCache, check_equivalence
+
+    spec = ModelSpec(BertForMaskedLM, BertConfig(hidden_size=64, num_attention_heads=4, ...), seed=0)
+    with PoolCache() as pools:
+        check_equivalence(spec, {"input_ids": ids, "attention_mask": mask}, world_sizes=(2, 4), pools=pools)
+
+Every rank builds the same seeded model, parallelizes it and runs the inputs; every output tensor
+of every rank must be within ``rtol * max|reference|`` of the unsplit model's, and with more than
+one rank each rank must hold fewer parameters than the whole model (a policy that matched
+nothing would otherwise pass trivially).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from tpcore.process import RankContext, RankPool
+
+__all__ = [
+    "DEFAULT_RTOL",
+    "EquivalenceError",
+    "ModelSpec",
+    "PoolCache",
+    "check_equivalence",
+    "compare_outputs",
+    "flatten_outputs",
+    "sharded_forward",
+]
+
+#: fp32 tolerance relative to the reference output's scale: max|a - b| <= rtol * max|a|.
+DEFAULT_RTOL = 1e-5
+
+
+class EquivalenceError(AssertionError):
+    """A split model's output differs from the unsplit model's beyond the tolerance."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model every process can rebuild identically: class, config and init seed."""
+
+    model_class: type[nn.Module]
+    config: Any
+    seed: int = 0
+
+    def build(self) -> nn.Module:
+        torch.manual_seed(self.seed)
+        return self.model_class(self.config).eval()
+
+
+def sharded_forward(context: RankContext, spec: ModelSpec, inputs: dict, policies=None) -> tuple[Any, int]:
+    """On one rank: build ``spec``, parallelize it over the pool's group; return its CPU outputs
+    and the number of parameter elements the rank holds."""
+    from tpcore.engine import ParallelEngine
+
+    model = spec.build()
+    engine = ParallelEngine(context.world_size, context.backend, policies, process_group=context.group)
+    engine.parallelize(model)
+    inputs = {k: v.to(context.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    with torch.inference_mode():
+        outputs = _to_cpu(model(**inputs))
+    return outputs, parameter_count(model)
+
+
+def parameter_count(model: nn.Module) -> int:
+    """Elements held by the model's parameters (shared parameters counted once)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def _to_cpu(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):  # ModelOutput is a dict
+        return type(value)(**{k: _to_cpu(v) for k, v in value.items()})
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
+
+
+def flatten_outputs(value, prefix: str = "output") -> dict[str, torch.Tensor]:
+    """Every tensor inside a model output, keyed by where it sits (``logits``, ``hidden_states.2``)."""
+    if isinstance(value, torch.Tensor):
+        return {prefix: value}
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, (list, tuple)):
+        items = ((str(i), v) for i, v in enumerate(value))
+    else:
+        return {}
+    flat = {}
+    for key, item in items:
+        flat.update(flatten_outputs(item, key if prefix == "output" else f"{prefix}.{key}"))
+    return flat
+
+
+def compare_outputs(reference, candidate, rtol: float = DEFAULT_RTOL) -> dict[str, float]:
+    """Max abs difference per output tensor; raise :class:`EquivalenceError` if any is off.
+
+    A tensor passes when ``max|ref - got| <= rtol * max(max|ref|, 1e-6)``.
+    """
+    expected, actual = flatten_outputs(reference), flatten_outputs(candidate)
+    if expected.keys() != actual.keys():
+        raise EquivalenceError(f"outputs differ in structure: {sorted(expected)} vs {sorted(actual)}")
+    diffs, failures = {}, []
+    for key, ref in expected.items():
+        got = actual[key]
+        if ref.shape != got.shape:
+            raise EquivalenceError(f"{key}: shape {tuple(got.shape)} != reference {tuple(ref.shape)}")
+        diff = (ref.double() - got.double()).abs().max().item() if ref.numel() else 0.0
+        scale = max(ref.double().abs().max().item() if ref.numel() else 0.0, 1e-6)
+        diffs[key] = diff
+        if not diff <= rtol * scale:  # also catches NaN
+            failures.append(f"{key}: max abs diff {diff:.3e} > {rtol:g} x scale {scale:.3e}")
+    if failures:
+        raise EquivalenceError("; ".join(failures))
+    return diffs
+
+
+class PoolCache:
+    """Long-lived :class:`RankPool` per world size; a pool that failed is replaced on next use."""
+
+    def __init__(self, backend: str = "gloo"):
+        self.backend = backend
+        self._pools: dict[int, RankPool] = {}
+
+    def get(self, world_size: int) -> RankPool:
+        pool = self._pools.get(world_size)
+        if pool is None or not pool.alive:
+            pool = self._pools[world_size] = RankPool(world_size, self.backend)
+        return pool
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
+
+    def __enter__(self) -> PoolCache:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def check_equivalence(
+    spec: ModelSpec,
+    inputs: dict,
+    world_sizes=(2,),
+    *,
+    policies=None,
+    pools: PoolCache | None = None,
+    rtol: float = DEFAULT_RTOL,
+) -> dict[int, dict[str, float]]:
+    """Compare ``spec`` split over each world size with the unsplit model, on every rank.
+
+    Returns ``{world_size: {output name: max abs diff}}``; raises :class:`EquivalenceError`
+    naming the world size, the rank and the output that differ.
+    """
+    model = spec.build()
+    with torch.inference_mode():
+        reference = model(**inputs)
+    full_size = parameter_count(model)
+    own_pools = pools is None
+    pools = pools or PoolCache()
+    report = {}
+    try:
+        for world_size in world_sizes:
+            results = pools.get(world_size).run(sharded_forward, spec, inputs, policies)
+            for rank, (outputs, size) in enumerate(results):
+                where = f"{spec.model_class.__name__} split over {world_size} ranks, rank {rank}"
+                if world_size > 1 and size >= full_size:
+                    raise EquivalenceError(f"{where}: holds {size} parameters of {full_size}; nothing was split")
+                try:
+                    report[world_size] = compare_outputs(reference, outputs, rtol)
+                except EquivalenceError as error:
+                    raise EquivalenceError(f"{where}: {error}") from None
+    finally:
+        if own_pools:
+            pools.close()
+    return report
