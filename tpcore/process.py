@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import threading
 import time
 import traceback
@@ -62,13 +63,13 @@ def _worker_main(rank, world_size, backend, master_addr, master_port, threads, c
         torch.set_num_threads(threads)
         init_process_group(backend, rank, world_size, master_addr, master_port)
         context = RankContext(rank, world_size, backend, dist.group.WORLD, device_for(backend, rank))
-        conn.send(("ready", None))
+        _send(conn, ("ready", None))
     except BaseException as error:  # report, do not hang the parent
-        conn.send(("error", _describe(error)))
+        _send(conn, ("error", _describe(error)))
         return
     while True:
         try:
-            message = conn.recv()
+            message = _recv(conn)
         except (EOFError, OSError):
             break
         if message is None:
@@ -79,12 +80,21 @@ def _worker_main(rank, world_size, backend, master_addr, master_port, threads, c
         except BaseException as error:
             reply = ("error", _describe(error))
         try:
-            conn.send(reply)
+            _send(conn, reply)
         except Exception as error:  # e.g. an unpicklable result
-            conn.send(("error", _describe(error)))
+            _send(conn, ("error", _describe(error)))
     dist.destroy_process_group()
     conn.close()
     os._exit(0)  # skip interpreter teardown: gloo threads may abort in static destructors
+
+
+def _send(conn, message) -> None:
+    """Plain pickle by value: no tensor goes through shared memory, so nothing is left behind."""
+    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _recv(conn):
+    return pickle.loads(conn.recv_bytes())
 
 
 def _describe(error: BaseException) -> tuple[str, str, str]:
@@ -157,7 +167,7 @@ class RankPool:
                 raise WorkerDiedError("this RankPool is closed or lost a rank; create a new one")
             try:
                 for conn in self._conns:
-                    conn.send((fn, args, kwargs))
+                    _send(conn, (fn, args, kwargs))
                 return self._collect(timeout, getattr(fn, "__qualname__", repr(fn)))
             except BaseException:
                 self.close(timeout=3.0)  # peers of a failed rank may be stuck in a collective
@@ -177,9 +187,9 @@ class RankPool:
                 if ready in waiting:
                     rank = waiting.pop(ready)
                     try:
-                        status, payload = ready.recv()
+                        status, payload = _recv(ready)
                     except (EOFError, OSError):
-                        raise WorkerDiedError(f"{what}: rank {rank} closed its pipe without answering") from None
+                        raise self._died(rank, what) from None
                     if status == "error":
                         raise WorkerError(rank, *payload)
                     results[rank] = payload
@@ -187,15 +197,19 @@ class RankPool:
                     rank = sentinels.pop(ready)
                     conn = self._conns[rank]
                     if conn in waiting and not conn.poll():  # dead, and no reply left in the pipe
-                        code = self._procs[rank].exitcode
-                        raise WorkerDiedError(f"{what}: rank {rank} died (exit code {code}) without answering")
+                        raise self._died(rank, what)
         return [results[rank] for rank in range(self.world_size)]
+
+    def _died(self, rank: int, what: str) -> WorkerDiedError:
+        process = self._procs[rank]
+        process.join(1.0)
+        return WorkerDiedError(f"{what}: rank {rank} died (exit code {process.exitcode}) without answering")
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop every rank (politely, then by force) and release their pipes. Idempotent."""
         for conn in self._conns:
             try:
-                conn.send(None)
+                _send(conn, None)
             except (OSError, ValueError):
                 pass
         deadline = time.monotonic() + timeout

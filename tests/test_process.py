@@ -1,0 +1,104 @@
+"""RankPool: results, fault injection (raise, kill, hang), threads, clean shutdown."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+
+import pytest
+import rank_helpers
+
+from tpcore.process import RankPool, WorkerDiedError, WorkerError
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    # a zombie still answers kill(0); it is gone once reaped, which close() does
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().split()[2] == "Z"
+
+
+@pytest.fixture
+def pool():
+    with RankPool(2, "gloo") as pool:
+        yield pool
+
+
+def test_runs_on_every_rank_and_reduces(pool):
+    assert [r[:2] for r in pool.run(rank_helpers.whoami)] == [(0, 2), (1, 2)]
+    assert pool.run(rank_helpers.all_reduce_sum, 10) == [21.0, 21.0]
+    assert pool.run(rank_helpers.all_reduce_sum, value=1) == [3.0, 3.0]  # pool stays usable
+
+
+def test_worker_exception_comes_back_with_type_message_and_traceback(pool):
+    pids = [pid for *_, pid in pool.run(rank_helpers.whoami)]
+    with pytest.raises(WorkerError) as caught:
+        pool.run(rank_helpers.raise_on, 1, "no such tensor")
+    error = caught.value
+    assert (error.rank, error.type_name) == (1, "KeyError")
+    assert "no such tensor" in str(error)
+    assert "raise_on" in error.remote_traceback
+    assert not pool.alive and all(gone(pid) for pid in pids)  # torn down, documented
+    with pytest.raises(WorkerDiedError, match="closed"):
+        pool.run(rank_helpers.whoami)
+
+
+def test_killed_worker_is_detected_within_seconds(pool):
+    started = time.monotonic()
+    with pytest.raises(WorkerDiedError, match="rank 1 died"):
+        pool.run(rank_helpers.kill_on, 1)
+    assert time.monotonic() - started < 5
+    assert not pool.alive
+
+
+def test_every_wait_has_a_timeout(pool):
+    pids = [pid for *_, pid in pool.run(rank_helpers.whoami)]
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="no answer within 1 s"):
+        pool.run(rank_helpers.sleep, 30, timeout=1)
+    assert time.monotonic() - started < 10
+    assert all(gone(pid) for pid in pids)
+
+
+def test_calls_from_threads_are_serialized_and_each_gets_its_own_result(pool):
+    results = {}
+
+    def call(value):
+        results[value] = pool.run(rank_helpers.all_reduce_sum, value)
+
+    threads = [threading.Thread(target=call, args=(value,)) for value in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert results == {value: [2.0 * value + 1] * 2 for value in range(8)}
+
+
+def test_close_leaves_no_process_and_frees_the_port():
+    port = _free_port()
+    pool = RankPool(2, "gloo", master_port=port)
+    pids = [pid for *_, pid in pool.run(rank_helpers.whoami)]
+    pool.close()
+    pool.close()  # idempotent
+    assert all(gone(pid) for pid in pids)
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))  # fails while anything still listens there
+
+
+def test_a_rank_that_cannot_start_fails_fast_and_leaves_nothing():
+    started = time.monotonic()
+    with pytest.raises(WorkerError, match="(?i)nccl|cuda"):
+        RankPool(2, "nccl", start_timeout=60)
+    assert time.monotonic() - started < 60
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
