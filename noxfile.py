@@ -16,7 +16,6 @@ import os
 import re
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import nox
@@ -86,7 +85,7 @@ def _write_dist_info(site: Path, name: str, version: str, entry_points: str = ""
 
 @nox.session(venv_backend="none")
 def gpu_equivalence(session: nox.Session) -> None:
-    """CUDA/NCCL equivalence tests (tests/gpu, marker "gpu") on the GPU machine.
+    """CUDA/NCCL equivalence tests (marker "gpu") on the GPU machine; skipped world sizes are reported.
 
     That machine has no network, and torch + transformers already installed system-wide (torch 2.11,
     transformers 5.17), so this session makes no venv and uses whatever ``python`` is on PATH (pytest must be
@@ -94,19 +93,20 @@ def gpu_equivalence(session: nox.Session) -> None:
 
     1. already importable (installed earlier): nothing to do;
     2. else ``python -m pip install --no-deps --no-build-isolation -e . -e plugins/tp-bert`` (needs hatchling
-       on that machine, since nothing can be downloaded);
+       and editables on that machine, since nothing can be downloaded);
     3. else, without installing anything: the sources on PYTHONPATH plus a generated .dist-info for each
-       distribution in a temporary folder, so that importlib.metadata still finds the "tpcore" entry point.
+       distribution in .nox/gpu_equivalence-site, so that importlib.metadata still finds the "tpcore" entry point.
     """
     python = shutil.which("python") or shutil.which("python3") or "python"  # the system Python that has torch
     probe = "import importlib.metadata as m, tpcore, tp_bert; assert m.entry_points(group='tpcore', name='bert')"
-    env = {"TPCORE_DEVICE": "cuda"}
+    env = {}
     if subprocess.run([python, "-c", probe], capture_output=True).returncode != 0:
         session.log("tpcore/tp-bert are not installed here; trying an offline editable pip install")
         pip = [python, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "-e", ".", "-e", "plugins/tp-bert"]
         if subprocess.run(pip).returncode != 0:
-            # Typical causes: no hatchling offline, or an "externally managed" system Python (PEP 668).
-            site = Path(tempfile.mkdtemp(prefix="tpcore-gpu-site-"))
+            # Typical causes: no hatchling/editables offline, or an "externally managed" system Python (PEP 668).
+            site = ROOT / ".nox" / "gpu_equivalence-site"  # git-ignored; rebuilt on every run
+            shutil.rmtree(site, ignore_errors=True)
             plugin = ROOT / "plugins" / "tp-bert"
             core_scripts = "[console_scripts]\ntpcore = tpcore.cli:main\n"
             _write_dist_info(site, "tpcore", _version(ROOT / "pyproject.toml"), core_scripts)
@@ -120,4 +120,5 @@ def gpu_equivalence(session: nox.Session) -> None:
                 f"{env['PYTHONPATH']} (generated entry-point metadata in {site})"
             )
         session.run(python, "-c", probe, env=env, external=True)  # fail here, clearly, if still not importable
-    session.run(python, "-m", "pytest", "-m", "gpu", "tests/gpu", *session.posargs, env=env, external=True)
+    # The "gpu" tests live beside the CPU properties they repeat (testpaths in pyproject.toml).
+    session.run(python, "-m", "pytest", "-m", "gpu", "-rs", *session.posargs, env=env, external=True)

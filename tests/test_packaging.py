@@ -9,8 +9,8 @@ made with uv, and runs scripts there, away from this checkout:
 3. two gloo ranks under ``torch.distributed.run`` reproduce BertForMaskedLM's logits.
 
 Needs uv (``nox -s tests`` installs it), and an index or a warm uv cache for hatchling and transformers. torch is
-pinned by constraints.txt to the local CPU wheel (UV_FIND_LINKS, taken from PIP_FIND_LINKS). About 30 s with a
-warm uv cache. Deselect with ``-m "not packaging"``.
+pinned by constraints.txt to the local CPU wheel (UV_FIND_LINKS, taken from PIP_FIND_LINKS). About 70 s with a
+warm uv cache on 2 cores (first run: a few more seconds for downloads). Deselect with ``-m "not packaging"``.
 """
 
 from __future__ import annotations
@@ -136,6 +136,8 @@ def _env(bin_dir: Path | None = None) -> dict[str, str]:
         key: value
         for key, value in os.environ.items()
         if key not in {"PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "WORLD_SIZE", "RANK", "LOCAL_RANK"}
+        # uv installs no .pyc files; with this set, every process would compile torch afresh (~10 s each)
+        and key != "PYTHONDONTWRITEBYTECODE"
         and not key.startswith(("MASTER_", "TPCORE_", "TORCHELASTIC_"))
     }
     env["PYTHONNOUSERSITE"] = "1"

@@ -47,7 +47,7 @@ def unsupported_message(model: nn.Module) -> str:
     if failed:
         lines.append("Plugins that failed to load: " + ", ".join(failed) + ".")
     lines.append(
-        "Install the plugin for its model family (pip install tp-<family>, e.g. tp-bert), "
-        "or pass custom_policies=[YourPolicy]."
+        "Install the tpcore plugin for its model family (pip install tp-<family>), "
+        "or pass custom_policies=[YourPolicy]; `tpcore plugins` lists what is installed."
     )
     return "\n".join(lines)

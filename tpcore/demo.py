@@ -86,8 +86,10 @@ def main(argv: list[str] | None = None) -> None:
     elapsed = time.perf_counter() - started
     split = results[0][0]
 
-    print(f"all-MiniLM-L6-v2 (BERT, 6 layers, 12 heads) split over {args.ranks} CPU ranks with gloo "
-          f"({elapsed:.1f} s to spawn, load, split and run)\n")
+    print(
+        f"all-MiniLM-L6-v2 (BERT, 6 layers, 12 heads) split over {args.ranks} CPU ranks with gloo "
+        f"({elapsed:.1f} s to spawn, load, split and run)\n"
+    )
     print("cosine similarity             split    unsplit")
     for i in range(len(SENTENCES)):
         for j in range(i + 1, len(SENTENCES)):

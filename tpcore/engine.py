@@ -48,11 +48,13 @@ class ParallelEngine:
         return device_for(self.backend, local_rank)
 
     def parallelize(self, model: nn.Module, fp16: bool = False) -> nn.Module:
-        """Slice and replace modules on the model's current device, then move it to this rank's device.
+        """Validate, slice and replace modules where the model is, then move it to this rank's device.
 
         Returns the same model object, now holding only this rank's shard, in eval mode and
         without gradients (tensor parallelism here is for inference).
         """
+        # Fail on bad input before joining any process group.
+        TensorReplacer(model, None, fp16, self.num_gpus, self.custom_policies, rank=0).validate()
         group = self.create_process_group(self.backend)
         model.eval().requires_grad_(False)
         TensorReplacer(model, group, fp16, self.num_gpus, self.custom_policies).replace_modules()

@@ -14,9 +14,10 @@ import pickle
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
-from typing import Any, Callable
+from typing import Any
 
 __all__ = ["RankContext", "RankPool", "WorkerDiedError", "WorkerError"]
 
@@ -28,7 +29,9 @@ class WorkerError(RuntimeError):
     """A rank raised; carries the remote exception type name and traceback."""
 
     def __init__(self, rank: int, type_name: str, message: str, remote_traceback: str):
-        super().__init__(f"rank {rank} raised {type_name}: {message}\n\n--- rank {rank} traceback ---\n{remote_traceback}")
+        super().__init__(
+            f"rank {rank} raised {type_name}: {message}\n\n--- rank {rank} traceback ---\n{remote_traceback}"
+        )
         self.rank = rank
         self.type_name = type_name
         self.remote_message = message

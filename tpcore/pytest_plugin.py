@@ -13,3 +13,13 @@ def rank_pools():
     pools = PoolCache()
     yield pools
     pools.close()
+
+
+@pytest.fixture(scope="session")
+def nccl_rank_pools():
+    """Like ``rank_pools``, with NCCL worlds on the visible CUDA devices (one device per rank)."""
+    from tpcore.testing import PoolCache
+
+    pools = PoolCache(backend="nccl")
+    yield pools
+    pools.close()

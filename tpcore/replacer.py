@@ -91,13 +91,19 @@ class TensorReplacer:
         """The policies of installed plugins that cover this model."""
         return AutoPolicy().get_policy(self.model)
 
+    def validate(self) -> list[type[Policy]]:
+        """Check, without changing anything, that the model splits over ``num_gpus`` ranks.
+
+        Returns the policies that apply. Raises :class:`UnsupportedModelError` when no policy
+        covers the model, :class:`ShardingError` naming the model, tensor and size otherwise.
+        """
+        policies = self._policies()
+        self._validate(self._targets(policies))
+        return policies
+
     def replace_modules(self) -> nn.Module:
         """Validate, then split every covered layer of the model; return the model."""
-        policies = self.custom_policies or self.auto_policy()
-        for policy in policies:
-            if not (isinstance(policy, type) and issubclass(policy, Policy)):
-                raise TypeError(f"custom_policies must be Policy subclasses, got {policy!r}")
-        targets = self._targets(policies)
+        targets = self._targets(self._policies())
         arguments = self._validate(targets)
         sliced: set[int] = set()
         for target in targets:
@@ -159,6 +165,13 @@ class TensorReplacer:
         )
 
     # -- internals -------------------------------------------------------------------------
+
+    def _policies(self) -> list[type[Policy]]:
+        policies = self.custom_policies or self.auto_policy()
+        for policy in policies:
+            if not (isinstance(policy, type) and issubclass(policy, Policy)):
+                raise TypeError(f"custom_policies must be Policy subclasses, got {policy!r}")
+        return policies
 
     @property
     def _model_name(self) -> str:

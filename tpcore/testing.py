@@ -56,18 +56,22 @@ class ModelSpec:
         return self.model_class(self.config).eval()
 
 
-def sharded_forward(context: RankContext, spec: ModelSpec, inputs: dict, policies=None) -> tuple[Any, int]:
-    """On one rank: build ``spec``, parallelize it over the pool's group; return its CPU outputs
-    and the number of parameter elements the rank holds."""
+def sharded_forward(context: RankContext, spec: ModelSpec, inputs: dict, policies=None, dtype=None) -> tuple[Any, int]:
+    """On one rank: build ``spec``, parallelize it over the pool's group (in ``dtype``); return its
+    CPU outputs and the number of parameter elements the rank holds."""
     from tpcore.engine import ParallelEngine
 
     model = spec.build()
-    engine = ParallelEngine(context.world_size, context.backend, policies, process_group=context.group)
+    engine = ParallelEngine(context.world_size, context.backend, policies, dtype=dtype, process_group=context.group)
     engine.parallelize(model)
-    inputs = {k: v.to(context.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    return run_on(model, inputs, context.device), parameter_count(model)
+
+
+def run_on(model: nn.Module, inputs: dict, device) -> Any:
+    """``model(**inputs)`` with the tensors moved to ``device``; outputs come back on the CPU."""
+    inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
     with torch.inference_mode():
-        outputs = _to_cpu(model(**inputs))
-    return outputs, parameter_count(model)
+        return _to_cpu(model(**inputs))
 
 
 def parameter_count(model: nn.Module) -> int:
@@ -157,22 +161,25 @@ def check_equivalence(
     policies=None,
     pools: PoolCache | None = None,
     rtol: float = DEFAULT_RTOL,
+    dtype: torch.dtype | None = None,
 ) -> dict[int, dict[str, float]]:
     """Compare ``spec`` split over each world size with the unsplit model, on every rank.
 
-    Returns ``{world_size: {output name: max abs diff}}``; raises :class:`EquivalenceError`
-    naming the world size, the rank and the output that differ.
+    The reference runs in this process in ``dtype`` on the pools' device type (``cuda:0`` for
+    NCCL pools). Returns ``{world_size: {output name: max abs diff}}``; raises
+    :class:`EquivalenceError` naming the world size, the rank and the output that differ.
     """
-    model = spec.build()
-    with torch.inference_mode():
-        reference = model(**inputs)
-    full_size = parameter_count(model)
     own_pools = pools is None
     pools = pools or PoolCache()
+    device = torch.device("cuda", 0) if pools.backend == "nccl" else torch.device("cpu")
+    model = spec.build().to(device=device, dtype=dtype)
+    reference = run_on(model, inputs, device)
+    full_size = parameter_count(model)
+    del model
     report = {}
     try:
         for world_size in world_sizes:
-            results = pools.get(world_size).run(sharded_forward, spec, inputs, policies)
+            results = pools.get(world_size).run(sharded_forward, spec, inputs, policies, dtype)
             for rank, (outputs, size) in enumerate(results):
                 where = f"{spec.model_class.__name__} split over {world_size} ranks, rank {rank}"
                 if world_size > 1 and size >= full_size:
