@@ -68,7 +68,8 @@ def test_shard_is_the_rank_th_contiguous_block(world, per_rank, other, seed):
 def test_fused_qkv_keeps_each_heads_q_k_v_on_one_rank(world, heads_per_rank, head_dim, hidden, reversed_layout):
     heads = heads_per_rank * world
     size = 3 * heads * head_dim
-    # Row i of the (out, in) weight is labelled i: part p (q, k, v), head h, element j is at p*heads*head_dim + h*head_dim + j.
+    # Row i of the (out, in) weight holds the value i; element j of head h of part p (q, k, v)
+    # is row p * heads * head_dim + h * head_dim + j.
     labels = torch.arange(size, dtype=torch.float64)
     weight = labels[:, None].expand(size, hidden).clone()
     dim = 0
@@ -124,7 +125,9 @@ def test_non_divisible_size_raises_sharding_error_naming_the_size(world, n_fused
 
 def test_divisible_by_world_but_not_by_fused_pieces_raises():
     # 8 splits evenly over 2 ranks, but not into 3 fused tensors x 2 ranks
-    with pytest.raises(ShardingError, match=r"size 8 cannot be split into 6 equal pieces \(3 fused tensors x 2 ranks\)"):
+    with pytest.raises(
+        ShardingError, match=r"size 8 cannot be split into 6 equal pieces \(3 fused tensors x 2 ranks\)"
+    ):
         shard(torch.zeros(8, 2), 0, 0, 2, n_fused=3)
 
 
@@ -203,7 +206,9 @@ def test_split_dim_is_never_carried_over_to_the_next_tensor(world, specs, seed):
 def test_column_slices_reassemble(world, out_per, in_per, reversed_layout, with_bias, seed):
     out_features, in_features = out_per * world, in_per * world
     layer = Layer(weight="w", bias="b" if with_bias else None, reversed=reversed_layout)
-    weight = randn(in_features, out_features, seed=seed) if reversed_layout else randn(out_features, in_features, seed=seed)
+    weight = (
+        randn(in_features, out_features, seed=seed) if reversed_layout else randn(out_features, in_features, seed=seed)
+    )
     bias = randn(out_features, seed=seed + 1) if with_bias else None
     weight_dim = 1 if reversed_layout else 0
 
@@ -225,7 +230,9 @@ def test_column_slices_reassemble(world, out_per, in_per, reversed_layout, with_
 def test_row_slices_reassemble_and_keep_bias_whole(world, out_per, in_per, reversed_layout, seed):
     out_features, in_features = out_per * world, in_per * world
     layer = Layer(weight="w", bias="b", reversed=reversed_layout)
-    weight = randn(in_features, out_features, seed=seed) if reversed_layout else randn(out_features, in_features, seed=seed)
+    weight = (
+        randn(in_features, out_features, seed=seed) if reversed_layout else randn(out_features, in_features, seed=seed)
+    )
     bias = randn(out_features, seed=seed + 1)
     weight_dim = 0 if reversed_layout else 1
     bias_before = bias.clone()
@@ -277,11 +284,6 @@ def test_slicing_does_not_modify_the_input():
     assert torch.equal(weight, before)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a dim-0 shard is a view of the whole tensor's storage (.contiguous() is a no-op), "
-    "so a rank that keeps its shard keeps the full tensor alive",
-)
 def test_shard_does_not_keep_the_whole_tensor_alive():
     tensor = torch.randn(64, 32)
     piece = shard(tensor, 0, 1, 4)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from tpcore.plugins import PolicyEntry, plugin_infos, registered_policies
+from tpcore.plugins import DISABLE_AUTOLOAD_ENV, PolicyEntry, autoload_disabled, plugin_infos, registered_policies
 from tpcore.policy import Policy
 
 __all__ = ["AutoPolicy", "UnsupportedModelError"]
@@ -46,6 +46,8 @@ def unsupported_message(model: nn.Module) -> str:
     ]
     if failed:
         lines.append("Plugins that failed to load: " + ", ".join(failed) + ".")
+    if autoload_disabled():
+        lines.append(f"Plugin autoload is disabled ({DISABLE_AUTOLOAD_ENV} is set).")
     lines.append(
         "Install the tpcore plugin for its model family (pip install tp-<family>), "
         "or pass custom_policies=[YourPolicy]; `tpcore plugins` lists what is installed."

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import re
 import threading
 import traceback
 import warnings
@@ -70,13 +71,22 @@ _infos: list[PluginInfo] = []
 
 
 def _selected(entry_point, dist_name: str) -> bool:
-    if os.environ.get(DISABLE_AUTOLOAD_ENV, "").strip() not in ("", "0"):
+    if autoload_disabled():
         return False
     only = os.environ.get(ONLY_PLUGINS_ENV)
     if only is None:
         return True
-    wanted = {name.strip() for name in only.split(",") if name.strip()}
-    return entry_point.name in wanted or dist_name in wanted
+    wanted = {_canonical(name) for name in only.split(",") if name.strip()}
+    return _canonical(entry_point.name) in wanted or _canonical(dist_name) in wanted
+
+
+def autoload_disabled() -> bool:
+    return os.environ.get(DISABLE_AUTOLOAD_ENV, "").strip() not in ("", "0")
+
+
+def _canonical(name: str) -> str:
+    """Distribution names compare as packaging does: case, ``_`` and ``.`` do not matter."""
+    return re.sub(r"[-_.]+", "-", name.strip()).lower()
 
 
 def _load_entry_points(manager: pluggy.PluginManager) -> list[PluginInfo]:
@@ -91,6 +101,7 @@ def _load_entry_points(manager: pluggy.PluginManager) -> list[PluginInfo]:
         try:
             plugin = entry_point.load()
             manager.register(plugin, name=entry_point.name)
+            manager.check_pending()  # a misspelt hook fails this plugin only
             policies = _policies_of(manager, plugin)
             info.policies = [policy.policy_name() for policy in policies]
         except Exception as error:  # a broken plugin must not take the others down
@@ -126,7 +137,6 @@ def get_plugin_manager() -> pluggy.PluginManager:
             manager = pluggy.PluginManager(hookspecs.PROJECT)
             manager.add_hookspecs(hookspecs)
             _infos = _load_entry_points(manager)
-            manager.check_pending()
             _manager = manager
         return _manager
 

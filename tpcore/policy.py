@@ -60,6 +60,10 @@ class Layer:
     replace: type[nn.Module] | None = None
     ignore_checker: bool = False
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.n_fused, int) or self.n_fused < 1:
+            raise ValueError(f"Layer.n_fused must be a positive int, got {self.n_fused!r}")
+
     @property
     def module_path(self) -> str:
         """Path of the module that owns ``weight`` (``""`` for the layer itself)."""

@@ -42,11 +42,14 @@ def set_path(root: Any, path: str, value: Any) -> None:
 
 
 def _as_list(policies) -> list[type[Policy]]:
+    """``custom_policies`` as a list: ``None``, one Policy class, or a list/tuple of them."""
     if policies is None:
         return []
     if isinstance(policies, type):
         return [policies]
-    return list(policies)
+    if isinstance(policies, (list, tuple)):
+        return list(policies)
+    raise TypeError(f"custom_policies must be a Policy subclass or a list of them, got {policies!r}")
 
 
 @dataclass

@@ -23,6 +23,8 @@ ROW = "row"
 
 def check_divisible(size: int, world_size: int, n_fused: int = 1) -> None:
     """Raise :class:`ShardingError` unless ``size`` splits into ``n_fused * world_size`` equal pieces."""
+    if world_size < 1 or n_fused < 1:
+        raise ValueError(f"world_size ({world_size}) and n_fused ({n_fused}) must be at least 1")
     pieces = n_fused * world_size
     if size % pieces:
         fused = f" ({n_fused} fused tensors x {world_size} ranks)" if n_fused > 1 else ""
@@ -36,7 +38,8 @@ def shard(tensor: torch.Tensor, dim: int, rank: int, world_size: int, n_fused: i
     check_divisible(tensor.shape[dim], world_size, n_fused)
     blocks = tensor.chunk(n_fused, dim=dim)
     pieces = [block.chunk(world_size, dim=dim)[rank] for block in blocks]
-    return torch.cat(pieces, dim=dim).contiguous() if n_fused > 1 else pieces[0].contiguous()
+    # cat copies; a lone piece is a view, cloned so that the whole tensor can be freed
+    return torch.cat(pieces, dim=dim) if n_fused > 1 else pieces[0].clone(memory_format=torch.contiguous_format)
 
 
 def split_dims(style: str, layer: Layer) -> tuple[int, int | None]:
@@ -58,7 +61,7 @@ class TensorSlicer:
     """Slices the tensors of a :class:`Layer` for one rank of a ``world_size`` group."""
 
     def __init__(self, rank: int, world_size: int) -> None:
-        if not 0 <= rank < world_size:
+        if not (isinstance(rank, int) and isinstance(world_size, int) and 0 <= rank < world_size):
             raise ValueError(f"rank {rank} is outside a world of {world_size}")
         self.rank = rank
         self.world_size = world_size

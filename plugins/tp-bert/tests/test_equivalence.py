@@ -33,26 +33,61 @@ class Architecture:
     extra: dict = field(default_factory=dict)
 
     def make_config(self, hidden, heads, layers, intermediate, vocab, **overrides):
-        values = dict(zip(self.names, (hidden, heads, layers, intermediate, vocab)))
+        values = dict(zip(self.names, (hidden, heads, layers, intermediate, vocab), strict=True))
         return getattr(transformers, self.config)(**values, **self.extra, **overrides)
 
 
-ROBERTA_HEADS = ("Model", "ForMaskedLM", "ForCausalLM", "ForSequenceClassification", "ForTokenClassification",
-                 "ForQuestionAnswering", "ForMultipleChoice")
+BERT_HEADS = ("Model", "ForMaskedLM", "ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering")
+ROBERTA_HEADS = (*BERT_HEADS, "ForCausalLM", "ForMultipleChoice")
+PRETRAINING_HEADS = ("ForPreTraining", "ForNextSentencePrediction")
+DISTILBERT_NAMES = ("dim", "n_heads", "n_layers", "hidden_dim", "vocab_size")
+SPECIAL_TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+
 ARCHITECTURES = {
-    "Bert": Architecture("BertConfig", ("Model", "ForMaskedLM", "ForPreTraining", "ForNextSentencePrediction",
-                                        "LMHeadModel", "ForSequenceClassification", "ForTokenClassification",
-                                        "ForQuestionAnswering", "ForMultipleChoice")),
+    "Bert": Architecture("BertConfig", (*BERT_HEADS, "LMHeadModel", "ForMultipleChoice", *PRETRAINING_HEADS)),
     "Roberta": Architecture("RobertaConfig", ROBERTA_HEADS),
     "XLMRoberta": Architecture("XLMRobertaConfig", ROBERTA_HEADS),
     "Camembert": Architecture("CamembertConfig", ROBERTA_HEADS),
-    "Electra": Architecture("ElectraConfig", ("Model", "ForMaskedLM", "ForPreTraining", "ForCausalLM",
-                                              "ForSequenceClassification", "ForTokenClassification",
-                                              "ForQuestionAnswering", "ForMultipleChoice"), extra={"embedding_size": 24}),
-    "DistilBert": Architecture("DistilBertConfig", ("Model", "ForMaskedLM", "ForSequenceClassification",
-                                                    "ForTokenClassification", "ForQuestionAnswering",
-                                                    "ForMultipleChoice"),
-                               names=("dim", "n_heads", "n_layers", "hidden_dim", "vocab_size")),
+    "Electra": Architecture("ElectraConfig", (*ROBERTA_HEADS, "ForPreTraining"), extra={"embedding_size": 24}),
+    "DistilBert": Architecture("DistilBertConfig", (*BERT_HEADS, "ForMultipleChoice"), names=DISTILBERT_NAMES),
+    "Data2VecText": Architecture("Data2VecTextConfig", ROBERTA_HEADS),
+    "Ernie": Architecture("ErnieConfig", (*ROBERTA_HEADS, *PRETRAINING_HEADS)),
+    "RobertaPreLayerNorm": Architecture("RobertaPreLayerNormConfig", ROBERTA_HEADS),
+    "XLMRobertaXL": Architecture("XLMRobertaXLConfig", ROBERTA_HEADS),
+    "MegatronBert": Architecture("MegatronBertConfig", (*ROBERTA_HEADS, *PRETRAINING_HEADS)),
+    "LayoutLM": Architecture("LayoutLMConfig", BERT_HEADS),
+    "MarkupLM": Architecture("MarkupLMConfig", ("Model", *BERT_HEADS[2:]), extra={"max_depth": 8}),
+    "Splinter": Architecture("SplinterConfig", ("Model", "ForQuestionAnswering"), extra={"question_token_id": 5}),
+    "RemBert": Architecture(
+        "RemBertConfig", ROBERTA_HEADS, extra={"input_embedding_size": 16, "output_embedding_size": 24}
+    ),
+    "BertGeneration": Architecture("BertGenerationConfig", ("Encoder", "Decoder")),
+    "RoCBert": Architecture(
+        "RoCBertConfig",
+        (*ROBERTA_HEADS, "ForPreTraining"),
+        extra={
+            "shape_vocab_size": 16,
+            "pronunciation_vocab_size": 16,
+            "shape_embed_dim": 8,
+            "pronunciation_embed_dim": 8,
+        },
+    ),
+    "Xmod": Architecture("XmodConfig", ROBERTA_HEADS, extra={"default_language": "en_XX"}),
+    "Esm": Architecture("EsmConfig", BERT_HEADS[:4], extra={"pad_token_id": 1}),
+    "EsmRotary": Architecture(
+        "EsmConfig", BERT_HEADS[:2], extra={"pad_token_id": 1, "position_embedding_type": "rotary"}
+    ),
+    "Luke": Architecture(
+        "LukeConfig", (*BERT_HEADS, "ForMultipleChoice"), extra={"entity_vocab_size": 16, "entity_emb_size": 8}
+    ),
+    "MPNet": Architecture("MPNetConfig", (*BERT_HEADS, "ForMultipleChoice")),
+    "NomicBert": Architecture("NomicBertConfig", BERT_HEADS[:4]),
+    "EuroBert": Architecture("EuroBertConfig", BERT_HEADS[:4], extra={**SPECIAL_TOKENS, "mask_token_id": 3}),
+    "ModernBert": Architecture(
+        "ModernBertConfig",
+        (*BERT_HEADS, "ForMultipleChoice"),
+        extra={**SPECIAL_TOKENS, "cls_token_id": 1, "sep_token_id": 2, "local_attention": 4},
+    ),
 }
 VOCAB = 64
 CASES = [(arch, head) for arch, spec in ARCHITECTURES.items() for head in spec.heads]
@@ -61,10 +96,10 @@ CASES = [(arch, head) for arch, spec in ARCHITECTURES.items() for head in spec.h
 def model_spec(arch: str, head: str, hidden: int, heads: int, layers: int, intermediate: int, seed: int) -> ModelSpec:
     architecture = ARCHITECTURES[arch]
     overrides = {"num_labels": 2 if head == "ForQuestionAnswering" else 3}
-    if head in ("ForCausalLM", "LMHeadModel"):
+    if head in ("ForCausalLM", "LMHeadModel", "Decoder"):
         overrides["is_decoder"] = True
     config = architecture.make_config(hidden, heads, layers, intermediate, VOCAB, **overrides)
-    return ModelSpec(getattr(transformers, arch + head), config, seed)
+    return ModelSpec(getattr(transformers, arch.removesuffix("Rotary") + head), config, seed)
 
 
 def make_inputs(head: str, lengths: list[int], seq: int, seed: int, choices: int = 2) -> dict:
@@ -88,6 +123,29 @@ def test_every_head(rank_pools, arch, head):
     assert all("hidden_states.0" in diffs for diffs in report.values())
 
 
+CROSS_ATTENTION = [
+    ("Bert", "LMHeadModel"),
+    *((arch, "ForCausalLM") for arch in ("Roberta", "XLMRoberta", "Camembert", "Electra", "Data2VecText", "Ernie")),
+    *((arch, "ForCausalLM") for arch in ("RobertaPreLayerNorm", "XLMRobertaXL", "RemBert", "RoCBert", "Xmod")),
+    ("MegatronBert", "ForCausalLM"),
+    ("BertGeneration", "Decoder"),
+]
+
+
+@pytest.mark.parametrize(("arch", "head"), CROSS_ATTENTION, ids=[a + h for a, h in CROSS_ATTENTION])
+def test_cross_attention_decoders(rank_pools, arch, head):
+    """Decoders with cross-attention over encoder states: both attentions are split."""
+    spec = model_spec(arch, head, hidden=48, heads=12, layers=2, intermediate=96, seed=3)
+    spec.config.add_cross_attention = True
+    inputs = make_inputs(head, lengths=[6, 2], seq=6, seed=4)
+    # MegatronBert reshapes cross-attention keys with the decoder's length: keep both equal.
+    encoder_length = 6
+    inputs["encoder_hidden_states"] = torch.randn(2, encoder_length, 48, generator=torch.Generator().manual_seed(5))
+    inputs["encoder_attention_mask"] = torch.tensor([[1] * encoder_length, [1] * 3 + [0] * (encoder_length - 3)])
+    report = check_equivalence(spec, inputs, world_sizes=(2, 3, 4), pools=rank_pools)
+    assert sorted(report) == [2, 3, 4]
+
+
 @st.composite
 def cases(draw):
     arch, head = draw(st.sampled_from(CASES))
@@ -103,11 +161,33 @@ def cases(draw):
     return arch, head, world_size, heads, head_dim, intermediate, layers, lengths, seq, seed
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=cases())
 def test_random_configs_match_unsplit(rank_pools, case):
     arch, head, world_size, heads, head_dim, intermediate, layers, lengths, seq, seed = case
     spec = model_spec(arch, head, heads * head_dim, heads, layers, intermediate, seed)
     inputs = make_inputs(head, lengths, seq, seed + 1)
     report = check_equivalence(spec, inputs, world_sizes=(world_size,), pools=rank_pools)
+    assert report[world_size]
+
+
+#: fp16/bf16 tolerances relative to the output scale: both runs are in that dtype, only the
+#: order of the reductions differs.
+GPU_TOLERANCES = {torch.float16: 5e-3, torch.bfloat16: 4e-2}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", list(GPU_TOLERANCES), ids=str)
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize(("arch", "head"), [(arch, spec.heads[1]) for arch, spec in ARCHITECTURES.items()])
+def test_cuda_nccl_matches_unsplit(nccl_rank_pools, arch, head, world_size, dtype):
+    """The same property on CUDA with NCCL, in half precision; world sizes beyond the GPUs are skipped."""
+    visible = torch.cuda.device_count()
+    if visible < world_size:
+        pytest.skip(f"world size {world_size} needs {world_size} GPUs; this machine has {visible}")
+    spec = model_spec(arch, head, hidden=48, heads=12, layers=2, intermediate=96, seed=1)
+    inputs = make_inputs(head, lengths=[7, 3, 5], seq=7, seed=2)
+    report = check_equivalence(
+        spec, inputs, world_sizes=(world_size,), pools=nccl_rank_pools, rtol=GPU_TOLERANCES[dtype], dtype=dtype
+    )
     assert report[world_size]

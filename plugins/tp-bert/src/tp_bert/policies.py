@@ -5,9 +5,10 @@ Most of the family shares BERT's layer layout (``attention.self.{query,key,value
 ``crossattention`` of the same shape): their policies subclass :class:`BertPolicy` and only name
 their layer class. That covers BERT, RoBERTa, XLM-RoBERTa, CamemBERT, ELECTRA, Data2VecText,
 ERNIE, RoBERTa-PreLayerNorm, XLM-RoBERTa-XL, Megatron-BERT, LayoutLM, MarkupLM, Splinter, RemBERT,
-BertGeneration, RoCBert, X-MOD and ESM: where they differ (pre-LayerNorm, X-MOD's language
-adapters, ESM's rotary embeddings) the difference lies in modules that see whole hidden states
-and need no split.
+BertGeneration, RoCBert, X-MOD and ESM. Where these differ from BERT nothing more needs a split:
+LayerNorms (pre- or post-), X-MOD's language adapters and the embeddings (LayoutLM's boxes,
+MarkupLM's xpaths, RoCBert's shapes and pronunciations) see whole hidden states, and ESM's rotary
+embeddings act within each head.
 
 The others have their own policies:
 

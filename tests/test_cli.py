@@ -1,0 +1,171 @@
+"""The ``tpcore`` console script: ``tpcore plugins`` and ``tpcore plugins --json``."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import shutil
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+import tpcore
+from tpcore import Policy
+from tpcore.cli import main
+from tpcore.plugins import PluginLoadWarning, reset_plugins
+
+BERT_LAYER = "transformers.models.bert.modeling_bert.BertLayer"
+DISTILBERT_LAYER = "transformers.models.distilbert.modeling_distilbert.TransformerBlock"
+
+
+@pytest.fixture(autouse=True)
+def fresh_plugins(monkeypatch):
+    monkeypatch.delenv("TPCORE_DISABLE_PLUGIN_AUTOLOAD", raising=False)
+    monkeypatch.delenv("TPCORE_PLUGINS", raising=False)
+    reset_plugins()
+    yield
+    reset_plugins()
+
+
+@pytest.fixture(scope="module")
+def bert_version() -> str:
+    return importlib.metadata.version("tp-bert")
+
+
+@pytest.fixture(scope="module")
+def bert_policies() -> list[type[Policy]]:
+    from tp_bert.policies import POLICIES
+
+    return list(POLICIES)
+
+
+def test_plugins_lists_tp_bert_with_version_and_policies(capsys, bert_version, bert_policies):
+    assert main(["plugins"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert f"tp-bert {bert_version} (entry point 'bert')" in lines
+    start = lines.index(f"tp-bert {bert_version} (entry point 'bert')")
+    policy_lines = [line.split() for line in lines[start + 1 : start + 1 + len(bert_policies)]]
+    assert policy_lines == [[policy.policy_name(), policy.layer_class_name()] for policy in bert_policies]
+    assert ["BertPolicy", BERT_LAYER] in policy_lines
+    assert ["DistilBertPolicy", DISTILBERT_LAYER] in policy_lines
+    assert "FAILED" not in out
+
+
+def test_plugins_json(capsys, bert_version, bert_policies):
+    assert main(["plugins", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    (bert,) = [row for row in rows if row["name"] == "bert"]
+    assert bert == {
+        "name": "bert",
+        "distribution": "tp-bert",
+        "version": bert_version,
+        "policies": [
+            {"name": policy.policy_name(), "layer_class": policy.layer_class_name()} for policy in bert_policies
+        ],
+        "error": None,
+    }
+    assert {"name": "BertPolicy", "layer_class": BERT_LAYER} in bert["policies"]
+
+
+def test_plugins_shows_a_broken_plugin_and_still_lists_the_others(capsys, monkeypatch, bert_version):
+    real = importlib.metadata.entry_points
+
+    class Broken:
+        name = "broken"
+        dist = types.SimpleNamespace(metadata={"Name": "tp-broken"}, version="9.9.9")
+
+        def load(self):
+            raise ImportError("no module named tp_broken_dep")
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda **params: [*real(**params), Broken()])
+
+    with pytest.warns(PluginLoadWarning, match="tp-broken 9.9.9"):
+        assert main(["plugins"]) == 0
+    out = capsys.readouterr().out
+    assert "tp-broken 9.9.9 (entry point 'broken')  FAILED: ImportError: no module named tp_broken_dep" in out
+    assert f"tp-bert {bert_version} (entry point 'bert')" in out
+
+    assert main(["plugins", "--json"]) == 0  # the registry is loaded: no second warning
+    rows = {row["name"]: row for row in json.loads(capsys.readouterr().out)}
+    assert rows["broken"] == {
+        "name": "broken",
+        "distribution": "tp-broken",
+        "version": "9.9.9",
+        "policies": [],
+        "error": "ImportError: no module named tp_broken_dep",
+    }
+    assert rows["bert"]["error"] is None
+
+
+def test_plugins_with_a_policy_name_override(capsys, monkeypatch):
+    class Named(Policy):
+        layer_class = "pkg.mod.Block"
+        name = "my-named-policy"
+
+    module = types.ModuleType("tp_named")
+
+    @tpcore.hookimpl
+    def tpcore_register_policies():
+        return [Named]
+
+    module.tpcore_register_policies = tpcore_register_policies
+
+    class Point:
+        name = "named"
+        dist = types.SimpleNamespace(metadata={"Name": "tp-named"}, version="0.4.2")
+
+        def load(self):
+            return module
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda **params: [Point()])
+    assert main(["plugins", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == [
+        {
+            "name": "named",
+            "distribution": "tp-named",
+            "version": "0.4.2",
+            "policies": [{"name": "my-named-policy", "layer_class": "pkg.mod.Block"}],
+            "error": None,
+        }
+    ]
+    reset_plugins()
+    assert main(["plugins"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "tp-named 0.4.2 (entry point 'named')",
+        f"    {'my-named-policy':<24} pkg.mod.Block",
+    ]
+
+
+def test_plugins_when_none_are_loaded(capsys, monkeypatch):
+    monkeypatch.setenv("TPCORE_PLUGINS", "")
+    assert main(["plugins"]) == 0
+    assert capsys.readouterr().out.startswith("No tpcore plugins installed")
+    assert main(["plugins", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == []
+
+
+def test_a_command_is_required(capsys):
+    with pytest.raises(SystemExit) as info:
+        main([])
+    assert info.value.code == 2
+    assert "plugins" in capsys.readouterr().err
+
+
+def test_console_script(bert_version, bert_policies):
+    script = Path(sys.executable).with_name("tpcore")
+    command = [str(script)] if script.exists() else [shutil.which("tpcore") or "tpcore"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TPCORE_")}
+    result = subprocess.run([*command, "plugins"], capture_output=True, text=True, env=env, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    header = f"tp-bert {bert_version} (entry point 'bert')"
+    assert header in lines
+    start = lines.index(header) + 1
+    listed = [line.split() for line in lines[start : start + len(bert_policies)]]
+    assert listed == [[policy.policy_name(), policy.layer_class_name()] for policy in bert_policies]
+    assert {"BertPolicy", "RobertaPolicy", "DistilBertPolicy"} <= {name for name, _ in listed}

@@ -1,0 +1,383 @@
+"""The plugin manager (lazy entry-point loading, broken plugins, env switches) and AutoPolicy."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import types
+import warnings
+from dataclasses import dataclass, field
+
+import pytest
+from transformers import BertConfig, BertModel, GPT2Config, GPT2Model
+
+import tpcore
+from tpcore import AutoPolicy, Policy, UnsupportedModelError
+from tpcore import plugins as tp_plugins
+from tpcore.plugins import PluginLoadWarning, get_plugin_manager, plugin_infos, registered_policies, reset_plugins
+
+# Policies tp-bert has registered since its first release (it may add more).
+BERT_POLICIES = [
+    "BertPolicy",
+    "RobertaPolicy",
+    "XLMRobertaPolicy",
+    "CamembertPolicy",
+    "ElectraPolicy",
+    "DistilBertPolicy",
+]
+
+
+@pytest.fixture(autouse=True)
+def fresh_plugins(monkeypatch):
+    """Every test starts and ends with an unloaded registry and no tpcore env switches."""
+    monkeypatch.delenv(tp_plugins.DISABLE_AUTOLOAD_ENV, raising=False)
+    monkeypatch.delenv(tp_plugins.ONLY_PLUGINS_ENV, raising=False)
+    reset_plugins()
+    yield
+    reset_plugins()
+
+
+# -- fake entry points ---------------------------------------------------------------------------
+
+
+class FakeDist:
+    def __init__(self, name: str, version: str):
+        self.metadata = {"Name": name}
+        self.version = version
+
+
+@dataclass
+class FakeEntryPoint:
+    """What tpcore.plugins uses of an importlib.metadata.EntryPoint: name, dist, load()."""
+
+    name: str
+    target: object
+    dist: FakeDist | None
+    group: str = "tpcore"
+    loads: list[str] = field(default_factory=list)
+
+    @property
+    def value(self) -> str:
+        return f"tp_{self.name}"
+
+    def load(self):
+        self.loads.append(self.name)
+        if isinstance(self.target, BaseException):
+            raise self.target
+        return self.target
+
+
+class FakeLayer:
+    """Stands for a layer class; policies only need its qualified name."""
+
+
+class FakePolicy(Policy):
+    layer_class = FakeLayer
+
+
+class OtherFakePolicy(Policy):
+    layer_class = "some.module.OtherLayer"
+    name = "other-fake"
+
+
+def plugin_module(name: str, *policies) -> types.ModuleType:
+    module = types.ModuleType(name)
+
+    @tpcore.hookimpl
+    def tpcore_register_policies():
+        return list(policies)
+
+    module.tpcore_register_policies = tpcore_register_policies
+    return module
+
+
+@pytest.fixture
+def fake_entry_points(monkeypatch):
+    """Replace the installed entry points by a list the test fills; records every call."""
+    points: list[FakeEntryPoint] = []
+    calls: list[str | None] = []
+
+    def entry_points(**params):
+        calls.append(params.get("group"))
+        assert params == {"group": "tpcore"}
+        return list(points)
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", entry_points)
+    return types.SimpleNamespace(points=points, calls=calls)
+
+
+@pytest.fixture
+def good_and_broken(fake_entry_points):
+    broken = FakeEntryPoint("broken", ImportError("boom: no module named tp_missing"), FakeDist("tp-broken", "9.9.9"))
+    good = FakeEntryPoint("fake", plugin_module("tp_fake", FakePolicy, OtherFakePolicy), FakeDist("tp-fake", "1.2.3"))
+    fake_entry_points.points.extend([broken, good])  # the broken one first: it must not stop the good one
+    return types.SimpleNamespace(broken=broken, good=good, calls=fake_entry_points.calls)
+
+
+def load_quietly():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PluginLoadWarning)
+        return registered_policies()
+
+
+# -- lazy loading ------------------------------------------------------------------------------
+
+
+def test_nothing_is_loaded_until_first_use(good_and_broken):
+    auto = AutoPolicy()  # building an AutoPolicy is not a use of the registry
+    assert good_and_broken.calls == []
+    assert good_and_broken.good.loads == [] and good_and_broken.broken.loads == []
+    assert tp_plugins._manager is None
+
+    entries = load_quietly()
+
+    assert good_and_broken.calls == ["tpcore"]
+    assert good_and_broken.good.loads == ["fake"]
+    assert good_and_broken.broken.loads == ["broken"]
+    assert [entry.policy for entry in entries] == [FakePolicy, OtherFakePolicy]
+
+    # later uses reuse the loaded registry
+    assert [entry.policy for entry in auto.available()] == [FakePolicy, OtherFakePolicy]
+    plugin_infos()
+    assert get_plugin_manager() is get_plugin_manager()
+    assert good_and_broken.calls == ["tpcore"]
+    assert good_and_broken.good.loads == ["fake"]
+
+
+def test_reset_plugins_makes_the_next_use_reload(good_and_broken):
+    load_quietly()
+    first = get_plugin_manager()
+    reset_plugins()
+    assert good_and_broken.good.loads == ["fake"]
+    load_quietly()
+    assert get_plugin_manager() is not first
+    assert good_and_broken.good.loads == ["fake", "fake"]
+    assert good_and_broken.calls == ["tpcore", "tpcore"]
+
+
+# -- broken plugins ----------------------------------------------------------------------------
+
+
+def test_broken_plugin_warns_with_distribution_and_version_and_the_good_one_loads(good_and_broken):
+    with pytest.warns(PluginLoadWarning) as record:
+        entries = registered_policies()
+
+    assert len(record) == 1
+    message = str(record[0].message)
+    assert "'broken'" in message
+    assert "tp-broken 9.9.9" in message
+    assert "boom: no module named tp_missing" in message
+    assert issubclass(PluginLoadWarning, UserWarning)
+
+    assert [(e.policy, e.plugin, e.distribution, e.version) for e in entries] == [
+        (FakePolicy, "fake", "tp-fake", "1.2.3"),
+        (OtherFakePolicy, "fake", "tp-fake", "1.2.3"),
+    ]
+    infos = {info.name: info for info in plugin_infos()}
+    assert infos["broken"].distribution == "tp-broken"
+    assert infos["broken"].version == "9.9.9"
+    assert infos["broken"].error == "ImportError: boom: no module named tp_missing"
+    assert infos["broken"].policies == []
+    assert infos["fake"].error is None
+    assert infos["fake"].policies == ["FakePolicy", "other-fake"]
+    assert get_plugin_manager().get_plugin("broken") is None
+    assert get_plugin_manager().get_plugin("fake") is good_and_broken.good.target
+
+
+def test_plugin_returning_a_non_policy_is_reported_and_unregistered(fake_entry_points):
+    bad = FakeEntryPoint("bad", plugin_module("tp_bad", FakePolicy, "not a policy"), FakeDist("tp-bad", "0.0.1"))
+    good = FakeEntryPoint("fake", plugin_module("tp_fake", OtherFakePolicy), FakeDist("tp-fake", "1.2.3"))
+    fake_entry_points.points.extend([bad, good])
+
+    with pytest.warns(PluginLoadWarning, match=r"'bad' from tp-bad 0\.0\.1 failed to load: TypeError: .*not a Policy"):
+        entries = registered_policies()
+
+    assert [entry.policy for entry in entries] == [OtherFakePolicy]  # nothing at all from the bad plugin
+    assert get_plugin_manager().get_plugin("bad") is None
+
+
+def test_plugin_with_a_wrong_hook_signature_is_reported(fake_entry_points):
+    module = types.ModuleType("tp_wrong")
+
+    @tpcore.hookimpl
+    def tpcore_register_policies(config):  # the hookspec takes no arguments
+        return [FakePolicy]
+
+    module.tpcore_register_policies = tpcore_register_policies
+    wrong = FakeEntryPoint("wrong", module, FakeDist("tp-wrong", "2.0"))
+    good = FakeEntryPoint("fake", plugin_module("tp_fake", OtherFakePolicy), FakeDist("tp-fake", "1.2.3"))
+    fake_entry_points.points.extend([wrong, good])
+
+    with pytest.warns(PluginLoadWarning, match=r"tp-wrong 2\.0"):
+        entries = registered_policies()
+    assert [entry.policy for entry in entries] == [OtherFakePolicy]
+
+
+def test_entry_point_without_distribution_uses_its_name(fake_entry_points):
+    fake_entry_points.points.append(FakeEntryPoint("loose", plugin_module("tp_loose", FakePolicy), None))
+    (entry,) = registered_policies()
+    assert (entry.policy, entry.plugin, entry.distribution, entry.version) == (FakePolicy, "loose", "loose", "?")
+
+
+def test_plugin_with_an_unknown_hook_does_not_take_the_others_down(fake_entry_points):
+    module = types.ModuleType("tp_typo")
+
+    @tpcore.hookimpl
+    def tpcore_register_policy():  # misspelled hook name
+        return [FakePolicy]
+
+    module.tpcore_register_policy = tpcore_register_policy
+    typo = FakeEntryPoint("typo", module, FakeDist("tp-typo", "0.3"))
+    good = FakeEntryPoint("fake", plugin_module("tp_fake", OtherFakePolicy), FakeDist("tp-fake", "1.2.3"))
+    fake_entry_points.points.extend([typo, good])
+
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        entries = registered_policies()
+    assert [entry.policy for entry in entries] == [OtherFakePolicy]
+    assert any("tp-typo 0.3" in str(w.message) for w in record if issubclass(w.category, PluginLoadWarning))
+
+
+# -- env switches ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", ["1", "true", "yes"])
+def test_disable_autoload_loads_no_entry_point(good_and_broken, monkeypatch, value):
+    monkeypatch.setenv("TPCORE_DISABLE_PLUGIN_AUTOLOAD", value)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # not even the broken plugin is touched
+        assert registered_policies() == []
+        assert plugin_infos() == []
+    assert good_and_broken.good.loads == [] and good_and_broken.broken.loads == []
+
+
+@pytest.mark.parametrize("value", ["0", ""])
+def test_disable_autoload_off_values_load_normally(good_and_broken, monkeypatch, value):
+    monkeypatch.setenv("TPCORE_DISABLE_PLUGIN_AUTOLOAD", value)
+    assert [entry.policy for entry in load_quietly()] == [FakePolicy, OtherFakePolicy]
+
+
+@pytest.mark.parametrize("value", ["fake", "tp-fake", " fake , tp-unknown "])
+def test_only_named_plugins_are_loaded(good_and_broken, monkeypatch, value):
+    monkeypatch.setenv("TPCORE_PLUGINS", value)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the broken plugin is not loaded, so nothing warns
+        entries = registered_policies()
+    assert [entry.policy for entry in entries] == [FakePolicy, OtherFakePolicy]
+    assert [info.name for info in plugin_infos()] == ["fake"]
+    assert good_and_broken.broken.loads == []
+
+
+def test_only_a_broken_plugin_named(good_and_broken, monkeypatch):
+    monkeypatch.setenv("TPCORE_PLUGINS", "tp-broken")
+    with pytest.warns(PluginLoadWarning, match="tp-broken 9.9.9"):
+        assert registered_policies() == []
+    assert good_and_broken.good.loads == []
+
+
+@pytest.mark.parametrize("value", ["", " ", ","])
+def test_empty_plugin_list_loads_none(good_and_broken, monkeypatch, value):
+    monkeypatch.setenv("TPCORE_PLUGINS", value)
+    assert registered_policies() == []
+    assert plugin_infos() == []
+    assert good_and_broken.good.loads == [] and good_and_broken.broken.loads == []
+
+
+def test_env_is_read_on_first_use_not_later(good_and_broken, monkeypatch):
+    assert [entry.policy for entry in load_quietly()] == [FakePolicy, OtherFakePolicy]
+    monkeypatch.setenv("TPCORE_PLUGINS", "")
+    assert [entry.policy for entry in registered_policies()] == [FakePolicy, OtherFakePolicy]
+    reset_plugins()
+    assert registered_policies() == []
+
+
+def test_only_named_with_real_entry_points(monkeypatch):
+    monkeypatch.setenv("TPCORE_PLUGINS", "tp-bert")
+    assert [info.distribution for info in plugin_infos()] == ["tp-bert"]
+    reset_plugins()
+    monkeypatch.setenv("TPCORE_PLUGINS", "tp-nonexistent")
+    assert plugin_infos() == []
+
+
+# -- the real, installed tp-bert plugin ----------------------------------------------------------
+
+
+def test_installed_tp_bert_plugin_is_found_via_its_entry_point():
+    points = [ep for ep in importlib.metadata.entry_points(group="tpcore") if ep.name == "bert"]
+    assert [ep.value for ep in points] == ["tp_bert"]
+
+    infos = {info.name: info for info in plugin_infos()}
+    info = infos["bert"]
+    assert info.distribution == "tp-bert"
+    assert info.version == importlib.metadata.version("tp-bert")
+    assert info.error is None
+    assert set(BERT_POLICIES) <= set(info.policies)
+
+    from tp_bert import policies
+
+    assert info.policies == [policy.policy_name() for policy in policies.POLICIES]
+    entries = [entry for entry in registered_policies() if entry.plugin == "bert"]
+    assert [entry.policy for entry in entries] == list(policies.POLICIES)
+    assert {(entry.distribution, entry.version) for entry in entries} == {("tp-bert", info.version)}
+    assert policies.BertPolicy.layer_class_name() == "transformers.models.bert.modeling_bert.BertLayer"
+
+
+def tiny_bert() -> BertModel:
+    config = BertConfig(
+        vocab_size=32,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        intermediate_size=32,
+        max_position_embeddings=16,
+    )
+    return BertModel(config)
+
+
+def tiny_gpt2() -> GPT2Model:
+    return GPT2Model(
+        GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=4, bos_token_id=0, eos_token_id=0)
+    )
+
+
+def test_auto_policy_finds_bert_policy():
+    from tp_bert.policies import BertPolicy
+
+    model = tiny_bert()
+    assert AutoPolicy().get_policy(model) == [BertPolicy]
+    (entry,) = AutoPolicy().entries_for(model)
+    assert (entry.policy, entry.plugin, entry.distribution) == (BertPolicy, "bert", "tp-bert")
+
+
+def test_auto_policy_on_an_uncovered_model_raises_a_helpful_error():
+    with pytest.raises(UnsupportedModelError) as info:
+        AutoPolicy().get_policy(tiny_gpt2())
+    message = str(info.value)
+    assert "No installed tpcore policy covers GPT2Model (model_type 'gpt2')." in message
+    assert f"Installed plugins: tp-bert {importlib.metadata.version('tp-bert')}." in message
+    assert "pip install tp-" in message
+    assert "custom_policies=" in message
+    assert isinstance(info.value, LookupError)
+
+
+def test_uncovered_model_error_lists_failed_plugins(monkeypatch):
+    real = importlib.metadata.entry_points
+
+    def entry_points(**params):
+        broken = FakeEntryPoint("broken", RuntimeError("kaput"), FakeDist("tp-broken", "9.9.9"))
+        return [*real(**params), broken]
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", entry_points)
+    with pytest.warns(PluginLoadWarning, match="tp-broken 9.9.9"):
+        with pytest.raises(UnsupportedModelError) as info:
+            AutoPolicy().get_policy(tiny_gpt2())
+    message = str(info.value)
+    assert "Installed plugins: tp-bert" in message
+    assert "Plugins that failed to load: tp-broken 9.9.9 (failed: RuntimeError: kaput)." in message
+
+
+def test_uncovered_model_with_autoload_disabled_reports_no_plugins(monkeypatch):
+    monkeypatch.setenv("TPCORE_DISABLE_PLUGIN_AUTOLOAD", "1")
+    with pytest.raises(
+        UnsupportedModelError, match=r"covers BertModel \(model_type 'bert'\)\.\nInstalled plugins: none\."
+    ):
+        AutoPolicy().get_policy(tiny_bert())
