@@ -161,7 +161,7 @@ def cases(draw):
     return arch, head, world_size, heads, head_dim, intermediate, layers, lengths, seq, seed
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=cases())
 def test_random_configs_match_unsplit(rank_pools, case):
     arch, head, world_size, heads, head_dim, intermediate, layers, lengths, seq, seed = case
@@ -191,3 +191,23 @@ def test_cuda_nccl_matches_unsplit(nccl_rank_pools, arch, head, world_size, dtyp
         spec, inputs, world_sizes=(world_size,), pools=nccl_rank_pools, rtol=GPU_TOLERANCES[dtype], dtype=dtype
     )
     assert report[world_size]
+
+
+LUKE_ENTITY_HEADS = ["Model", "ForEntityClassification", "ForEntityPairClassification", "ForEntitySpanClassification"]
+
+
+@pytest.mark.parametrize("head", LUKE_ENTITY_HEADS)
+def test_luke_entity_aware_attention(rank_pools, head):
+    """LUKE with entity inputs, so the word-to-entity, entity-to-word and entity-to-entity queries run."""
+    spec = model_spec("Luke", head, hidden=48, heads=12, layers=2, intermediate=96, seed=6)
+    spec.config.use_entity_aware_attention = True
+    inputs = make_inputs("Model", lengths=[6, 4], seq=6, seed=7)
+    entities = 2
+    inputs["entity_ids"] = torch.tensor([[3, 5], [7, 2]])
+    inputs["entity_attention_mask"] = torch.ones(2, entities, dtype=torch.long)
+    inputs["entity_position_ids"] = torch.tensor([[[0, 1, -1], [3, -1, -1]], [[1, 2, 3], [0, -1, -1]]])
+    if head == "ForEntitySpanClassification":
+        inputs["entity_start_positions"] = torch.tensor([[0, 3], [1, 0]])
+        inputs["entity_end_positions"] = torch.tensor([[1, 3], [3, 0]])
+    report = check_equivalence(spec, inputs, world_sizes=(2, 4), pools=rank_pools)
+    assert any(name.startswith("entity_") or name == "logits" for name in report[4])
