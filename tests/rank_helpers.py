@@ -35,3 +35,10 @@ def kill_on(context, rank):
 def sleep(context, seconds):
     time.sleep(seconds)
     return context.rank
+
+
+def raise_or_reduce(context, rank):
+    """``rank`` raises; the others wait for it in an all-reduce that never completes."""
+    if context.rank == rank:
+        raise ValueError("bad input on one rank")
+    all_reduce_sum(context, 0)

@@ -36,14 +36,24 @@ def test_runs_on_every_rank_and_reduces(pool):
 
 
 def test_worker_exception_comes_back_with_type_message_and_traceback(pool):
-    pids = [pid for *_, pid in pool.run(rank_helpers.whoami)]
     with pytest.raises(WorkerError) as caught:
         pool.run(rank_helpers.raise_on, 1, "no such tensor")
     error = caught.value
     assert (error.rank, error.type_name) == (1, "KeyError")
-    assert "no such tensor" in str(error)
+    assert isinstance(error.exception, KeyError) and "no such tensor" in str(error)
     assert "raise_on" in error.remote_traceback
-    assert not pool.alive and all(gone(pid) for pid in pids)  # torn down, documented
+    assert error.pool_consistent and pool.alive  # every rank answered: the pool stays usable
+    assert pool.run(rank_helpers.all_reduce_sum, 1) == [3.0, 3.0]
+
+
+def test_a_rank_that_fails_while_others_wait_in_a_collective_tears_the_pool_down(pool):
+    pids = pool.pids
+    started = time.monotonic()
+    with pytest.raises(WorkerError, match="bad input on one rank") as caught:
+        pool.run(rank_helpers.raise_or_reduce, 0)
+    assert time.monotonic() - started < 15
+    assert not caught.value.pool_consistent
+    assert not pool.alive and all(gone(pid) for pid in pids)
     with pytest.raises(WorkerDiedError, match="closed"):
         pool.run(rank_helpers.whoami)
 
@@ -57,7 +67,7 @@ def test_killed_worker_is_detected_within_seconds(pool):
 
 
 def test_every_wait_has_a_timeout(pool):
-    pids = [pid for *_, pid in pool.run(rank_helpers.whoami)]
+    pids = pool.pids
     started = time.monotonic()
     with pytest.raises(TimeoutError, match="no answer within 1 s"):
         pool.run(rank_helpers.sleep, 30, timeout=1)
@@ -92,10 +102,39 @@ def test_close_leaves_no_process_and_frees_the_port():
 
 
 def test_a_rank_that_cannot_start_fails_fast_and_leaves_nothing():
+    before = _children()
     started = time.monotonic()
     with pytest.raises(WorkerError, match="(?i)nccl|cuda"):
         RankPool(2, "nccl", start_timeout=60)
     assert time.monotonic() - started < 60
+    assert _children() <= before
+
+
+def test_functions_and_classes_defined_in_main_travel_by_value(pool, monkeypatch):
+    """As in a notebook: the ranks cannot import ``__main__``, so cloudpickle sends code by value."""
+    import __main__
+
+    def answer(context, offset):
+        return context.rank + offset
+
+    answer.__module__ = "__main__"
+    monkeypatch.setattr(__main__, "answer", answer, raising=False)
+    assert pool.run(answer, 40) == [40, 41]
+
+
+def _children() -> set[int]:
+    own = str(os.getpid())
+    children = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    fields = stat.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[1] == own and fields[0] != "Z":
+                children.add(int(entry))
+    return children
 
 
 def _free_port() -> int:

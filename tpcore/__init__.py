@@ -3,6 +3,7 @@
 from tpcore.auto import AutoPolicy, UnsupportedModelError
 from tpcore.engine import ParallelEngine
 from tpcore.hookspecs import hookimpl
+from tpcore.parallelize import parallelize
 from tpcore.policy import Layer, Policy, ShardingError, divide
 from tpcore.replacer import TensorReplacer
 
@@ -16,6 +17,7 @@ __all__ = [
     "UnsupportedModelError",
     "divide",
     "hookimpl",
+    "parallelize",
 ]
 
 __version__ = "0.1.0"

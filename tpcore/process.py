@@ -1,34 +1,50 @@
-"""RankPool: N spawned local ranks joined in one process group, running functions sent to them.
+"""RankPool: N local ranks joined in one process group, running functions sent to them.
 
-The parent never blocks without a bound: every wait watches the workers' replies, their process
-sentinels (a killed worker is noticed at once) and a deadline. A worker that raises sends back the
-exception's type, message and traceback; since its peers may then be stuck in a collective, the
-pool is torn down and the error re-raised in the caller as :class:`WorkerError`.
+Ranks are fresh interpreters (``python -m tpcore.process``), not forks or ``multiprocessing``
+spawns: they never re-import the caller's ``__main__``, so scripts need no ``if __name__ ==
+"__main__"`` guard and notebooks work. Messages are cloudpickled by value: functions and classes
+defined in ``__main__`` travel with them, and no tensor goes through shared memory.
+
+The caller never blocks without a bound: every wait watches the ranks' connections (a dead rank
+closes its end at once) and a deadline. A rank that raises sends back the exception, its type,
+message and traceback. If every rank answered, the pool stays usable and the error is raised as
+:class:`WorkerError`; if some rank gave no answer (it may be stuck in a collective with the failed
+one), the pool is torn down first.
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
+import atexit
 import os
 import pickle
+import secrets
+import subprocess
+import sys
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from multiprocessing.connection import wait
+from multiprocessing.connection import Client, Listener, wait
 from typing import Any
+
+import cloudpickle
 
 __all__ = ["RankContext", "RankPool", "WorkerDiedError", "WorkerError"]
 
 START_TIMEOUT_S = 180.0
 CALL_TIMEOUT_S = 600.0
+#: after one rank fails, how long the others get to answer before the pool is presumed stuck
+ERROR_GRACE_S = 3.0
+AUTHKEY_ENV = "TPCORE_WORKER_AUTHKEY"
+PARENT_ENV = "TPCORE_WORKER_PARENT"
 
 
 class WorkerError(RuntimeError):
-    """A rank raised; carries the remote exception type name and traceback."""
+    """A rank raised. ``exception`` is the original exception when it could be sent back."""
 
-    def __init__(self, rank: int, type_name: str, message: str, remote_traceback: str):
+    def __init__(self, rank: int, type_name: str, message: str, remote_traceback: str, exception=None):
         super().__init__(
             f"rank {rank} raised {type_name}: {message}\n\n--- rank {rank} traceback ---\n{remote_traceback}"
         )
@@ -36,10 +52,13 @@ class WorkerError(RuntimeError):
         self.type_name = type_name
         self.remote_message = message
         self.remote_traceback = remote_traceback
+        self.exception = exception
+        #: every rank answered, so the pool is still usable
+        self.pool_consistent = False
 
 
 class WorkerDiedError(RuntimeError):
-    """A rank's process ended without answering."""
+    """A rank's process ended without answering, or the pool is closed."""
 
 
 @dataclass
@@ -55,57 +74,37 @@ class RankContext:
     store: dict = field(default_factory=dict)
 
 
-def _worker_main(rank, world_size, backend, master_addr, master_port, threads, conn):
-    """Entry point of a spawned rank: join the group, then serve calls until told to stop."""
-    try:
-        import torch
-        import torch.distributed as dist
-
-        from tpcore.distributed import device_for, init_process_group
-
-        torch.set_num_threads(threads)
-        init_process_group(backend, rank, world_size, master_addr, master_port)
-        context = RankContext(rank, world_size, backend, dist.group.WORLD, device_for(backend, rank))
-        _send(conn, ("ready", None))
-    except BaseException as error:  # report, do not hang the parent
-        _send(conn, ("error", _describe(error)))
-        return
-    while True:
-        try:
-            message = _recv(conn)
-        except (EOFError, OSError):
-            break
-        if message is None:
-            break
-        fn, args, kwargs = message
-        try:
-            reply = ("ok", fn(context, *args, **kwargs))
-        except BaseException as error:
-            reply = ("error", _describe(error))
-        try:
-            _send(conn, reply)
-        except Exception as error:  # e.g. an unpicklable result
-            _send(conn, ("error", _describe(error)))
-    dist.destroy_process_group()
-    conn.close()
-    os._exit(0)  # skip interpreter teardown: gloo threads may abort in static destructors
-
-
 def _send(conn, message) -> None:
-    """Plain pickle by value: no tensor goes through shared memory, so nothing is left behind."""
-    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+    conn.send_bytes(cloudpickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
 
 def _recv(conn):
     return pickle.loads(conn.recv_bytes())
 
 
-def _describe(error: BaseException) -> tuple[str, str, str]:
-    return type(error).__qualname__, str(error), "".join(traceback.format_exception(error))
+def _describe(error: BaseException) -> tuple:
+    """``(type name, message, traceback, exception or None)``, the exception only if it pickles."""
+    text = "".join(traceback.format_exception(error))
+    try:
+        pickle.loads(cloudpickle.dumps(error))
+        original = error
+    except Exception:
+        original = None
+    return type(error).__qualname__, str(error), text, original
+
+
+_live_pools: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_pools() -> None:
+    """On the caller's exit (normal, by exception or Ctrl-C), stop every rank it still has."""
+    for pool in list(_live_pools):
+        pool.close(timeout=3.0)
 
 
 class RankPool:
-    """``world_size`` spawned ranks in one process group (gloo on CPU, NCCL on GPUs).
+    """``world_size`` local ranks in one process group (gloo on CPU, NCCL on GPUs).
 
     Args:
         world_size: number of ranks.
@@ -134,82 +133,141 @@ class RankPool:
         self.backend = backend or default_backend()
         threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
         port = master_port or free_port(master_addr)
-        context = mp.get_context("spawn")
         self._lock = threading.Lock()
-        self._conns, self._procs = [], []
-        for rank in range(world_size):
-            parent_end, child_end = context.Pipe()
-            proc = context.Process(
-                target=_worker_main,
-                args=(rank, world_size, self.backend, master_addr, port, threads, child_end),
-                name=f"tpcore-rank{rank}",
-                daemon=True,
-            )
-            proc.start()
-            child_end.close()
-            self._conns.append(parent_end)
-            self._procs.append(proc)
-        try:
-            self._collect(start_timeout, "start")
-        except BaseException:
-            self.close()
-            raise
+        _live_pools.add(self)
+        self._conns: list = []
+        self._procs: list[subprocess.Popen] = []
+        authkey = secrets.token_bytes(32)
+        env = dict(os.environ)
+        env[AUTHKEY_ENV] = authkey.hex()
+        env[PARENT_ENV] = str(os.getpid())
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # the caller's imports resolve
+        with Listener(family="AF_UNIX", authkey=authkey) as listener:
+            for rank in range(world_size):
+                argv = [listener.address, rank, world_size, self.backend, master_addr, port, threads]
+                command = [sys.executable, "-m", "tpcore.process", *map(str, argv)]
+                self._procs.append(subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL))
+            try:
+                self._conns = self._accept(listener, start_timeout)
+                self._collect(start_timeout, "start")
+            except BaseException:
+                self.close(timeout=3.0)
+                raise
+
+    def _accept(self, listener: Listener, timeout: float) -> list:
+        """One connection per rank, in rank order; fails fast if a rank exits first."""
+        accepted: dict[int, Any] = {}
+        result: list = []
+
+        def accept_all():
+            try:
+                while len(accepted) < self.world_size:
+                    conn = listener.accept()
+                    accepted[_recv(conn)] = conn
+            except Exception as error:  # listener closed or bad handshake
+                result.append(error)
+
+        thread = threading.Thread(target=accept_all, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + timeout
+        while thread.is_alive():
+            thread.join(0.1)
+            for rank, proc in enumerate(self._procs):
+                if rank not in accepted and proc.poll() is not None:
+                    self._conns = list(accepted.values())
+                    raise WorkerDiedError(f"start: rank {rank} exited (code {proc.returncode}) before connecting")
+            if time.monotonic() > deadline:
+                self._conns = list(accepted.values())
+                raise TimeoutError(f"start: ranks did not connect within {timeout:.0f} s")
+        if result:
+            raise result[0]
+        return [accepted[rank] for rank in range(self.world_size)]
 
     @property
     def alive(self) -> bool:
-        return bool(self._procs) and all(proc.is_alive() for proc in self._procs)
+        return bool(self._procs) and all(proc.poll() is None for proc in self._procs)
+
+    @property
+    def pids(self) -> list[int]:
+        return [proc.pid for proc in self._procs]
 
     def run(self, fn: Callable[..., Any], *args, timeout: float = CALL_TIMEOUT_S, **kwargs) -> list[Any]:
         """Call ``fn(context, *args, **kwargs)`` on every rank; return the results in rank order.
 
-        ``fn`` must be importable by the workers (a module-level function). Calls from several
-        threads are serialized. If any rank raises or dies, the pool is closed and the error raised.
+        Calls from several threads are serialized. Raises :class:`WorkerError` if a rank raised
+        (the pool is closed unless every rank answered), :class:`WorkerDiedError` if a rank died
+        and ``TimeoutError`` past ``timeout`` seconds (both close the pool).
         """
         with self._lock:
             if not self.alive:
                 raise WorkerDiedError("this RankPool is closed or lost a rank; create a new one")
             try:
+                payload = cloudpickle.dumps((fn, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
                 for conn in self._conns:
-                    _send(conn, (fn, args, kwargs))
+                    conn.send_bytes(payload)
+                del payload
+                return self._collect(timeout, getattr(fn, "__qualname__", repr(fn)))
+            except WorkerError as error:
+                if not error.pool_consistent:
+                    self.close(timeout=3.0)
+                raise
+            except BaseException:
+                self.close(timeout=3.0)  # a dead or stuck rank: the others may hang in a collective
+                raise
+
+    def scatter(self, fn: Callable[..., Any], args_for: Callable[[int], tuple], *, timeout: float = CALL_TIMEOUT_S):
+        """Call ``fn(context, *args_for(rank))`` on every rank, building and sending one rank's
+        arguments at a time (so only one rank's share is ever serialized in the caller)."""
+        with self._lock:
+            if not self.alive:
+                raise WorkerDiedError("this RankPool is closed or lost a rank; create a new one")
+            try:
+                for rank, conn in enumerate(self._conns):
+                    conn.send_bytes(cloudpickle.dumps((fn, args_for(rank), {}), protocol=pickle.HIGHEST_PROTOCOL))
                 return self._collect(timeout, getattr(fn, "__qualname__", repr(fn)))
             except BaseException:
-                self.close(timeout=3.0)  # peers of a failed rank may be stuck in a collective
+                self.close(timeout=3.0)
                 raise
 
     def _collect(self, timeout: float, what: str) -> list[Any]:
         """One reply per rank, watching replies, deaths and the deadline."""
         results: dict[int, Any] = {}
+        errors: list[WorkerError] = []
         deadline = time.monotonic() + timeout
         waiting = {conn: rank for rank, conn in enumerate(self._conns)}
-        sentinels = {proc.sentinel: rank for rank, proc in enumerate(self._procs)}
         while waiting:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                if errors:
+                    break
                 raise TimeoutError(f"{what}: ranks {sorted(waiting.values())} gave no answer within {timeout:.0f} s")
-            for ready in wait([*waiting, *sentinels], timeout=remaining):
-                if ready in waiting:
-                    rank = waiting.pop(ready)
-                    try:
-                        status, payload = _recv(ready)
-                    except (EOFError, OSError):
-                        raise self._died(rank, what) from None
-                    if status == "error":
-                        raise WorkerError(rank, *payload)
-                    results[rank] = payload
+            for ready in wait(list(waiting), timeout=remaining):
+                rank = waiting.pop(ready)
+                try:
+                    status, payload = _recv(ready)
+                except (EOFError, OSError):
+                    raise self._died(rank, what) from None
+                if status == "error":
+                    errors.append(WorkerError(rank, *payload))
+                    deadline = min(deadline, time.monotonic() + ERROR_GRACE_S)
                 else:
-                    rank = sentinels.pop(ready)
-                    conn = self._conns[rank]
-                    if conn in waiting and not conn.poll():  # dead, and no reply left in the pipe
-                        raise self._died(rank, what)
+                    results[rank] = payload
+        if errors:
+            first = errors[0]
+            first.pool_consistent = not waiting
+            raise first
         return [results[rank] for rank in range(self.world_size)]
 
     def _died(self, rank: int, what: str) -> WorkerDiedError:
         process = self._procs[rank]
-        process.join(1.0)
-        return WorkerDiedError(f"{what}: rank {rank} died (exit code {process.exitcode}) without answering")
+        try:
+            process.wait(1.0)
+        except subprocess.TimeoutExpired:
+            pass
+        return WorkerDiedError(f"{what}: rank {rank} died (exit code {process.returncode}) without answering")
 
     def close(self, timeout: float = 10.0) -> None:
-        """Stop every rank (politely, then by force) and release their pipes. Idempotent."""
+        """Stop every rank (politely, then by force) and release their connections. Idempotent."""
         for conn in self._conns:
             try:
                 _send(conn, None)
@@ -217,11 +275,11 @@ class RankPool:
                 pass
         deadline = time.monotonic() + timeout
         for proc in self._procs:
-            proc.join(max(0.0, deadline - time.monotonic()))
-        for proc in self._procs:
-            if proc.is_alive():
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
                 proc.kill()
-                proc.join(5)
+                proc.wait(5)
         for conn in self._conns:
             conn.close()
         self._conns, self._procs = [], []
@@ -231,3 +289,64 @@ class RankPool:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def __del__(self):
+        if getattr(self, "_procs", None):
+            self.close(timeout=1.0)
+
+
+def _exit_with_parent(parent_pid: int, interval: float = 0.5) -> None:
+    """End this rank soon after the caller dies, even while it is stuck in a collective."""
+
+    def watch():
+        while os.getppid() == parent_pid:
+            time.sleep(interval)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="tpcore-parent-watch", daemon=True).start()
+
+
+def _worker_main(address, rank, world_size, backend, master_addr, master_port, threads) -> None:
+    """A rank: connect to the caller, join the group, then serve calls until told to stop."""
+    _exit_with_parent(int(os.environ.pop(PARENT_ENV)))
+    conn = Client(address, family="AF_UNIX", authkey=bytes.fromhex(os.environ.pop(AUTHKEY_ENV)))
+    _send(conn, rank)
+    try:
+        import torch
+        import torch.distributed as dist
+
+        from tpcore.distributed import device_for, init_process_group
+
+        torch.set_num_threads(threads)
+        init_process_group(backend, rank, world_size, master_addr, master_port)
+        context = RankContext(rank, world_size, backend, dist.group.WORLD, device_for(backend, rank))
+        _send(conn, ("ok", None))
+    except BaseException as error:  # report, do not hang the caller
+        _send(conn, ("error", _describe(error)))
+        return
+    while True:
+        try:
+            message = _recv(conn)
+        except (EOFError, OSError):  # the caller is gone
+            break
+        if message is None:
+            break
+        try:
+            fn, args, kwargs = message
+            reply = ("ok", fn(context, *args, **kwargs))
+        except BaseException as error:
+            reply = ("error", _describe(error))
+        try:
+            _send(conn, reply)
+        except Exception as error:  # e.g. an unpicklable result
+            _send(conn, ("error", _describe(error)))
+    dist.destroy_process_group()
+    conn.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip interpreter teardown: gloo threads may abort in static destructors
+
+
+if __name__ == "__main__":
+    address, rank, world_size, backend, master_addr, master_port, threads = sys.argv[1:8]
+    _worker_main(address, int(rank), int(world_size), backend, master_addr, int(master_port), int(threads))

@@ -104,6 +104,22 @@ class TensorReplacer:
         self._validate(self._targets(policies))
         return policies
 
+    def split_plan(self) -> dict[int, tuple[int, int]]:
+        """``{id(tensor): (split dim, n_fused)}`` for every tensor the split cuts (validated first).
+
+        Lets a caller cut a rank's shards out of a model without changing it.
+        """
+        targets = self._targets(self._policies())
+        self._validate(targets)
+        plan = {}
+        for target in targets:
+            for style, spec, weight, bias in self.preprocess(target.layer, target.policy):
+                weight_dim, bias_dim = split_dims(style, spec)
+                plan[id(weight)] = (weight_dim, spec.n_fused)
+                if bias is not None and bias_dim is not None:
+                    plan[id(bias)] = (bias_dim, spec.n_fused)
+        return plan
+
     def replace_modules(self) -> nn.Module:
         """Validate, then split every covered layer of the model; return the model."""
         targets = self._targets(self._policies())
