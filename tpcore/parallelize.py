@@ -173,13 +173,24 @@ def _to_device(value, device):
 
 
 def _to_cpu(value):
+    """Tensors to the CPU, containers rebuilt; a KV cache (rank-local heads) does not leave the rank."""
     if isinstance(value, torch.Tensor):
         return value.detach().cpu()
+    if _is_cache(value):
+        return None
     if isinstance(value, dict):  # ModelOutput is a dict (and a dataclass)
-        return type(value)(**{k: _to_cpu(v) for k, v in value.items()})
+        return type(value)(**{k: v for k, v in ((k, _to_cpu(v)) for k, v in value.items()) if v is not None})
     if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
         return type(value)(_to_cpu(v) for v in value)
     return value
+
+
+def _is_cache(value) -> bool:
+    try:
+        from transformers.cache_utils import Cache
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return False
+    return isinstance(value, Cache)
 
 
 def _serve(context: RankContext, method: str, args: tuple, kwargs: dict, rng_state: torch.Tensor):
