@@ -199,7 +199,7 @@ class DistilBertPolicy(Policy):
         return [_linear("ffn.lin2")]
 
 
-class MPNetPolicy(Policy):
+class MPNetPolicy(BertPolicy):
     """MPNet layer: ``attention.attn.{q,k,v}`` and ``attention.attn.o``, then BERT's MLP."""
 
     layer_class = f"{_MODELS}.mpnet.modeling_mpnet.MPNetLayer"
@@ -215,14 +215,6 @@ class MPNetPolicy(Policy):
     @staticmethod
     def attn_out():
         return [_linear("attention.attn.o")]
-
-    @staticmethod
-    def mlp_in():
-        return [_linear("intermediate.dense")]
-
-    @staticmethod
-    def mlp_out():
-        return [_linear("output.dense")]
 
 
 class MPNetEncoderPolicy(Policy):
