@@ -124,12 +124,12 @@ def _named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return named
 
 
-def _share(tensor: torch.Tensor, split: tuple[int, int] | None, rank: int, world_size: int) -> torch.Tensor:
+def _share(tensor: torch.Tensor, split: tuple | None, rank: int, world_size: int) -> torch.Tensor:
     """Rank ``rank``'s part of ``tensor``: a slice if the plan cuts it, else the whole tensor."""
     if split is None:
         return tensor.detach()
-    dim, n_fused = split
-    return shard(tensor.detach(), dim, rank, world_size, n_fused)
+    dim, n_fused, heads = split
+    return shard(tensor.detach(), dim, rank, world_size, n_fused, heads)
 
 
 def _load_shard(context: RankContext, skeleton: nn.Module, state: dict, dtype) -> int:

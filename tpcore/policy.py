@@ -51,6 +51,9 @@ class Layer:
         replace: module class to give the module owning ``weight`` (row groups default to the
             parallel layer that matches the module's type, see :mod:`tpcore.layers`).
         ignore_checker: a missing ``weight`` is skipped instead of raising.
+        heads: name of the config attribute holding how many heads the tensor packs, for
+            tensors that may hold fewer heads than there are ranks (grouped-query key/value
+            projections): those heads are then replicated so each rank holds whole groups.
     """
 
     weight: str | None = None
@@ -59,6 +62,7 @@ class Layer:
     reversed: bool = False
     replace: type[nn.Module] | None = None
     ignore_checker: bool = False
+    heads: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.n_fused, int) or self.n_fused < 1:

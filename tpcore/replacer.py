@@ -104,8 +104,8 @@ class TensorReplacer:
         self._validate(self._targets(policies))
         return policies
 
-    def split_plan(self) -> dict[int, tuple[int, int]]:
-        """``{id(tensor): (split dim, n_fused)}`` for every tensor the split cuts (validated first).
+    def split_plan(self) -> dict[int, tuple[int, int, int | None]]:
+        """``{id(tensor): (split dim, n_fused, heads)}`` for every tensor the split cuts (validated first).
 
         Lets a caller cut a rank's shards out of a model without changing it.
         """
@@ -115,9 +115,10 @@ class TensorReplacer:
         for target in targets:
             for style, spec, weight, bias in self.preprocess(target.layer, target.policy):
                 weight_dim, bias_dim = split_dims(style, spec)
-                plan[id(weight)] = (weight_dim, spec.n_fused)
+                heads = self._heads(spec)
+                plan[id(weight)] = (weight_dim, spec.n_fused, heads)
                 if bias is not None and bias_dim is not None:
-                    plan[id(bias)] = (bias_dim, spec.n_fused)
+                    plan[id(bias)] = (bias_dim, spec.n_fused, heads)
         return plan
 
     def replace_modules(self) -> nn.Module:
@@ -243,7 +244,7 @@ class TensorReplacer:
                     if not isinstance(tensor, torch.Tensor) or tensor.dim() <= dim:
                         raise self._error(full_path, f"not a tensor with a dimension {dim} to split")
                     try:
-                        check_divisible(tensor.shape[dim], self.num_gpus, spec.n_fused)
+                        check_divisible(tensor.shape[dim], self.num_gpus, spec.n_fused, self._heads(spec))
                     except ShardingError as error:
                         raise self._error(
                             f"tensor {full_path!r} of shape {tuple(tensor.shape)}, split along dim {dim}", str(error)
@@ -262,13 +263,23 @@ class TensorReplacer:
         for path, new_class in target.policy.replace_modules().items():
             get_path(target.layer, path).__class__ = new_class
 
+    def _heads(self, spec: Layer) -> int | None:
+        """The head count a ``Layer(heads=...)`` names, read from the model's config."""
+        if spec.heads is None:
+            return None
+        heads = getattr(getattr(self.model, "config", None), spec.heads, None)
+        if not isinstance(heads, int):
+            raise ShardingError(f"Layer {spec.weight!r} names heads={spec.heads!r}, which the config lacks")
+        return heads
+
     def _slice_layer(self, target: _Target, sliced: set[int]) -> None:
         for style, spec, weight, bias in self.preprocess(target.layer, target.policy):
             if id(weight) in sliced:  # a tied tensor already holds its shard
                 continue
             sliced.update({id(weight), id(bias)} if bias is not None else {id(weight)})
             slice_fn = self.slicer.column_slice if style == COLUMN else self.slicer.row_slice
-            self.set_parameters(target.layer, spec, *slice_fn(spec, weight.data, None if bias is None else bias.data))
+            shards = slice_fn(spec, weight.data, None if bias is None else bias.data, self._heads(spec))
+            self.set_parameters(target.layer, spec, *shards)
             owner = get_path(target.layer, spec.module_path)
             set_layer_size(owner)
             if style == ROW:
