@@ -134,7 +134,7 @@ class TensorReplacer:
         """Give modules inside each layer of ``policy_cls`` the classes its ``replace_modules`` names."""
         for target in self._targets([policy_cls], model):
             for path, new_class in policy_cls.replace_modules().items():
-                get_path(target.layer, path).__class__ = new_class
+                self._swap_class(get_path(target.layer, path), new_class)
 
     def replace_orig_to_megatron_modules(self, model: nn.Module, policy_cls: type[Policy]) -> None:
         """Slice every layer of ``policy_cls`` in ``model`` and make its row groups all-reduce."""
@@ -261,7 +261,13 @@ class TensorReplacer:
         for path, value in arguments.items():
             self.set_layer_size(target.layer, path, value)
         for path, new_class in target.policy.replace_modules().items():
-            get_path(target.layer, path).__class__ = new_class
+            self._swap_class(get_path(target.layer, path), new_class)
+
+    def _swap_class(self, module: nn.Module, new_class: type[nn.Module]) -> None:
+        """Give ``module`` a policy's class; a class that declares ``tp_group`` gets the group."""
+        module.__class__ = new_class
+        if hasattr(new_class, "tp_group"):
+            module.tp_group = self.mp_group
 
     def _heads(self, spec: Layer) -> int | None:
         """The head count a ``Layer(heads=...)`` names, read from the model's config."""
@@ -285,4 +291,4 @@ class TensorReplacer:
             if style == ROW:
                 make_row_parallel(owner, self.mp_group, spec.replace)
             elif spec.replace is not None:
-                owner.__class__ = spec.replace
+                self._swap_class(owner, spec.replace)
