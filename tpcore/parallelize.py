@@ -25,6 +25,7 @@ from tpcore.distributed import default_backend
 from tpcore.process import CALL_TIMEOUT_S, RankContext, RankPool, WorkerDiedError, WorkerError
 from tpcore.replacer import TensorReplacer
 from tpcore.slicer import shard
+from tpcore.transfer import to_cpu, to_device
 
 __all__ = ["ParallelHandle", "parallelize"]
 
@@ -162,37 +163,6 @@ def _load_shard(context: RankContext, skeleton: nn.Module, state: dict, dtype) -
     return sum(t.numel() * t.element_size() for t in _named_tensors(model).values())
 
 
-def _to_device(value, device):
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, dict):
-        return type(value)({k: _to_device(v, device) for k, v in value.items()})
-    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return type(value)(_to_device(v, device) for v in value)
-    return value
-
-
-def _to_cpu(value):
-    """Tensors to the CPU, containers rebuilt; a KV cache (rank-local heads) does not leave the rank."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if _is_cache(value):
-        return None
-    if isinstance(value, dict):  # ModelOutput is a dict (and a dataclass)
-        return type(value)(**{k: v for k, v in ((k, _to_cpu(v)) for k, v in value.items()) if v is not None})
-    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return type(value)(_to_cpu(v) for v in value)
-    return value
-
-
-def _is_cache(value) -> bool:
-    try:
-        from transformers.cache_utils import Cache
-    except ImportError:  # pragma: no cover - transformers is a dependency
-        return False
-    return isinstance(value, Cache)
-
-
 def _serve(context: RankContext, method: str, args: tuple, kwargs: dict, rng_state: torch.Tensor):
     """On a rank: run ``model.<method>`` with the caller's RNG state; rank 0 returns the result."""
     model = context.store["model"]
@@ -201,8 +171,8 @@ def _serve(context: RankContext, method: str, args: tuple, kwargs: dict, rng_sta
         torch.cuda.manual_seed_all(int(torch.randint(2**62, ()).item()))
         torch.set_rng_state(rng_state)
     with torch.inference_mode():
-        output = getattr(model, method)(*_to_device(args, context.device), **_to_device(kwargs, context.device))
-    return (_to_cpu(output), torch.get_rng_state()) if context.rank == 0 else None
+        output = getattr(model, method)(*to_device(args, context.device), **to_device(kwargs, context.device))
+    return (to_cpu(output), torch.get_rng_state()) if context.rank == 0 else None
 
 
 def _memory(context: RankContext) -> dict[str, int]:

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from tpcore.process import RankContext, RankPool
+from tpcore.transfer import to_cpu, to_device
 
 __all__ = [
     "DEFAULT_RTOL",
@@ -56,37 +57,31 @@ class ModelSpec:
         return self.model_class(self.config).eval()
 
 
-def sharded_forward(context: RankContext, spec: ModelSpec, inputs: dict, policies=None, dtype=None) -> tuple[Any, int]:
-    """On one rank: build ``spec``, parallelize it over the pool's group (in ``dtype``); return its
-    CPU outputs and the number of parameter elements the rank holds."""
+def sharded_forward(
+    context: RankContext, spec: ModelSpec, inputs: dict, policies=None, dtype=None, method="forward", seed=None
+) -> tuple[Any, int]:
+    """On one rank: build ``spec``, parallelize it over the pool's group (in ``dtype``), run
+    ``model.<method>(**inputs)``; return the CPU outputs and the parameter elements the rank holds."""
     from tpcore.engine import ParallelEngine
 
     model = spec.build()
     engine = ParallelEngine(context.world_size, context.backend, policies, dtype=dtype, process_group=context.group)
     engine.parallelize(model)
-    return run_on(model, inputs, context.device), parameter_count(model)
+    return run_on(model, inputs, context.device, method, seed), parameter_count(model)
 
 
-def run_on(model: nn.Module, inputs: dict, device) -> Any:
-    """``model(**inputs)`` with the tensors moved to ``device``; outputs come back on the CPU."""
-    inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+def run_on(model: nn.Module, inputs: dict, device, method: str = "forward", seed: int | None = None) -> Any:
+    """``model.<method>(**inputs)`` with the tensors moved to ``device`` and the RNG seeded with
+    ``seed``; outputs come back on the CPU."""
+    if seed is not None:
+        torch.manual_seed(seed)
     with torch.inference_mode():
-        return _to_cpu(model(**inputs))
+        return to_cpu(getattr(model, method)(**to_device(inputs, device)))
 
 
 def parameter_count(model: nn.Module) -> int:
     """Elements held by the model's parameters (shared parameters counted once)."""
     return sum(p.numel() for p in model.parameters())
-
-
-def _to_cpu(value):
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):  # ModelOutput is a dict
-        return type(value)(**{k: _to_cpu(v) for k, v in value.items()})
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_cpu(v) for v in value)
-    return value
 
 
 def flatten_outputs(value, prefix: str = "output") -> dict[str, torch.Tensor]:
@@ -108,7 +103,7 @@ def flatten_outputs(value, prefix: str = "output") -> dict[str, torch.Tensor]:
 def compare_outputs(reference, candidate, rtol: float = DEFAULT_RTOL) -> dict[str, float]:
     """Max abs difference per output tensor; raise :class:`EquivalenceError` if any is off.
 
-    A tensor passes when ``max|ref - got| <= rtol * max(max|ref|, 1e-6)``.
+    A tensor passes when ``max|ref - got| <= rtol * max(max|ref|, 1e-6)`` (``rtol=0``: identical).
     """
     expected, actual = flatten_outputs(reference), flatten_outputs(candidate)
     if expected.keys() != actual.keys():
@@ -162,8 +157,13 @@ def check_equivalence(
     pools: PoolCache | None = None,
     rtol: float = DEFAULT_RTOL,
     dtype: torch.dtype | None = None,
+    method: str = "forward",
+    seed: int | None = None,
 ) -> dict[int, dict[str, float]]:
     """Compare ``spec`` split over each world size with the unsplit model, on every rank.
+
+    ``method="generate"`` with ``rtol=0`` checks generated tokens for identity; ``seed`` seeds
+    the RNG right before each run (sampling).
 
     The reference runs in this process in ``dtype`` on the pools' device type (``cuda:0`` for
     NCCL pools). Returns ``{world_size: {output name: max abs diff}}``; raises
@@ -173,13 +173,13 @@ def check_equivalence(
     pools = pools or PoolCache()
     device = torch.device("cuda", 0) if pools.backend == "nccl" else torch.device("cpu")
     model = spec.build().to(device=device, dtype=dtype)
-    reference = run_on(model, inputs, device)
+    reference = run_on(model, inputs, device, method, seed)
     full_size = parameter_count(model)
     del model
     report = {}
     try:
         for world_size in world_sizes:
-            results = pools.get(world_size).run(sharded_forward, spec, inputs, policies, dtype)
+            results = pools.get(world_size).run(sharded_forward, spec, inputs, policies, dtype, method, seed)
             for rank, (outputs, size) in enumerate(results):
                 where = f"{spec.model_class.__name__} split over {world_size} ranks, rank {rank}"
                 if world_size > 1 and size >= full_size:

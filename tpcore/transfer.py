@@ -1,0 +1,45 @@
+"""Moving model inputs and outputs between devices (and so between processes).
+
+Containers are rebuilt with their own types, so a ``ModelOutput`` stays a ``ModelOutput``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["to_cpu", "to_device"]
+
+
+def to_device(value: Any, device) -> Any:
+    """Every tensor inside ``value`` moved to ``device``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return type(value)({k: to_device(v, device) for k, v in value.items()})
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(to_device(v, device) for v in value)
+    return value
+
+
+def to_cpu(value: Any) -> Any:
+    """Every tensor inside ``value`` detached on the CPU; a KV cache (it holds a rank's own heads
+    only) is dropped rather than sent back."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if _is_cache(value):
+        return None
+    if isinstance(value, dict):  # ModelOutput is a dict (and a dataclass)
+        return type(value)(**{k: v for k, v in ((k, to_cpu(v)) for k, v in value.items()) if v is not None})
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(to_cpu(v) for v in value)
+    return value
+
+
+def _is_cache(value: Any) -> bool:
+    try:
+        from transformers.cache_utils import Cache
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return False
+    return isinstance(value, Cache)
