@@ -228,7 +228,7 @@ class LlamaPolicy(Policy):
     def replace_arguments(config, world_size):
         heads = _local_heads(config, world_size, "num_attention_heads")
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        if kv_heads < world_size and world_size % kv_heads:
+        if kv_heads % world_size and world_size % kv_heads:  # neither split nor replicated evenly
             divide(kv_heads, world_size, "num_key_value_heads")  # raises, naming the attribute
         return {"self_attn.num_key_value_groups": heads // _kv_heads_per_rank(kv_heads, world_size)}
 

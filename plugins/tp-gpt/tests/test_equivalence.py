@@ -1,0 +1,195 @@
+"""A decoder-only LM split over 1-4 gloo ranks gives the unsplit model's logits and tokens.
+
+``test_every_head`` runs every claimed architecture and head at world sizes 1-4; the generation
+tests compare greedy, beam-search and seeded-sampling tokens (32 new tokens, left-padded batch)
+through ``ParallelEngine`` on rank pools and through ``tpcore.parallelize()``; the hypothesis
+property draws random small configs, including grouped KV heads fewer than the ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+import transformers
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import tpcore
+from tpcore.testing import ModelSpec, check_equivalence, compare_outputs
+
+VOCAB = 64
+HEADS = ("ForCausalLM", "ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering")
+
+
+@dataclass(frozen=True)
+class Architecture:
+    config: str
+    #: config keywords for (hidden, heads, layers, intermediate); intermediate may be None
+    names: tuple[str, str, str, str | None]
+    heads: tuple[str, ...] = HEADS
+    causal_lm: str = "ForCausalLM"
+    kv_heads: bool = False
+    extra: dict = field(default_factory=dict)
+
+    def make_config(self, hidden, heads, layers, intermediate, kv_heads=None, **overrides):
+        hidden_name, heads_name, layers_name, intermediate_name = self.names
+        values = {hidden_name: hidden, heads_name: heads, layers_name: layers, "vocab_size": VOCAB}
+        if intermediate_name:
+            values[intermediate_name] = intermediate
+        if self.kv_heads:
+            values["num_key_value_heads"] = kv_heads or heads
+        special = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": None}
+        return getattr(transformers, self.config)(**values, **special, **self.extra, **overrides)
+
+
+LLAMA_NAMES = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size")
+ARCHITECTURES = {
+    "GPT2": Architecture(
+        "GPT2Config",
+        ("n_embd", "n_head", "n_layer", "n_inner"),
+        ("LMHeadModel", *HEADS[1:], "DoubleHeadsModel"),
+        causal_lm="LMHeadModel",
+        extra={"n_positions": 128},
+    ),
+    "GPTNeo": Architecture(
+        "GPTNeoConfig",
+        ("hidden_size", "num_heads", "num_layers", "intermediate_size"),
+        extra={"max_position_embeddings": 128, "window_size": 5},
+    ),
+    "GPTJ": Architecture(
+        "GPTJConfig", ("n_embd", "n_head", "n_layer", "n_inner"), HEADS[:2] + HEADS[3:], extra={"rotary_dim": 2}
+    ),
+    "GPTNeoX": Architecture("GPTNeoXConfig", LLAMA_NAMES, extra={"rotary_pct": 0.5}),
+    "OPT": Architecture(
+        "OPTConfig",
+        ("hidden_size", "num_attention_heads", "num_hidden_layers", "ffn_dim"),
+        HEADS[:2] + HEADS[3:],
+        extra={"max_position_embeddings": 128},
+    ),
+    "Bloom": Architecture("BloomConfig", ("hidden_size", "n_head", "n_layer", None)),
+    "Llama": Architecture("LlamaConfig", LLAMA_NAMES, kv_heads=True),
+    "Mistral": Architecture("MistralConfig", LLAMA_NAMES, kv_heads=True, extra={"sliding_window": 6}),
+    "Qwen2": Architecture("Qwen2Config", LLAMA_NAMES, kv_heads=True),
+}
+CASES = [(arch, head) for arch, spec in ARCHITECTURES.items() for head in spec.heads]
+
+
+def model_spec(arch, head, hidden=48, heads=12, layers=2, intermediate=96, kv_heads=None, seed=1) -> ModelSpec:
+    architecture = ARCHITECTURES[arch]
+    overrides = {"num_labels": 2}
+    if arch == "GPTNeo":  # one attention type per layer: alternate global and local windows
+        overrides["attention_types"] = (
+            [[["global", "local"], layers // 2]] if layers % 2 == 0 else [[["local"], layers]]
+        )
+    config = architecture.make_config(hidden, heads, layers, intermediate, kv_heads, **overrides)
+    return ModelSpec(getattr(transformers, arch + head), config, seed)
+
+
+def left_padded(lengths: list[int], seq: int, seed: int) -> dict:
+    """Token ids with left padding (as for generation): row ``i`` ends with ``lengths[i]`` real tokens."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (len(lengths), seq), generator=generator)
+    mask = (torch.arange(seq)[None, :] >= seq - torch.tensor(lengths)[:, None]).long()
+    return {"input_ids": ids * mask, "attention_mask": mask}
+
+
+@pytest.mark.parametrize(("arch", "head"), CASES, ids=[a + h for a, h in CASES])
+def test_every_head(rank_pools, arch, head):
+    """12 query heads (1 KV head where grouped) over 1, 2, 3 and 4 ranks; padded batch of 3."""
+    spec = model_spec(arch, head, kv_heads=1)
+    inputs = {**left_padded([7, 3, 5], seq=7, seed=2), "output_hidden_states": True}
+    if head == "DoubleHeadsModel":
+        inputs = {
+            k: v[:, None].expand(-1, 2, -1).contiguous() for k, v in inputs.items() if k != "output_hidden_states"
+        }
+    report = check_equivalence(spec, inputs, world_sizes=(1, 2, 3, 4), pools=rank_pools)
+    assert sorted(report) == [1, 2, 3, 4]
+
+
+GENERATION = {
+    "greedy": {"do_sample": False},
+    "beam": {"do_sample": False, "num_beams": 3},
+    "sampling": {"do_sample": True, "top_k": 0},
+}
+
+
+@pytest.mark.parametrize("mode", list(GENERATION))
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_generate_tokens_match_through_the_engine(rank_pools, arch, mode):
+    """32 new tokens for a left-padded batch: identical to the unsplit model's, on every rank."""
+    architecture = ARCHITECTURES[arch]
+    spec = model_spec(arch, architecture.causal_lm, heads=4, kv_heads=2)
+    inputs = {**left_padded([5, 2], seq=5, seed=3), "max_new_tokens": 32, **GENERATION[mode]}
+    report = check_equivalence(spec, inputs, world_sizes=(2, 4), pools=rank_pools, method="generate", rtol=0, seed=11)
+    assert all(diff == 0 for diffs in report.values() for diff in diffs.values())
+
+
+@pytest.fixture(scope="module")
+def served_llama():
+    """A Llama with 8 query and 2 KV heads served by 4 ranks (KV heads replicated) via parallelize()."""
+    spec = model_spec("Llama", "ForCausalLM", heads=8, kv_heads=2, seed=5)
+    reference = spec.build()
+    served = tpcore.parallelize(spec.build(), num_gpus=4)
+    yield reference, served
+    served.deparallelize()
+
+
+@pytest.mark.parametrize("mode", list(GENERATION))
+def test_generate_tokens_match_through_parallelize(served_llama, mode):
+    reference, served = served_llama
+    inputs = {**left_padded([6, 3, 4], seq=6, seed=4), "max_new_tokens": 32, **GENERATION[mode]}
+    torch.manual_seed(21)
+    expected = reference.generate(**inputs)
+    torch.manual_seed(21)
+    assert torch.equal(served.generate(**inputs), expected)
+    compare_outputs(reference(**left_padded([6, 3], seq=6, seed=5)), served(**left_padded([6, 3], seq=6, seed=5)))
+
+
+def test_gpt2_xl_head_count_splits_over_five_ranks_and_is_refused_over_two(rank_pools):
+    """GPT-2 XL has 25 heads: 5 ranks split them evenly; 2 (or 4) cannot, and tpcore says so first."""
+    spec = model_spec("GPT2", "LMHeadModel", hidden=50, heads=25, layers=1, intermediate=100)
+    inputs = left_padded([4, 2], seq=4, seed=6)
+    assert check_equivalence(spec, inputs, world_sizes=(5,), pools=rank_pools)[5]
+    with pytest.raises(tpcore.ShardingError, match=r"GPT2LMHeadModel over 2 ranks.*n_head = 25"):
+        tpcore.TensorReplacer(spec.build(), None, False, 2, rank=0).validate()
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "world_size"), [(4, 2, 3), (6, 6, 4)])
+def test_kv_heads_that_can_be_neither_split_nor_replicated_are_refused(heads, kv_heads, world_size):
+    spec = model_spec("Llama", "ForCausalLM", heads=heads * world_size, kv_heads=kv_heads)
+    with pytest.raises(tpcore.ShardingError, match="num_key_value_heads"):
+        tpcore.TensorReplacer(spec.build(), None, False, world_size, rank=0).validate()
+
+
+@st.composite
+def cases(draw):
+    arch, head = draw(st.sampled_from(CASES))
+    world_size = draw(st.sampled_from([1, 2, 3, 4]))
+    heads = world_size * draw(st.integers(1, 3))
+    kv_heads = draw(
+        st.sampled_from(
+            [d for d in range(1, heads + 1) if heads % d == 0 and (d % world_size == 0 or world_size % d == 0)]
+        )
+    )
+    head_dim = draw(st.sampled_from([2, 4, 8]))
+    intermediate = world_size * draw(st.integers(1, 24))
+    batch = draw(st.integers(1, 3))
+    seq = draw(st.integers(1, 9))
+    lengths = draw(st.lists(st.integers(1, seq), min_size=batch, max_size=batch))
+    layers = draw(st.integers(1, 2))
+    seed = draw(st.integers(0, 2**16))
+    return arch, head, world_size, heads, kv_heads, head_dim, intermediate, layers, lengths, seq, seed
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=cases())
+def test_random_configs_match_unsplit(rank_pools, case):
+    arch, head, world_size, heads, kv_heads, head_dim, intermediate, layers, lengths, seq, seed = case
+    spec = model_spec(arch, head, heads * head_dim, heads, layers, intermediate, kv_heads, seed)
+    inputs = left_padded(lengths, seq, seed + 1)
+    if head == "DoubleHeadsModel":
+        inputs = {k: v[:, None].expand(-1, 2, -1).contiguous() for k, v in inputs.items()}
+    report = check_equivalence(spec, inputs, world_sizes=(world_size,), pools=rank_pools)
+    assert report[world_size]
