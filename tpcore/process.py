@@ -29,7 +29,10 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Client, Listener, wait
 from typing import Any
 
-import cloudpickle
+try:
+    import cloudpickle
+except ImportError:  # an offline machine without it: code from __main__ cannot travel, the rest works
+    cloudpickle = pickle
 
 __all__ = ["RankContext", "RankPool", "WorkerDiedError", "WorkerError"]
 

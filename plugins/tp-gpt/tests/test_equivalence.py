@@ -193,3 +193,25 @@ def test_random_configs_match_unsplit(rank_pools, case):
         inputs = {k: v[:, None].expand(-1, 2, -1).contiguous() for k, v in inputs.items()}
     report = check_equivalence(spec, inputs, world_sizes=(world_size,), pools=rank_pools)
     assert report[world_size]
+
+
+#: fp16/bf16 tolerances relative to the logits' scale: both runs use that dtype, only the order
+#: of the reductions differs.
+GPU_TOLERANCES = {torch.float16: 5e-3, torch.bfloat16: 4e-2}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", list(GPU_TOLERANCES), ids=str)
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_cuda_nccl_matches_unsplit(nccl_rank_pools, arch, world_size, dtype):
+    """Logits on CUDA with NCCL in half precision; world sizes beyond the visible GPUs are skipped."""
+    visible = torch.cuda.device_count()
+    if visible < world_size:
+        pytest.skip(f"world size {world_size} needs {world_size} GPUs; this machine has {visible}")
+    spec = model_spec(arch, ARCHITECTURES[arch].causal_lm, kv_heads=1)
+    inputs = left_padded([7, 3, 5], seq=7, seed=2)
+    report = check_equivalence(
+        spec, inputs, world_sizes=(world_size,), pools=nccl_rank_pools, rtol=GPU_TOLERANCES[dtype], dtype=dtype
+    )
+    assert report[world_size]
