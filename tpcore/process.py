@@ -1,6 +1,6 @@
 """RankPool: N local ranks joined in one process group, running functions sent to them.
 
-Ranks are fresh interpreters (``python -m tpcore.process``), not forks or ``multiprocessing``
+Ranks are fresh interpreters (``python -c`` running :func:`worker_entry`), not forks or ``multiprocessing``
 spawns: they never re-import the caller's ``__main__``, so scripts need no ``if __name__ ==
 "__main__"`` guard and notebooks work. Messages are cloudpickled by value: functions and classes
 defined in ``__main__`` travel with them, and no tensor goes through shared memory.
@@ -148,7 +148,7 @@ class RankPool:
         with Listener(family="AF_UNIX", authkey=authkey) as listener:
             for rank in range(world_size):
                 argv = [listener.address, rank, world_size, self.backend, master_addr, port, threads]
-                command = [sys.executable, "-m", "tpcore.process", *map(str, argv)]
+                command = [sys.executable, "-c", _WORKER_COMMAND, *map(str, argv)]
                 self._procs.append(subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL))
             try:
                 self._conns = self._accept(listener, start_timeout)
@@ -350,6 +350,10 @@ def _worker_main(address, rank, world_size, backend, master_addr, master_port, t
     os._exit(0)  # skip interpreter teardown: gloo threads may abort in static destructors
 
 
-if __name__ == "__main__":
-    address, rank, world_size, backend, master_addr, master_port, threads = sys.argv[1:8]
+def worker_entry(argv: list[str]) -> None:
+    """``python -c`` entry point of a rank (see ``_WORKER_COMMAND``)."""
+    address, rank, world_size, backend, master_addr, master_port, threads = argv
     _worker_main(address, int(rank), int(world_size), backend, master_addr, int(master_port), int(threads))
+
+
+_WORKER_COMMAND = "import sys; from tpcore.process import worker_entry; worker_entry(sys.argv[1:])"

@@ -1,0 +1,106 @@
+"""Policies for the T5 family (transformers 5.x).
+
+T5 blocks differ between the encoder (self-attention, MLP) and the decoder (self-attention,
+cross-attention, MLP), so these policies apply to the attention and MLP modules themselves, one
+policy per module class, wherever they sit:
+
+- Attention (``SelfAttention`` and ``EncDecAttention`` alike): ``q``, ``k``, ``v`` column
+  parallel, ``o`` row parallel; ``n_heads`` and ``inner_dim`` become the local values. The
+  ``relative_attention_bias`` table, ``Embedding(buckets, heads)``, is split along its heads
+  (dim 1, hence ``reversed``), so the position bias a rank computes, ``[1, local heads, q, k]``,
+  matches its heads; T5 computes it in block 0 and reuses it in later blocks, UMT5 in every
+  layer. Cross-attention has no table and builds a zero bias of ``n_heads`` heads.
+- MLP: ``wi`` (or the gated ``wi_0``, ``wi_1`` of T5 v1.1/FLAN, mT5, UMT5) column parallel,
+  ``wo`` row parallel. The forwards read ``wo.weight.dtype``; row-parallel modules keep ``.weight``.
+"""
+
+from __future__ import annotations
+
+from tpcore import Layer, Policy, divide
+
+_MODELS = "transformers.models"
+
+
+def _linear(path: str) -> Layer:
+    return Layer(weight=f"{path}.weight", bias=f"{path}.bias")
+
+
+class T5AttentionPolicy(Policy):
+    """``T5Attention``: heads split across ranks, with their relative position bias."""
+
+    layer_class = f"{_MODELS}.t5.modeling_t5.T5Attention"
+
+    @staticmethod
+    def replace_arguments(config, world_size):
+        heads = divide(config.num_heads, world_size, "num_heads")
+        return {"n_heads": heads, "inner_dim": heads * config.d_kv}
+
+    @staticmethod
+    def attn_qkv():
+        bias_table = Layer(weight="relative_attention_bias.weight", reversed=True, ignore_checker=True)
+        return [_linear("q"), _linear("k"), _linear("v"), bias_table]
+
+    @staticmethod
+    def attn_out():
+        return [_linear("o")]
+
+
+class T5DenseActDensePolicy(Policy):
+    """``T5DenseActDense`` (original T5): ``wi`` then ``wo``."""
+
+    layer_class = f"{_MODELS}.t5.modeling_t5.T5DenseActDense"
+
+    @staticmethod
+    def mlp_in():
+        return [_linear("wi")]
+
+    @staticmethod
+    def mlp_out():
+        return [_linear("wo")]
+
+
+class T5DenseGatedActDensePolicy(T5DenseActDensePolicy):
+    """``T5DenseGatedActDense`` (T5 v1.1, FLAN-T5): ``act(wi_0 x) * wi_1 x``, then ``wo``."""
+
+    layer_class = f"{_MODELS}.t5.modeling_t5.T5DenseGatedActDense"
+
+    @staticmethod
+    def mlp_in():
+        return [_linear("wi_0"), _linear("wi_1")]
+
+
+class MT5AttentionPolicy(T5AttentionPolicy):
+    layer_class = f"{_MODELS}.mt5.modeling_mt5.MT5Attention"
+
+
+class MT5DenseActDensePolicy(T5DenseActDensePolicy):
+    layer_class = f"{_MODELS}.mt5.modeling_mt5.MT5DenseActDense"
+
+
+class MT5DenseGatedActDensePolicy(T5DenseGatedActDensePolicy):
+    layer_class = f"{_MODELS}.mt5.modeling_mt5.MT5DenseGatedActDense"
+
+
+class UMT5AttentionPolicy(T5AttentionPolicy):
+    layer_class = f"{_MODELS}.umt5.modeling_umt5.UMT5Attention"
+
+
+class UMT5DenseActDensePolicy(T5DenseActDensePolicy):
+    layer_class = f"{_MODELS}.umt5.modeling_umt5.UMT5DenseActDense"
+
+
+class UMT5DenseGatedActDensePolicy(T5DenseGatedActDensePolicy):
+    layer_class = f"{_MODELS}.umt5.modeling_umt5.UMT5DenseGatedActDense"
+
+
+POLICIES = (
+    T5AttentionPolicy,
+    T5DenseActDensePolicy,
+    T5DenseGatedActDensePolicy,
+    MT5AttentionPolicy,
+    MT5DenseActDensePolicy,
+    MT5DenseGatedActDensePolicy,
+    UMT5AttentionPolicy,
+    UMT5DenseActDensePolicy,
+    UMT5DenseGatedActDensePolicy,
+)
