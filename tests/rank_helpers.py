@@ -42,3 +42,13 @@ def raise_or_reduce(context, rank):
     if context.rank == rank:
         raise ValueError("bad input on one rank")
     all_reduce_sum(context, 0)
+
+
+def environment_variable(context, name):
+    """The value of ``name`` in this rank's environment (``None`` if unset)."""
+    return os.environ.get(name)
+
+
+def parameter_shapes(context):
+    """``{name: shape}`` of the model a ``parallelize()`` rank serves."""
+    return {name: tuple(p.shape) for name, p in context.store["model"].named_parameters()}
