@@ -3,8 +3,9 @@
 The caller keeps its model object and its one copy of the weights. Each rank is sent only its
 own shard: the caller builds a weightless (meta) copy of the model, applies the policies to it,
 and streams every rank the tensors it holds (its slices of the split tensors, the replicated
-rest), one rank at a time. ``forward``, ``__call__`` and ``generate`` of the caller's model are
-then served by the ranks; rank 0 sends the outputs back as CPU tensors.
+rest) as raw bytes, one tensor at a time, straight into the rank's own storage. ``forward``,
+``__call__`` and ``generate`` of the caller's model are then served by the ranks; rank 0 sends
+the outputs back as CPU tensors.
 
 Sampling stays in step: every call carries the caller's RNG state to all ranks, and the caller
 takes rank 0's state back, so ``torch.manual_seed(s); model.generate(do_sample=True)`` draws what
@@ -88,12 +89,14 @@ def parallelize(
     )
     try:
         tensors = _named_tensors(model)
+        shapes = {name: _shard_shape(tensor, plan.get(id(tensor)), num_gpus) for name, tensor in tensors.items()}
+        metas = [(name, shape, tensors[name].dtype) for name, shape in shapes.items()]
 
-        def args_for(rank: int) -> tuple:
-            state = {name: _share(tensor, plan.get(id(tensor)), rank, num_gpus) for name, tensor in tensors.items()}
-            return skeleton, state, dtype
+        def shares(rank: int):
+            for tensor in tensors.values():
+                yield _share(tensor, plan.get(id(tensor)), rank, num_gpus)
 
-        pool.scatter(_load_shard, args_for, timeout=timeout)
+        pool.scatter(_load_shard, lambda rank: (skeleton, metas, dtype), shares, timeout=timeout)
     except BaseException:
         pool.close(timeout=3.0)
         raise
@@ -133,8 +136,16 @@ def _share(tensor: torch.Tensor, split: tuple | None, rank: int, world_size: int
     return shard(tensor.detach(), dim, rank, world_size, n_fused, heads)
 
 
-def _load_shard(context: RankContext, skeleton: nn.Module, state: dict, dtype) -> int:
-    """On a rank: give the (already split) meta skeleton its tensors, then keep it."""
+def _shard_shape(tensor: torch.Tensor, split: tuple | None, world_size: int) -> tuple[int, ...]:
+    """The shape of one rank's part of ``tensor`` (every rank's part has the same shape)."""
+    return tuple(_share(torch.empty_like(tensor, device="meta"), split, 0, world_size).shape)
+
+
+def _load_shard(context: RankContext, skeleton: nn.Module, metas: list, dtype) -> int:
+    """On a rank: receive this rank's tensors, give them to the (already split) meta skeleton, keep it."""
+    received = context.receive_tensors([(shape, tensor_dtype) for _, shape, tensor_dtype in metas])
+    state = {name: tensor for (name, _, _), tensor in zip(metas, received, strict=True)}
+    del received
     slots: dict[int, list[tuple[nn.Module, str, bool]]] = {}
     first_name: dict[int, str] = {}
     for module_name, module in skeleton.named_modules(remove_duplicate=False):

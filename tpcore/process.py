@@ -75,6 +75,33 @@ class RankContext:
     device: Any
     #: per-rank storage that lives as long as the worker (models kept between calls)
     store: dict = field(default_factory=dict)
+    connection: Any = field(default=None, repr=False)
+
+    def receive_tensors(self, metas: list[tuple[tuple[int, ...], Any]]) -> list:
+        """The raw tensors :meth:`RankPool.scatter` streams after this call: ``(shape, dtype)``
+        each, read straight into their own storage (no pickle, no extra copy)."""
+        import torch
+
+        tensors = []
+        for shape, dtype in metas:
+            tensor = torch.empty(shape, dtype=dtype)
+            if tensor.numel():
+                self.connection.recv_bytes_into(_byte_view(tensor))
+            else:
+                self.connection.recv_bytes()
+            tensors.append(tensor)
+        return tensors
+
+
+def _byte_view(tensor):
+    """A writable/readable numpy view of a contiguous CPU tensor's bytes (any dtype, bf16 too)."""
+    return tensor.reshape(-1).view(_uint8()).numpy()
+
+
+def _uint8():
+    import torch
+
+    return torch.uint8
 
 
 def _send(conn, message) -> None:
@@ -218,15 +245,28 @@ class RankPool:
                 self.close(timeout=3.0)  # a dead or stuck rank: the others may hang in a collective
                 raise
 
-    def scatter(self, fn: Callable[..., Any], args_for: Callable[[int], tuple], *, timeout: float = CALL_TIMEOUT_S):
-        """Call ``fn(context, *args_for(rank))`` on every rank, building and sending one rank's
-        arguments at a time (so only one rank's share is ever serialized in the caller)."""
+    def scatter(
+        self,
+        fn: Callable[..., Any],
+        args_for: Callable[[int], tuple],
+        tensors_for: Callable[[int], Any] | None = None,
+        *,
+        timeout: float = CALL_TIMEOUT_S,
+    ):
+        """Call ``fn(context, *args_for(rank))`` on every rank, one rank at a time.
+
+        ``tensors_for(rank)`` may yield CPU tensors to stream to that rank right after the call
+        message, as raw bytes; ``fn`` reads them with ``context.receive_tensors``. The caller thus
+        holds one rank's share of one tensor at a time, and a rank only its own tensors.
+        """
         with self._lock:
             if not self.alive:
                 raise WorkerDiedError("this RankPool is closed or lost a rank; create a new one")
             try:
                 for rank, conn in enumerate(self._conns):
                     conn.send_bytes(cloudpickle.dumps((fn, args_for(rank), {}), protocol=pickle.HIGHEST_PROTOCOL))
+                    for tensor in tensors_for(rank) if tensors_for else ():
+                        conn.send_bytes(_byte_view(tensor.detach().contiguous()) if tensor.numel() else b"")
                 return self._collect(timeout, getattr(fn, "__qualname__", repr(fn)))
             except BaseException:
                 self.close(timeout=3.0)
@@ -322,7 +362,8 @@ def _worker_main(address, rank, world_size, backend, master_addr, master_port, t
 
         torch.set_num_threads(threads)
         init_process_group(backend, rank, world_size, master_addr, master_port)
-        context = RankContext(rank, world_size, backend, dist.group.WORLD, device_for(backend, rank))
+        device = device_for(backend, rank)
+        context = RankContext(rank, world_size, backend, dist.group.WORLD, device, connection=conn)
         _send(conn, ("ok", None))
     except BaseException as error:  # report, do not hang the caller
         _send(conn, ("error", _describe(error)))
