@@ -118,7 +118,33 @@ def _weightless_copy(model: nn.Module) -> nn.Module:
         if id(tensor) not in memo:
             meta = torch.empty_like(tensor, device="meta")
             memo[id(tensor)] = nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
-    return copy.deepcopy(model, memo)
+    skeleton = copy.deepcopy(model, memo)
+    _drop_output_capturing_hooks(skeleton)
+    return skeleton
+
+
+def _drop_output_capturing_hooks(model: nn.Module) -> None:
+    """Remove the forward hooks transformers installs to record hidden states and attentions.
+
+    They are bound to this process (a ContextVar) and cannot travel; the rank installs its own.
+    """
+    for module in model.modules():
+        module.__dict__.pop("_output_capturing_hooks_installed", None)
+        for key, hook in list(module._forward_hooks.items()):
+            if "output_capturing" in getattr(hook, "__qualname__", ""):
+                del module._forward_hooks[key]
+
+
+def _register_output_recording(model: nn.Module) -> None:
+    """Let transformers record hidden states and attentions of a model that was unpickled rather
+    than constructed (its constructor registers what each model class can record)."""
+    try:
+        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+    except ImportError:  # transformers versions without output capturing need nothing
+        return
+    for module in model.modules():
+        if hasattr(module, "_can_record_outputs") and hasattr(module, "config"):
+            _CAN_RECORD_REGISTRY[module] = module._can_record_outputs
 
 
 def _named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -170,6 +196,7 @@ def _load_shard(context: RankContext, skeleton: nn.Module, metas: list, dtype) -
     if dtype is not None:
         skeleton.to(dtype)
     model = skeleton.to(context.device)
+    _register_output_recording(model)
     context.store["model"] = model
     return sum(t.numel() * t.element_size() for t in _named_tensors(model).values())
 

@@ -1,0 +1,884 @@
+"""``tpcore.parallelize()``: a split model served from the caller's process.
+
+Equivalence with the unsplit model through the proxy (BERT family, world sizes 2-4), output types,
+``generate()`` (greedy and seeded sampling), validation before any process starts, fault injection
+(a raise on every rank, a killed rank, threads), lifecycle (two models at once, 20 cycles, the
+caller exiting in every way), ``CUDA_VISIBLE_DEVICES`` and interactive use (a policy in
+``__main__``, no ``if __name__ == "__main__"`` guard, a script read from stdin).
+
+Spawning ranks costs seconds, so one parallelized BERT masked LM (world 2) is shared by the tests
+that only call it, and every other test uses the smallest model that shows its point.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import rank_helpers
+import torch
+import transformers
+from torch import nn
+
+import tpcore
+from tpcore.process import WorkerDiedError, WorkerError
+from tpcore.testing import ModelSpec, compare_outputs
+
+VOCAB = 64
+#: hidden 48, 12 heads and an MLP of 96 split evenly over 1, 2, 3 and 4 ranks
+SIZES = {"hidden": 48, "heads": 12, "layers": 2, "intermediate": 96}
+
+
+# -- models and inputs ---------------------------------------------------------------------------
+
+
+def bert_family_spec(arch: str, head: str, seed: int = 1, **overrides) -> ModelSpec:
+    """A small seeded model of ``transformers.<arch><head>`` (``DistilBert`` has its own config names)."""
+    names = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size")
+    if arch == "DistilBert":
+        names = ("dim", "n_heads", "n_layers", "hidden_dim")
+    values = dict(zip(names, SIZES.values(), strict=True))
+    if arch == "Electra":
+        values["embedding_size"] = 24  # ELECTRA projects its embeddings up to the hidden size
+    values["num_labels"] = 2 if head == "ForQuestionAnswering" else 3
+    config = getattr(transformers, f"{arch}Config")(vocab_size=VOCAB, **values, **overrides)
+    return ModelSpec(getattr(transformers, arch + head), config, seed)
+
+
+def tiny_bert(seed: int = 0) -> nn.Module:
+    """The cheapest BERT that still splits over 2 ranks."""
+    config = transformers.BertConfig(
+        hidden_size=16, num_attention_heads=2, num_hidden_layers=1, intermediate_size=32, vocab_size=32
+    )
+    return ModelSpec(transformers.BertModel, config, seed).build()
+
+
+def padded_batch(lengths: list[int], seq: int, seed: int, choices: int | None = None) -> dict:
+    """Token ids with right padding: row ``i`` has ``lengths[i]`` real tokens."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (len(lengths), seq), generator=generator)
+    mask = (torch.arange(seq)[None, :] < torch.tensor(lengths)[:, None]).long()
+    ids = ids * mask  # padding token 0 where the mask is 0
+    if choices:
+        ids, mask = (t[:, None, :].expand(len(lengths), choices, seq).contiguous() for t in (ids, mask))
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def run_unsplit(model: nn.Module, *args, **kwargs):
+    with torch.inference_mode():
+        return model(*args, **kwargs)
+
+
+def assert_split(model: nn.Module, world_size: int, min_split: int) -> None:
+    """Every rank holds slices: at least ``min_split`` parameters cut to ``1/world_size`` along one dim."""
+    full = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    for rank, shapes in enumerate(model._tpcore_handle.pool.run(rank_helpers.parameter_shapes)):
+        assert shapes.keys() == full.keys(), f"rank {rank} holds other parameters"
+        split = 0
+        for name, shape in shapes.items():
+            if shape != full[name]:
+                differing = [(a, b) for a, b in zip(shape, full[name], strict=True) if a != b]
+                assert len(differing) == 1 and differing[0][0] * world_size == differing[0][1], (name, shape)
+                split += 1
+        assert split >= min_split, f"rank {rank}: only {split} parameters split"
+
+
+# -- process, socket and shared-memory inspection ------------------------------------------------
+
+
+def gone(pid: int) -> bool:
+    """The process ended (a zombie counts as ended: nobody may be left to reap an orphan)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
+
+def wait_gone(pids, limit: float) -> float:
+    """Seconds until every pid in ``pids`` is gone; ``inf`` if not within ``limit``."""
+    started = time.monotonic()
+    while time.monotonic() - started < limit:
+        if all(gone(pid) for pid in pids):
+            return time.monotonic() - started
+        time.sleep(0.05)
+    return float("inf")
+
+
+def children() -> set[int]:
+    own = str(os.getpid())
+    found = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    fields = stat.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[1] == own and fields[0] != "Z":
+                found.add(int(entry))
+    return found
+
+
+def listening_sockets() -> dict[int, int]:
+    """``{socket inode: port}`` of every listening TCP socket in this network namespace."""
+    found = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as lines:
+            for line in list(lines)[1:]:
+                fields = line.split()
+                if fields[3] == "0A":  # TCP_LISTEN
+                    found[int(fields[9])] = int(fields[1].rsplit(":", 1)[1], 16)
+    return found
+
+
+def socket_inodes(pid: int | str) -> set[int]:
+    inodes = set()
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(int(target[8:-1]))
+    return inodes
+
+
+def listening_of(pids) -> dict[int, int]:
+    """``{inode: port}`` of the listening TCP sockets that ``pids`` hold."""
+    listening = listening_sockets()
+    return {inode: listening[inode] for pid in pids for inode in socket_inodes(pid) if inode in listening}
+
+
+def shm_entries() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# -- the shared model ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def masked_lm():
+    """``(parallelized BertForMaskedLM over 2 ranks, the same model unsplit)``, for the whole module."""
+    spec = bert_family_spec("Bert", "ForMaskedLM")
+    reference, model = spec.build(), spec.build()
+    assert tpcore.parallelize(model, num_gpus=2) is model
+    yield model, reference
+    if getattr(model, "_tpcore_handle", None) is not None:
+        model.deparallelize()
+
+
+def mlm_batch(seed: int, lengths=(7, 3, 5), seq: int = 7) -> dict:
+    return padded_batch(list(lengths), seq, seed)
+
+
+# -- 1. equivalence ------------------------------------------------------------------------------
+
+EQUIVALENCE = [
+    ("Roberta", "ForSequenceClassification", 3),
+    ("DistilBert", "ForQuestionAnswering", 4),
+    ("Electra", "ForTokenClassification", 2),
+    ("Bert", "ForMultipleChoice", 2),
+    ("Bert", "Model", 3),
+]
+
+
+def labels_for(head: str, inputs: dict, seed: int) -> dict:
+    """Labels for the heads whose loss is worth comparing too."""
+    generator = torch.Generator().manual_seed(seed)
+    batch = inputs["input_ids"].shape[0]
+    if head == "ForSequenceClassification":
+        return {"labels": torch.randint(0, 3, (batch,), generator=generator)}
+    if head == "ForTokenClassification":
+        return {"labels": torch.randint(0, 3, inputs["input_ids"].shape, generator=generator)}
+    if head == "ForMultipleChoice":
+        return {"labels": torch.randint(0, 2, (batch,), generator=generator)}
+    return {}
+
+
+@pytest.mark.parametrize(("arch", "head", "world_size"), EQUIVALENCE, ids=[f"{a}{h}-{w}" for a, h, w in EQUIVALENCE])
+def test_bert_family_through_parallelize_matches_unsplit(arch, head, world_size):
+    """Several padded batches (shapes change between calls) on one parallelized model, dict and tuple outputs."""
+    spec = bert_family_spec(arch, head)
+    reference, model = spec.build(), spec.build()
+    tpcore.parallelize(model, num_gpus=world_size)
+    try:
+        assert_split(model, world_size, min_split=6 * SIZES["layers"])
+        choices = 2 if head == "ForMultipleChoice" else None
+        for seed, (lengths, seq) in enumerate([([7, 3, 5], 7), ([4], 4), ([2, 6, 6, 1], 6)]):
+            labels = labels_for(head, padded_batch(lengths, seq, seed), seed)
+            inputs = padded_batch(lengths, seq, seed, choices) | labels
+            expected = run_unsplit(reference, **inputs)
+            got = model(**inputs)
+            assert type(got) is type(expected)
+            diffs = compare_outputs(expected, got)
+            assert ("loss" in diffs) == bool(labels)
+            compare_outputs(run_unsplit(reference, **inputs, return_dict=False), model(**inputs, return_dict=False))
+    finally:
+        model.deparallelize()
+    compare_outputs(expected, run_unsplit(model, **inputs))  # unsplit again, same weights
+
+
+def test_masked_lm_matches_unsplit_with_loss(masked_lm):
+    model, reference = masked_lm
+    assert_split(model, 2, min_split=6 * SIZES["layers"])
+    for seed in range(3):
+        inputs = mlm_batch(seed)
+        inputs["labels"] = torch.where(inputs["attention_mask"].bool(), inputs["input_ids"], -100)
+        diffs = compare_outputs(run_unsplit(reference, **inputs), model(**inputs))
+        assert set(diffs) == {"loss", "logits"}
+
+
+def test_hidden_states_come_back_through_parallelize(masked_lm):
+    model, reference = masked_lm
+    inputs = mlm_batch(4)
+    expected = run_unsplit(copy.deepcopy(reference), **inputs, output_hidden_states=True)
+    got = model(**inputs, output_hidden_states=True)
+    diffs = compare_outputs(expected, got)
+    assert {f"hidden_states.{i}" for i in range(SIZES["layers"] + 1)} <= set(diffs)
+
+
+def test_a_model_that_already_returned_hidden_states_can_be_parallelized():
+    model = tiny_bert()
+    inputs = {"input_ids": torch.tensor([[5, 6, 7, 8]])}
+    expected = run_unsplit(model, **inputs, output_hidden_states=True)
+    tpcore.parallelize(model, num_gpus=2)
+    try:
+        compare_outputs(expected.last_hidden_state, model(**inputs).last_hidden_state)
+    finally:
+        model.deparallelize()
+
+
+# -- 2. output types and attributes --------------------------------------------------------------
+
+
+def test_outputs_keep_their_types_and_the_model_its_attributes(masked_lm):
+    model, reference = masked_lm
+    inputs = mlm_batch(5)
+    out = model(**inputs)
+    assert type(out) is transformers.modeling_outputs.MaskedLMOutput
+    assert isinstance(out, transformers.utils.ModelOutput)
+    assert isinstance(out.logits, torch.Tensor) and type(out.logits) is torch.Tensor
+    assert out.logits.device.type == "cpu" and not out.logits.requires_grad
+    assert out.logits.dtype == torch.float32 and out.logits.shape == (3, 7, VOCAB)
+    assert out.loss is None and out[0] is out.logits  # indexing as a ModelOutput works
+    torch.testing.assert_close(model.forward(**inputs).logits, out.logits, rtol=0, atol=0)  # forward is served
+    as_tuple = model(**inputs, return_dict=False)
+    assert type(as_tuple) is tuple and len(as_tuple) == 1 and type(as_tuple[0]) is torch.Tensor
+    positional = model(inputs["input_ids"], inputs["attention_mask"])  # positional arguments travel too
+    compare_outputs(run_unsplit(reference, **inputs), positional)
+
+    assert isinstance(model, transformers.PreTrainedModel) and isinstance(model, transformers.BertForMaskedLM)
+    assert model.config.hidden_size == SIZES["hidden"] and model.config.vocab_size == VOCAB
+    assert model.main_input_name == "input_ids" and model.device.type == "cpu" and not model.training
+    assert model.bert.embeddings.word_embeddings.weight.shape == (VOCAB, SIZES["hidden"])
+    assert model.num_parameters() == reference.num_parameters()  # the caller's copy is whole, untouched
+    for (name, mine), theirs in zip(model.state_dict().items(), reference.state_dict().values(), strict=True):
+        assert torch.equal(mine, theirs), name
+
+
+def test_memory_queries_report_every_rank(masked_lm):
+    model, _ = masked_lm
+    full = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    allocated = model.memory_allocated()
+    assert sorted(allocated) == ["cpu:0", "cpu:1"]
+    assert all(isinstance(v, int) and 0 < v < full for v in allocated.values()), (allocated, full)
+    for query in (model.memory_reserved, model.memory_cached, model.memory_peak):
+        figures = query()
+        assert sorted(figures) == ["cpu:0", "cpu:1"] and all(v > allocated[k] for k, v in figures.items())
+
+
+# -- 3. generate ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def lm_head():
+    special = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+    spec = bert_family_spec("Bert", "LMHeadModel", seed=7, is_decoder=True, **special)
+    reference, model = spec.build(), spec.build()
+    tpcore.parallelize(model, num_gpus=2)
+    yield model, reference
+    model.deparallelize()
+
+
+def generate_inputs() -> dict:
+    """A batch of 3 prompts, left padded (2 and 4 pad tokens in the shorter rows)."""
+    ids = torch.randint(3, VOCAB, (3, 6), generator=torch.Generator().manual_seed(11))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = mask[2, :4] = 0
+    return {"input_ids": ids * mask, "attention_mask": mask, "max_new_tokens": 20, "min_new_tokens": 20}
+
+
+def test_greedy_generate_gives_the_unsplit_tokens(lm_head):
+    model, reference = lm_head
+    kwargs = generate_inputs()
+    with torch.inference_mode():
+        expected = reference.generate(**kwargs, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    got = model.generate(**kwargs, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    assert type(got) is type(expected) and model.generation_config.pad_token_id == 0  # still reachable
+    assert got.sequences.shape == (3, 6 + 20)
+    assert torch.equal(got.sequences, expected.sequences)
+    compare_outputs(expected.logits, got.logits)
+    assert torch.equal(model.generate(**kwargs), expected.sequences)  # plain tensor output
+
+
+def test_seeded_sampling_gives_the_unsplit_draws_twice_in_a_row(lm_head):
+    model, reference = lm_head
+    kwargs = generate_inputs()
+
+    def draws(m, seed):
+        torch.manual_seed(seed)
+        with torch.inference_mode():
+            first, second = (m.generate(**kwargs, do_sample=True) for _ in range(2))
+        return first, second, torch.rand(4)  # the caller's RNG continues where the ranks left it
+
+    expected, got = draws(reference, 1234), draws(model, 1234)
+    assert not torch.equal(expected[0], expected[1])  # the second draw follows the first's RNG state
+    assert not torch.equal(expected[0], draws(reference, 99)[0])  # the seed matters
+    for want, have in zip(expected, got, strict=True):
+        assert torch.equal(want, have)
+
+
+# -- 4. validation before any process starts -----------------------------------------------------
+
+
+class NotATransformer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.linear(x)
+
+
+@pytest.fixture
+def only_tp_bert(monkeypatch):
+    """Only the tp-bert plugin is loaded (another installed plugin may cover GPT-2)."""
+    from tpcore.plugins import ONLY_PLUGINS_ENV, reset_plugins
+
+    monkeypatch.setenv(ONLY_PLUGINS_ENV, "tp-bert")
+    reset_plugins()
+    yield
+    monkeypatch.undo()
+    reset_plugins()
+
+
+def gpt2():
+    config = transformers.GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=32, bos_token_id=1, eos_token_id=2)
+    return transformers.GPT2Model(config).eval()
+
+
+def bert_with(**sizes):
+    values = {"hidden_size": 48, "num_attention_heads": 12, "intermediate_size": 96} | sizes
+    return transformers.BertModel(transformers.BertConfig(num_hidden_layers=1, vocab_size=32, **values)).eval()
+
+
+INVALID = [
+    ("gpt2", gpt2, 2, tpcore.UnsupportedModelError, "GPT2Model"),
+    ("custom-module", NotATransformer, 2, tpcore.UnsupportedModelError, "NotATransformer"),
+    ("heads", bert_with, 5, tpcore.ShardingError, "BertModel over 5 ranks.*num_attention_heads = 12"),
+    ("intermediate", lambda: bert_with(intermediate_size=90), 4, tpcore.ShardingError, "intermediate.dense.weight.*90"),
+]
+
+
+@pytest.mark.parametrize(
+    ("make", "world_size", "error", "match"), [c[1:] for c in INVALID], ids=[c[0] for c in INVALID]
+)
+def test_invalid_models_fail_before_any_process_starts(only_tp_bert, monkeypatch, make, world_size, error, match):
+    model = make()
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    spawned = []
+    real_popen = subprocess.Popen
+
+    def spy(*args, **kwargs):
+        spawned.append(args)
+        return real_popen(*args, **kwargs)
+
+    monkeypatch.setattr(subprocess, "Popen", spy)
+    kids = children()
+    with pytest.raises(error, match=match):
+        tpcore.parallelize(model, num_gpus=world_size)
+    assert spawned == [] and children() <= kids
+    assert not hasattr(model, "_tpcore_handle") and "forward" not in vars(model)
+    assert all(torch.equal(t, before[name]) for name, t in model.state_dict().items())
+
+
+# -- 5. never hang -------------------------------------------------------------------------------
+
+
+def bad_inputs():
+    ids = mlm_batch(6)["input_ids"]
+    return {
+        "out-of-vocabulary": ((), {"input_ids": ids + VOCAB}),
+        "too-many-arguments": ((ids,) * 12, {}),
+        "labels-of-another-batch": ((), {"input_ids": ids, "labels": torch.zeros(5, 2, dtype=torch.long)}),
+    }
+
+
+@pytest.mark.parametrize("case", list(bad_inputs()))
+def test_an_error_on_every_rank_comes_back_as_its_type_and_the_model_keeps_working(masked_lm, case):
+    model, reference = masked_lm
+    args, kwargs = bad_inputs()[case]
+    with pytest.raises(Exception) as unsplit:
+        run_unsplit(reference, *args, **kwargs)
+    pids = model._tpcore_handle.pool.pids
+    started = time.monotonic()
+    with pytest.raises(unsplit.type) as caught:
+        model(*args, **kwargs)
+    assert time.monotonic() - started < 10
+    assert type(caught.value) is unsplit.type and str(caught.value) == str(unsplit.value)
+    cause = caught.value.__cause__
+    assert isinstance(cause, WorkerError) and cause.type_name == unsplit.type.__qualname__
+    assert cause.pool_consistent and "Traceback" in cause.remote_traceback
+    assert "forward" in cause.remote_traceback and "--- rank" in str(cause)
+    assert model._tpcore_handle.pool.pids == pids and model._tpcore_handle.pool.alive  # the same ranks serve on
+    inputs = mlm_batch(7)
+    compare_outputs(run_unsplit(reference, **inputs), model(**inputs))
+
+
+def test_calls_from_eight_threads_each_get_their_own_result(masked_lm):
+    model, reference = masked_lm
+    inputs = [mlm_batch(100 + i, lengths=[1 + i % 4] * (1 + i % 3), seq=4 + i % 4) for i in range(8)]
+    expected = [run_unsplit(reference, **batch) for batch in inputs]
+    results: dict[int, object] = {}
+    barrier = threading.Barrier(8)
+
+    def call(i):
+        barrier.wait()
+        try:
+            results[i] = model(**inputs[i])
+        except BaseException as error:  # reported below, not lost in the thread
+            results[i] = error
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not any(thread.is_alive() for thread in threads)
+    assert sorted(results) == list(range(8))
+    for i in range(8):
+        assert not isinstance(results[i], BaseException), results[i]
+        compare_outputs(expected[i], results[i])
+
+
+def stall_on_batch_of_three(module, args):
+    """A forward pre-hook that keeps a rank busy, so that a call is in flight when a rank is killed."""
+    if args[0].shape[0] == 3:
+        time.sleep(30)
+
+
+def test_a_killed_rank_is_detected_within_seconds_and_deparallelize_still_works():
+    reference, model = tiny_bert(seed=3), tiny_bert(seed=3)
+    model.encoder.register_forward_pre_hook(stall_on_batch_of_three)  # travels to the ranks with the model
+    inputs = {"input_ids": torch.tensor([[5, 6, 7, 8], [9, 10, 11, 0]]), "attention_mask": torch.ones(2, 4)}
+    inputs["attention_mask"][1, 3] = 0
+    expected = run_unsplit(reference, **inputs)
+    timings = {}
+
+    # a rank killed between calls
+    tpcore.parallelize(model, num_gpus=2)
+    compare_outputs(expected, model(**inputs))
+    pids = model._tpcore_handle.pool.pids
+    started = time.monotonic()
+    os.kill(pids[1], signal.SIGKILL)
+    with pytest.raises(WorkerDiedError, match="rank 1 died|lost a rank"):
+        model(**inputs)
+    timings["idle"] = time.monotonic() - started
+    started = time.monotonic()
+    with pytest.raises(WorkerDiedError):
+        model(**inputs)  # no hang on the next call either
+    assert time.monotonic() - started < 1
+    assert wait_gone(pids, 5) < 5 and not model._tpcore_handle.pool.alive
+    assert model.deparallelize() is model
+    assert not hasattr(model, "_tpcore_handle") and "forward" not in vars(model)
+    compare_outputs(expected, run_unsplit(model, **inputs), rtol=0)
+
+    # a rank killed while a call is in flight (the other rank is busy and cannot answer)
+    tpcore.parallelize(model, num_gpus=2)
+    compare_outputs(expected, model(**inputs))
+    pids = model._tpcore_handle.pool.pids
+    killed_at = []
+    killer = threading.Timer(1.0, lambda: (killed_at.append(time.monotonic()), os.kill(pids[0], signal.SIGKILL)))
+    killer.start()
+    with pytest.raises(WorkerDiedError, match="rank 0 died"):
+        model(input_ids=torch.tensor([[5, 6], [7, 8], [9, 10]]))
+    timings["mid-call"] = time.monotonic() - killed_at[0]
+    assert wait_gone(pids, 5) < 5
+    model.deparallelize()
+    compare_outputs(expected, run_unsplit(model, **inputs), rtol=0)
+    print(f"\nkill detection: {', '.join(f'{k} {v:.2f} s' for k, v in timings.items())}")
+    assert all(t < 5 for t in timings.values()), timings
+
+
+# -- 6. lifecycle --------------------------------------------------------------------------------
+
+
+def test_two_models_parallelized_at_once_use_their_own_ports():
+    port = free_port()
+    models = {"bert": tiny_bert(seed=1), "distilbert": bert_family_spec("DistilBert", "Model").build()}
+    references = {name: copy.deepcopy(model) for name, model in models.items()}
+    batch = mlm_batch(8)
+    inputs = {"bert": {"input_ids": batch["input_ids"] % 32}, "distilbert": batch}
+    expected = {name: run_unsplit(ref, **inputs[name]) for name, ref in references.items()}
+    tpcore.parallelize(models["bert"], num_gpus=2, master_port=port)
+    try:
+        tpcore.parallelize(models["distilbert"], num_gpus=2)
+        try:
+            ports = {name: set(listening_of(m._tpcore_handle.pool.pids).values()) for name, m in models.items()}
+            assert port in ports["bert"] and ports["bert"].isdisjoint(ports["distilbert"]), ports
+            for _ in range(2):  # interleaved calls
+                for name, model in models.items():
+                    compare_outputs(expected[name], model(**inputs[name]))
+            with pytest.raises(RuntimeError, match="already parallelized"):
+                tpcore.parallelize(models["bert"], num_gpus=2)
+        finally:
+            models["distilbert"].deparallelize()
+        compare_outputs(expected["bert"], models["bert"](**inputs["bert"]))  # the other one serves on
+    finally:
+        models["bert"].deparallelize()
+
+
+def test_twenty_cycles_leave_no_process_port_or_shared_memory_behind():
+    model = tiny_bert(seed=2)
+    inputs = {"input_ids": torch.tensor([[5, 6, 7, 8]])}
+    expected = run_unsplit(model, **inputs)
+    kids, own_listening, shm = children(), listening_of([os.getpid()]), shm_entries()
+    fds, threads = len(os.listdir("/proc/self/fd")), threading.active_count()
+    cycle_times, rank_listeners = [], {}
+    for _ in range(20):
+        started = time.monotonic()
+        tpcore.parallelize(model, num_gpus=2)
+        pids = model._tpcore_handle.pool.pids
+        rank_listeners.update(listening_of(pids))
+        compare_outputs(expected, model(**inputs))
+        model.deparallelize()
+        cycle_times.append(time.monotonic() - started)
+        assert all(gone(pid) for pid in pids)
+    assert rank_listeners, "the ranks' listening sockets should have been visible"
+    assert children() <= kids
+    assert not set(rank_listeners) & set(listening_sockets()), "a rank's listening socket outlived it"
+    assert listening_of([os.getpid()]) == own_listening
+    assert shm_entries() <= shm
+    assert len(os.listdir("/proc/self/fd")) == fds and threading.active_count() == threads
+    compare_outputs(expected, run_unsplit(model, **inputs), rtol=0)
+    mean = sum(cycle_times) / len(cycle_times)
+    print(
+        f"\nparallelize -> call -> deparallelize: mean {mean:.2f} s, min {min(cycle_times):.2f} s, "
+        f"max {max(cycle_times):.2f} s over {len(cycle_times)} cycles (world 2)"
+    )
+
+
+CALLER = textwrap.dedent(
+    """
+    import json, sys, time
+    import torch, transformers, tpcore
+
+    mode = sys.argv[1]
+    config = transformers.BertConfig(
+        hidden_size=16, num_attention_heads=2, num_hidden_layers=1, intermediate_size=32, vocab_size=32
+    )
+    model = transformers.BertModel(config).eval()
+
+    def stall(module, args):
+        time.sleep(120)
+
+    if mode.endswith("-call"):
+        model.encoder.register_forward_pre_hook(stall)
+    tpcore.parallelize(model, num_gpus=2)
+    print(json.dumps(model._tpcore_handle.pool.pids), flush=True)
+    ids = torch.tensor([[5, 6, 7]])
+    if mode in ("exit", "raise"):
+        model(input_ids=ids)
+        print("READY", flush=True)
+        sys.stdin.readline()  # the test says when
+        if mode == "raise":
+            raise RuntimeError("uncaught in the caller")
+    else:
+        print("READY", flush=True)
+        if mode.endswith("-idle"):
+            time.sleep(120)
+        else:
+            model(input_ids=ids)
+    """
+)
+
+
+class Script:
+    """A Python process in its own session whose stdout lines and stderr are collected by threads.
+
+    The ranks inherit its pipes, so nothing may wait for them to close.
+    """
+
+    def __init__(self, argv, stdin_text: str | None = None, env=None, cwd=None):
+        """``stdin_text``: written to its stdin, which is then closed; ``""`` leaves stdin open."""
+        self.proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.PIPE if stdin_text is not None else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+            env=env,
+            cwd=cwd,
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.out: list[str] = []
+        self.err: list[str] = []
+        self.pumps = [
+            threading.Thread(target=self._pump, args=(stream, sink), daemon=True)
+            for stream, sink in ((self.proc.stdout, self._line), (self.proc.stderr, self.err.append))
+        ]
+        for pump in self.pumps:
+            pump.start()
+        if stdin_text:
+            self.proc.stdin.write(stdin_text)
+            self.proc.stdin.close()
+
+    def _line(self, line: str) -> None:
+        self.out.append(line)
+        self.lines.put(line.rstrip("\n"))
+
+    @staticmethod
+    def _pump(stream, sink) -> None:
+        for line in stream:
+            sink(line)
+
+    def next_line(self, timeout: float) -> str:
+        try:
+            return self.lines.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"no output within {timeout} s; stderr:\n{self.stderr}") from None
+
+    def finish(self, timeout: float) -> int:
+        """Wait for the process to exit and for its output to be read (its ranks must be gone by then)."""
+        code = self.proc.wait(timeout)
+        for pump in self.pumps:
+            pump.join(10)
+        return code
+
+    @property
+    def stderr(self) -> str:
+        return "".join(self.err)
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+
+#: mode -> (signal to send once READY, to the whole process group as a terminal's Ctrl-C does)
+EXITS = {
+    "exit": (None, False),
+    "raise": (None, False),
+    "sigint-idle": (signal.SIGINT, False),
+    "sigint-call": (signal.SIGINT, False),
+    "ctrl-c-call": (signal.SIGINT, True),
+    "sigkill-idle": (signal.SIGKILL, False),
+    "sigkill-call": (signal.SIGKILL, False),
+}
+
+
+def test_the_caller_exiting_in_any_way_leaves_no_orphans(tmp_path):
+    """Every way a caller ends, run side by side: normal exit, uncaught exception, SIGINT (to the caller
+    only, or to its process group like Ctrl-C in a terminal) while idle or mid-call, SIGKILL.
+
+    The ranks must be gone within 10 s of the caller's end (of the signal, for a signalled caller).
+    """
+    script = tmp_path / "caller.py"
+    script.write_text(CALLER)
+    callers = {mode: Script([sys.executable, str(script), mode], stdin_text="") for mode in EXITS}
+    rank_pids: dict[str, list[int]] = {}
+    ended_at: dict[str, float] = {}  # caller exit, or the signal sent to it
+    gone_at: dict[str, float] = {}  # every rank of that caller gone
+    stop = threading.Event()
+
+    def monitor():
+        while not stop.is_set():
+            now = time.monotonic()
+            for mode, caller in callers.items():
+                if EXITS[mode][0] is None and mode not in ended_at and caller.proc.poll() is not None:
+                    ended_at[mode] = now
+                pids = rank_pids.get(mode)
+                if pids and mode not in gone_at and all(gone(pid) for pid in pids):
+                    gone_at[mode] = now
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=monitor, daemon=True)
+    watcher.start()
+    try:
+        for mode, caller in callers.items():
+            rank_pids[mode] = json.loads(caller.next_line(180))
+        for caller in callers.values():
+            assert caller.next_line(60) == "READY"
+        time.sleep(1.0)  # the "-call" modes are now inside a call
+        for mode, (signum, group) in EXITS.items():
+            assert mode not in gone_at, f"{mode}: ranks ended too early"
+            if signum is None:
+                callers[mode].proc.stdin.write("go\n")
+                callers[mode].proc.stdin.close()
+            else:
+                ended_at[mode] = time.monotonic()
+                (os.killpg if group else os.kill)(callers[mode].proc.pid, signum)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not all(c.proc.poll() is not None for c in callers.values()):
+            time.sleep(0.05)
+        while time.monotonic() < deadline and len(gone_at) < len(callers):
+            if all(time.monotonic() > ended_at[mode] + 10 for mode in callers if mode not in gone_at):
+                break
+            time.sleep(0.05)
+        stop.set()
+        watcher.join(5)
+        failures, timings = [], {}
+        for mode, caller in callers.items():
+            code = caller.proc.poll()
+            if code is None or mode not in ended_at:
+                failures.append(f"{mode}: the caller did not end within 60 s")
+                continue
+            timings[mode] = gone_at.get(mode, float("inf")) - ended_at[mode]
+            if not timings[mode] <= 10:
+                failures.append(f"{mode}: ranks {rank_pids[mode]} still alive 10 s after the caller ended")
+            wanted = {"exit": code == 0, "raise": code == 1, "sigkill-idle": code == -9, "sigkill-call": code == -9}
+            if not wanted.get(mode, code != 0):
+                failures.append(f"{mode}: exit code {code}; stderr:\n{caller.stderr[-2000:]}")
+            if mode == "raise" and "uncaught in the caller" not in caller.stderr:
+                failures.append(f"raise: the caller's exception is not on its stderr:\n{caller.stderr[-2000:]}")
+        print("\nranks gone after the caller ended: " + ", ".join(f"{m} {t:.2f} s" for m, t in timings.items()))
+        assert not failures, "\n".join(failures)
+    finally:
+        stop.set()
+        for caller in callers.values():
+            caller.kill()
+        for pid in (pid for pids in rank_pids.values() for pid in pids):
+            if not gone(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+
+# -- 7. CUDA_VISIBLE_DEVICES ---------------------------------------------------------------------
+
+
+def test_cuda_visible_devices_is_respected_and_never_rewritten(monkeypatch):
+    """The ranks see the caller's value; the caller's environment, RNG and thread count are left alone."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7,3")
+    model = tiny_bert(seed=4)
+    inputs = {"input_ids": torch.tensor([[5, 6, 7]])}
+    expected = run_unsplit(model, **inputs)
+    environment, rng, threads = dict(os.environ), torch.get_rng_state(), torch.get_num_threads()
+    tpcore.parallelize(model, num_gpus=2, backend="gloo")
+    try:
+        assert dict(os.environ) == environment  # no MASTER_PORT, RANK, ... set in the caller
+        seen = model._tpcore_handle.pool.run(rank_helpers.environment_variable, "CUDA_VISIBLE_DEVICES")
+        assert seen == ["7,3", "7,3"]
+        compare_outputs(expected, model(**inputs))
+        assert dict(os.environ) == environment
+    finally:
+        model.deparallelize()
+    assert dict(os.environ) == environment and os.environ["CUDA_VISIBLE_DEVICES"] == "7,3"
+    assert torch.equal(torch.get_rng_state(), rng) and torch.get_num_threads() == threads
+
+
+# -- 8. interactive use --------------------------------------------------------------------------
+
+NOTEBOOK = textwrap.dedent(
+    """
+    import torch
+    import transformers
+    import tpcore
+    from tpcore import Layer, Policy, divide
+
+    consulted = []
+
+
+    class InlineBertPolicy(Policy):
+        layer_class = transformers.models.bert.modeling_bert.BertLayer
+
+        @staticmethod
+        def replace_arguments(config, world_size):
+            consulted.append(world_size)
+            heads = divide(config.num_attention_heads, world_size, "num_attention_heads")
+            head_size = config.hidden_size // config.num_attention_heads
+            return {"attention.self.num_attention_heads": heads, "attention.self.all_head_size": heads * head_size}
+
+        @staticmethod
+        def attn_qkv():
+            return [Layer(f"attention.self.{n}.weight", f"attention.self.{n}.bias") for n in ("query", "key", "value")]
+
+        @staticmethod
+        def attn_out():
+            return [Layer("attention.output.dense.weight", "attention.output.dense.bias")]
+
+        @staticmethod
+        def mlp_in():
+            return [Layer("intermediate.dense.weight", "intermediate.dense.bias")]
+
+        @staticmethod
+        def mlp_out():
+            return [Layer("output.dense.weight", "output.dense.bias")]
+
+
+    config = transformers.BertConfig(
+        hidden_size=48, num_attention_heads=12, num_hidden_layers=2, intermediate_size=96, vocab_size=64
+    )
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification(config).eval()
+    ids = torch.randint(3, 64, (3, 7), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, 3:] = 0
+    with torch.inference_mode():
+        expected = model(input_ids=ids, attention_mask=mask).logits
+    try:
+        tpcore.parallelize(model, num_gpus=2)
+    except tpcore.UnsupportedModelError:
+        print("without custom_policies: UnsupportedModelError")
+    tpcore.parallelize(model, num_gpus=2, custom_policies=[InlineBertPolicy])
+    print("policy consulted for world sizes", consulted)
+    got = model(input_ids=ids, attention_mask=mask).logits
+    print("query shards", model._tpcore_handle.pool.run(
+        lambda context: list(context.store["model"].bert.encoder.layer[1].attention.self.query.weight.shape)
+    ))
+    print("max abs diff", (got - expected).abs().max().item())
+    model.deparallelize()
+    """
+)
+
+
+def test_a_policy_defined_in_main_works_from_a_script_and_from_stdin(tmp_path):
+    """No ``if __name__ == "__main__"`` guard, plugins off: only the ``__main__`` policy can split BERT."""
+    script = tmp_path / "notebook.py"
+    script.write_text(NOTEBOOK)
+    env = dict(os.environ, TPCORE_DISABLE_PLUGIN_AUTOLOAD="1")
+    runs = {
+        "python script.py": Script([sys.executable, str(script)], env=env, cwd=tmp_path),
+        "python -": Script([sys.executable, "-"], stdin_text=NOTEBOOK, env=env, cwd=tmp_path),
+    }
+    try:
+        for how, run in runs.items():
+            code = run.finish(180)
+            output = "".join(run.out)
+            assert code == 0, f"{how}: exit code {code}\n{output}\n{run.stderr}"
+            assert "without custom_policies: UnsupportedModelError" in output, f"{how}: plugins were loaded"
+            assert "policy consulted for world sizes [2" in output, output
+            assert "query shards [[24, 48], [24, 48]]" in output, output
+            diff = float(re.search(r"max abs diff (\S+)", output).group(1))
+            assert diff < 1e-5, f"{how}: max abs diff {diff}"
+    finally:
+        for run in runs.values():
+            run.kill()
