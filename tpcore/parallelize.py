@@ -224,14 +224,24 @@ def _memory(context: RankContext) -> dict[str, int]:
             "peak": torch.cuda.max_memory_allocated(context.device),
             "tensors": tensor_bytes,
         }
-    with open("/proc/self/statm") as statm:
-        resident = int(statm.read().split()[1]) * resource.getpagesize()
     return {
         "allocated": tensor_bytes,
-        "reserved": resident,
-        "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "reserved": _status_bytes("VmRSS"),
+        "peak": _status_bytes("VmHWM"),  # not ru_maxrss: Linux carries the parent's peak across exec
         "tensors": tensor_bytes,
     }
+
+
+def _status_bytes(field: str) -> int:
+    """A ``kB`` field of ``/proc/self/status`` (``VmRSS``: resident now, ``VmHWM``: peak resident)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # no /proc: best effort
 
 
 class ParallelHandle:
