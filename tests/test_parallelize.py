@@ -30,6 +30,7 @@ import pytest
 import rank_helpers
 import torch
 import transformers
+from process_probes import children, gone
 from torch import nn
 
 import tpcore
@@ -98,15 +99,6 @@ def assert_split(model: nn.Module, world_size: int, min_split: int) -> None:
 # -- process, socket and shared-memory inspection ------------------------------------------------
 
 
-def gone(pid: int) -> bool:
-    """The process ended (a zombie counts as ended: nobody may be left to reap an orphan)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return True
-
-
 def wait_gone(pids, limit: float) -> float:
     """Seconds until every pid in ``pids`` is gone; ``inf`` if not within ``limit``."""
     started = time.monotonic()
@@ -115,21 +107,6 @@ def wait_gone(pids, limit: float) -> float:
             return time.monotonic() - started
         time.sleep(0.05)
     return float("inf")
-
-
-def children() -> set[int]:
-    own = str(os.getpid())
-    found = set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as stat:
-                    fields = stat.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if fields[1] == own and fields[0] != "Z":
-                found.add(int(entry))
-    return found
 
 
 def listening_sockets() -> dict[int, int]:

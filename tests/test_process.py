@@ -2,25 +2,16 @@
 
 from __future__ import annotations
 
-import os
 import socket
 import threading
 import time
 
 import pytest
 import rank_helpers
+from process_probes import children, gone
 
+from tpcore.distributed import free_port
 from tpcore.process import RankPool, WorkerDiedError, WorkerError
-
-
-def gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    # a zombie still answers kill(0); it is gone once reaped, which close() does
-    with open(f"/proc/{pid}/stat") as stat:
-        return stat.read().split()[2] == "Z"
 
 
 @pytest.fixture
@@ -90,7 +81,7 @@ def test_calls_from_threads_are_serialized_and_each_gets_its_own_result(pool):
 
 
 def test_close_leaves_no_process_and_frees_the_port():
-    port = _free_port()
+    port = free_port()
     pool = RankPool(2, "gloo", master_port=port)
     pids = [pid for *_, pid in pool.run(rank_helpers.whoami)]
     pool.close()
@@ -102,12 +93,12 @@ def test_close_leaves_no_process_and_frees_the_port():
 
 
 def test_a_rank_that_cannot_start_fails_fast_and_leaves_nothing():
-    before = _children()
+    before = children()
     started = time.monotonic()
     with pytest.raises(WorkerError, match="(?i)nccl|cuda"):
         RankPool(2, "nccl", start_timeout=60)
     assert time.monotonic() - started < 60
-    assert _children() <= before
+    assert children() <= before
 
 
 def test_functions_and_classes_defined_in_main_travel_by_value(pool, monkeypatch):
@@ -120,24 +111,3 @@ def test_functions_and_classes_defined_in_main_travel_by_value(pool, monkeypatch
     answer.__module__ = "__main__"
     monkeypatch.setattr(__main__, "answer", answer, raising=False)
     assert pool.run(answer, 40) == [40, 41]
-
-
-def _children() -> set[int]:
-    own = str(os.getpid())
-    children = set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as stat:
-                    fields = stat.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if fields[1] == own and fields[0] != "Z":
-                children.add(int(entry))
-    return children
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
