@@ -381,3 +381,27 @@ def test_uncovered_model_with_autoload_disabled_reports_no_plugins(monkeypatch):
         UnsupportedModelError, match=r"covers BertModel \(model_type 'bert'\)\.\nInstalled plugins: none\."
     ):
         AutoPolicy().get_policy(tiny_bert())
+
+
+class SameNamePolicy(Policy):
+    layer_class = "some.module.ThirdLayer"
+    name = "other-fake"  # the name OtherFakePolicy has
+
+
+class SameLayerPolicy(Policy):
+    layer_class = "some.module.OtherLayer"  # the layer class OtherFakePolicy has
+
+
+CLASHES = [(SameNamePolicy, "name 'other-fake'"), (SameLayerPolicy, "layer class 'some.module.OtherLayer'")]
+
+
+@pytest.mark.parametrize(("clash", "what"), CLASHES)
+def test_a_policy_claimed_by_two_plugins_fails_the_second_naming_both(fake_entry_points, clash, what):
+    first = FakeEntryPoint("first", plugin_module("tp_first", OtherFakePolicy), FakeDist("tp-first", "1.0"))
+    second = FakeEntryPoint("second", plugin_module("tp_second", clash), FakeDist("tp-second", "2.0"))
+    fake_entry_points.points.extend([first, second])
+    with pytest.warns(PluginLoadWarning, match=rf"policy {what} is registered by both tp-first 1.0 and tp-second 2.0"):
+        entries = registered_policies()
+    assert [entry.policy for entry in entries] == [OtherFakePolicy]
+    failed = {info.name: info.error for info in plugin_infos()}
+    assert failed["first"] is None and "PluginConflictError" in failed["second"]

@@ -605,3 +605,15 @@ def test_gpt2_heads_not_divisible_fails_before_any_change(gpt2):
     assert all(torch.equal(model.state_dict()[key], value) for key, value in state.items())
     assert model.h[0].attn.num_heads == HEADS
     assert type(model.h[0].attn.c_proj) is Conv1D
+
+
+def test_two_policies_for_one_layer_class_are_refused_before_any_change(bert):
+    model = copy.deepcopy(bert)
+    before = snapshot(model)
+
+    class Again(BertPolicy):
+        pass
+
+    with pytest.raises(ShardingError, match=r"policies BertPolicy and Again both apply to .*BertLayer"):
+        TensorReplacer(model, None, False, num_gpus=2, custom_policies=[BertPolicy, Again], rank=0).replace_modules()
+    assert_unchanged(model, before)

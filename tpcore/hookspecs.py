@@ -6,7 +6,12 @@ holds its hook implementations, marked with :data:`tpcore.hookimpl`.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import pluggy
+
+if TYPE_CHECKING:
+    from tpcore.policy import Policy
 
 PROJECT = "tpcore"
 
@@ -16,7 +21,7 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 
 
 @hookspec
-def tpcore_register_policies() -> list[type]:
+def tpcore_register_policies() -> list[type[Policy]]:
     """Return the :class:`tpcore.Policy` classes this plugin provides.
 
     :return: a list of ``Policy`` subclasses, one per transformer layer class.

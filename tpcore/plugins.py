@@ -7,8 +7,9 @@ Environment switches (read on first use of the registry):
 ``TPCORE_PLUGINS=tp-bert,tp-gpt``
     load only these plugins, by distribution or entry-point name; empty loads none.
 
-A plugin that fails to import or register is reported with its distribution name and version
-(a :class:`PluginLoadWarning`, and in :func:`plugin_infos`) and the others still load.
+A plugin that fails to import or register, or that claims a policy name or layer class another
+loaded plugin already has, is reported with its distribution name and version (a
+:class:`PluginLoadWarning`, and in :func:`plugin_infos`) and the others still load.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from tpcore import hookspecs
 from tpcore.policy import Policy
 
 __all__ = [
+    "PluginConflictError",
     "PluginInfo",
     "PluginLoadWarning",
     "PolicyEntry",
@@ -89,8 +91,28 @@ def _canonical(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name.strip()).lower()
 
 
+class PluginConflictError(RuntimeError):
+    """A plugin registers a policy whose name or layer class another loaded plugin already claims."""
+
+
+def _check_conflicts(policies: list[type[Policy]], info: PluginInfo, owners: dict) -> None:
+    """Raise :class:`PluginConflictError` naming both plugins if a policy name or layer class is taken."""
+    for policy in policies:
+        for key in (("name", policy.policy_name()), ("layer class", policy.layer_class_name())):
+            owner = owners.get(key)
+            if owner is not None and owner is not info:
+                raise PluginConflictError(
+                    f"policy {key[0]} {key[1]!r} is registered by both {owner.distribution} {owner.version} "
+                    f"and {info.distribution} {info.version}; uninstall one, or choose with {ONLY_PLUGINS_ENV}"
+                )
+    for policy in policies:
+        owners[("name", policy.policy_name())] = info
+        owners[("layer class", policy.layer_class_name())] = info
+
+
 def _load_entry_points(manager: pluggy.PluginManager) -> list[PluginInfo]:
     infos = []
+    owners: dict = {}
     for entry_point in importlib.metadata.entry_points(group=hookspecs.PROJECT):
         dist = entry_point.dist
         dist_name = dist.metadata["Name"] if dist is not None else entry_point.name
@@ -103,6 +125,7 @@ def _load_entry_points(manager: pluggy.PluginManager) -> list[PluginInfo]:
             manager.register(plugin, name=entry_point.name)
             manager.check_pending()  # a misspelt hook fails this plugin only
             policies = _policies_of(manager, plugin)
+            _check_conflicts(policies, info, owners)
             info.policies = [policy.policy_name() for policy in policies]
         except Exception as error:  # a broken plugin must not take the others down
             if manager.get_plugin(entry_point.name) is not None:

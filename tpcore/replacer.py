@@ -200,7 +200,12 @@ class TensorReplacer:
     def _targets(self, policies: list[type[Policy]], model: nn.Module | None = None) -> list[_Target]:
         model = self.model if model is None else model
         targets = []
+        claimed: dict[str, type[Policy]] = {}
         for policy in policies:
+            other = claimed.setdefault(policy.layer_class_name(), policy)
+            if other is not policy:  # two policies would split the same tensors twice
+                both = f"{other.policy_name()} and {policy.policy_name()}"
+                raise ShardingError(f"policies {both} both apply to {policy.layer_class_name()}")
             found = [_Target(name, module, policy) for name, module in model.named_modules() if policy.matches(module)]
             if not found:
                 raise ShardingError(
