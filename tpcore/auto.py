@@ -6,6 +6,7 @@ from torch import nn
 
 from tpcore.plugins import DISABLE_AUTOLOAD_ENV, PolicyEntry, autoload_disabled, plugin_infos, registered_policies
 from tpcore.policy import Policy
+from tpcore.tp_plan import TpPlanError, derive_policies
 
 __all__ = ["AutoPolicy", "UnsupportedModelError"]
 
@@ -23,18 +24,22 @@ class AutoPolicy:
         return [entry for entry in registered_policies() if entry.policy.layer_class_name() in layer_classes]
 
     def get_policy(self, model: nn.Module) -> list[type[Policy]]:
-        """The policies for ``model``; raise :class:`UnsupportedModelError` if there are none."""
+        """The policies for ``model``: the plugins' when any covers it, else policies derived
+        from the config's ``base_model_tp_plan``; raise :class:`UnsupportedModelError` if neither."""
         entries = self.entries_for(model)
-        if not entries:
-            raise UnsupportedModelError(unsupported_message(model))
-        return [entry.policy for entry in entries]
+        if entries:
+            return [entry.policy for entry in entries]
+        try:
+            return derive_policies(model)
+        except TpPlanError as error:
+            raise UnsupportedModelError(unsupported_message(model, f"No policy could be derived: {error}.")) from None
 
     def available(self) -> list[PolicyEntry]:
         """Every registered policy."""
         return registered_policies()
 
 
-def unsupported_message(model: nn.Module) -> str:
+def unsupported_message(model: nn.Module, plan_note: str | None = None) -> str:
     infos = plugin_infos()
     loaded = [f"{i.distribution} {i.version}" for i in infos if i.error is None]
     failed = [f"{i.distribution} {i.version} (failed: {i.error})" for i in infos if i.error is not None]
@@ -46,6 +51,8 @@ def unsupported_message(model: nn.Module) -> str:
     ]
     if failed:
         lines.append("Plugins that failed to load: " + ", ".join(failed) + ".")
+    if plan_note:
+        lines.append(plan_note)
     if autoload_disabled():
         lines.append(f"Plugin autoload is disabled ({DISABLE_AUTOLOAD_ENV} is set).")
     lines.append(

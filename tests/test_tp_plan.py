@@ -1,0 +1,92 @@
+"""Models no plugin covers work from their config's ``base_model_tp_plan``, equivalently."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+import tpcore
+from tpcore.auto import AutoPolicy
+from tpcore.plugins import reset_plugins
+from tpcore.testing import ModelSpec, check_equivalence
+
+SIZES = dict(
+    vocab_size=64,
+    hidden_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=64,
+    head_dim=12,
+    pad_token_id=0,
+)
+#: (config class, causal-LM class): architectures outside tpcore's plugins, with a dense tp plan
+DERIVED = {
+    "Qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "Gemma": ("GemmaConfig", "GemmaForCausalLM"),
+    "Gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "Granite": ("GraniteConfig", "GraniteForCausalLM"),
+    "Cohere": ("CohereConfig", "CohereForCausalLM"),
+    "Starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM"),
+    "OLMo": ("OlmoConfig", "OlmoForCausalLM"),
+    "Helium": ("HeliumConfig", "HeliumForCausalLM"),
+    "SmolLM3": ("SmolLM3Config", "SmolLM3ForCausalLM"),
+}
+
+
+def spec_for(config_class: str, model_class: str, seed: int = 1) -> ModelSpec:
+    config = getattr(transformers, config_class)(**SIZES)
+    return ModelSpec(getattr(transformers, model_class), config, seed)
+
+
+def batch() -> dict:
+    ids = torch.randint(3, 64, (2, 6), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[0, :2] = 0
+    return {"input_ids": ids * mask, "attention_mask": mask}
+
+
+@pytest.mark.parametrize("arch", list(DERIVED))
+def test_a_model_with_a_tp_plan_splits_without_a_plugin(rank_pools, arch):
+    """Logits at 2 ranks (KV heads split) and 4 ranks (replicated); 16 greedy tokens identical."""
+    spec = spec_for(*DERIVED[arch])
+    assert "tp plan" in AutoPolicy().get_policy(spec.build())[0].policy_name()
+    report = check_equivalence(spec, batch(), world_sizes=(2, 4), pools=rank_pools)
+    assert sorted(report) == [2, 4]
+    tokens = {**batch(), "max_new_tokens": 16, "do_sample": False}
+    check_equivalence(spec, tokens, world_sizes=(2,), pools=rank_pools, method="generate", rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("config_class", "model_class", "style"),
+    [
+        ("Olmo2Config", "Olmo2ForCausalLM", "colwise_gather_output"),
+        ("Phi3Config", "Phi3ForCausalLM", "colwise_gather_output"),
+        ("MixtralConfig", "MixtralForCausalLM", "moe_tp_experts"),
+    ],
+)
+def test_a_plan_with_styles_tpcore_cannot_follow_is_refused_clearly(config_class, model_class, style):
+    model = spec_for(config_class, model_class).build()
+    with pytest.raises(tpcore.UnsupportedModelError, match=rf"No policy could be derived: .*'{style}'"):
+        AutoPolicy().get_policy(model)
+
+
+def test_a_plugin_policy_wins_over_the_derived_one(monkeypatch):
+    model = spec_for("LlamaConfig", "LlamaForCausalLM").build()
+    reset_plugins()
+    try:
+        assert AutoPolicy().get_policy(model)[0].__name__ == "LlamaPolicy"  # tp-gpt's
+        monkeypatch.setenv("TPCORE_DISABLE_PLUGIN_AUTOLOAD", "1")
+        reset_plugins()
+        (derived,) = AutoPolicy().get_policy(model)
+        assert derived.policy_name() == "LlamaDecoderLayer (tp plan of llama)"
+    finally:
+        monkeypatch.delenv("TPCORE_DISABLE_PLUGIN_AUTOLOAD")
+        reset_plugins()
+
+
+def test_derived_kv_heads_that_cannot_be_split_or_replicated_are_refused():
+    model = spec_for("Qwen3Config", "Qwen3ForCausalLM").build()  # 4 query heads, 2 KV heads
+    with pytest.raises(tpcore.ShardingError, match="num_attention_heads = 4 cannot be split evenly over 3"):
+        tpcore.TensorReplacer(model, None, False, 3, rank=0).validate()
