@@ -42,12 +42,22 @@ def _plugins(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check(args: argparse.Namespace) -> int:
+    from tpcore.check import run_check  # imports torch and transformers
+
+    return run_check(args.model, args.world_sizes)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tpcore", description="Tensor-parallel inference for transformers models.")
     commands = parser.add_subparsers(dest="command", required=True)
     plugins = commands.add_parser("plugins", help="list installed plugins and the policies each registers")
     plugins.add_argument("--json", action="store_true", help="print JSON")
     plugins.set_defaults(run=_plugins)
+    check = commands.add_parser("check", help="split a model over gloo ranks and compare it with the unsplit model")
+    check.add_argument("model", help="a saved model directory, or a transformers class name (small random config)")
+    check.add_argument("--world-sizes", type=int, nargs="+", default=[2], metavar="N", help="rank counts to try")
+    check.set_defaults(run=lambda args: _check(args))
     args = parser.parse_args(argv)
     return args.run(args)
 
