@@ -26,7 +26,7 @@ CONSTRAINTS = ("-c", "constraints.txt")  # nox runs sessions from this file's di
 RUFF = "ruff==0.17.6"  # pinned: ruff's formatter output changes between releases
 #: the plugin distributions in plugins/, installed beside tpcore by every session
 PLUGINS = sorted(f"plugins/{path.parent.name}" for path in ROOT.glob("plugins/*/pyproject.toml"))
-LINT_PATHS = [p for p in ("tpcore", "plugins", "tests", "bench", "noxfile.py") if (ROOT / p).exists()]
+LINT_PATHS = [p for p in ("tpcore", "plugins", "examples", "tests", "bench", "noxfile.py") if (ROOT / p).exists()]
 
 nox.options.default_venv_backend = "uv"
 nox.options.sessions = ["tests"]

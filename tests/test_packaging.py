@@ -264,3 +264,34 @@ def test_two_gloo_ranks_match_unsplit_model(venv):
         assert result["distributions"] == ["tp-bert"]
         assert result["query_rows"] == 32, "the query projection was not split in two"
         assert result["max_diff"] <= 1e-5 * max(1.0, result["scale"]), result
+
+
+EXAMPLE = ROOT / "examples" / "tp-biogpt"  # the third-party plugin of docs/writing-a-policy.md
+EXAMPLE_SCRIPT = """
+import json
+import torch
+import transformers
+import tpcore
+from tpcore.testing import ModelSpec, check_equivalence
+
+if __name__ == "__main__":
+    config = transformers.BioGptConfig(
+        vocab_size=64, hidden_size=48, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64
+    )
+    spec = ModelSpec(transformers.BioGptForCausalLM, config, seed=0)
+    entries = tpcore.AutoPolicy().entries_for(spec.build())
+    ids = torch.randint(3, 64, (2, 6), generator=torch.Generator().manual_seed(0))
+    report = check_equivalence(spec, {"input_ids": ids}, world_sizes=(1, 2))
+    print(json.dumps({"entries": [[e.policy.__name__, e.distribution] for e in entries], "report": report}))
+"""
+
+
+def test_a_third_party_plugin_from_the_docs_is_found_and_equivalent(venv, tmp_path):
+    """examples/tp-biogpt, built as a wheel and installed: found through its entry point, proven equivalent."""
+    _run([_uv(), "build", "--wheel", "--out-dir", tmp_path, EXAMPLE], tmp_path, _env(), timeout=600)
+    (wheel,) = tmp_path.glob("tp_biogpt-*.whl")
+    _run([_uv(), "pip", "install", "--quiet", "--python", venv.python, "--no-deps", wheel], tmp_path, _env())
+    result = _last_json(venv.script("example.py", EXAMPLE_SCRIPT, timeout=600))
+    assert result["entries"] == [["BioGptPolicy", "tp-biogpt"]]
+    assert sorted(result["report"]) == ["1", "2"]
+    assert result["report"]["2"]["logits"] <= 1e-5
