@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import transformers
@@ -59,3 +61,29 @@ def test_a_broken_policy_fails_naming_output_world_size_rank_and_amount(rank_poo
     expected = r"BertModel split over 2 ranks, rank 0: last_hidden_state: max abs diff"
     with pytest.raises(EquivalenceError, match=expected):
         check_equivalence(spec, inputs, world_sizes=(2,), policies=[ForgetsTheAllReduce], pools=rank_pools)
+
+
+def test_check_model_draws_inputs_and_passes_for_a_good_policy(tp_check):
+    config = transformers.BertConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64
+    )
+    tp_check(transformers.BertForMaskedLM, config, world_sizes=(2, 4), max_examples=5)
+
+
+def test_check_model_finds_a_broken_policy(tp_check):
+    config = transformers.BertConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64
+    )
+    with pytest.raises(EquivalenceError, match="split over 2 ranks, rank 0"):
+        tp_check(transformers.BertModel, config, policies=[ForgetsTheAllReduce], max_examples=5)
+
+
+def test_plugins_command_shows_which_policy_applies_to_a_model(capsys, monkeypatch):
+    assert main(["plugins", "--model", "LlamaForCausalLM"]) == 0
+    out = capsys.readouterr().out
+    assert "LlamaPolicy" in out and "(from tp-gpt" in out  # the plugin wins over Llama's tp plan
+    assert main(["plugins", "--model", "Qwen3ForCausalLM", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["model"] == "Qwen3ForCausalLM"
+    assert shown["policies"][0]["from"] == "config tp plan"
+    assert main(["plugins", "--model", "MixtralForCausalLM"]) == 2

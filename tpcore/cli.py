@@ -10,6 +10,8 @@ from tpcore.plugins import plugin_infos, registered_policies
 
 
 def _plugins(args: argparse.Namespace) -> int:
+    if args.model:
+        return _applying(args)
     infos = plugin_infos()
     entries = registered_policies()
     rows = []
@@ -42,6 +44,33 @@ def _plugins(args: argparse.Namespace) -> int:
     return 0
 
 
+def _applying(args: argparse.Namespace) -> int:
+    """Which policies apply to one model, and where each comes from (a plugin or the tp plan)."""
+    from tpcore.auto import AutoPolicy, UnsupportedModelError
+    from tpcore.check import resolve
+
+    model = resolve(args.model).build()
+    entries = AutoPolicy().entries_for(model)
+    try:
+        policies = [entry.policy for entry in entries] or AutoPolicy().get_policy(model)
+    except UnsupportedModelError as error:
+        print(error)
+        return 2
+    source = {e.policy: f"{e.distribution} {e.version}" for e in entries}
+    rows = [
+        {"policy": p.policy_name(), "layer_class": p.layer_class_name(), "from": source.get(p, "config tp plan")}
+        for p in policies
+    ]
+    if args.json:
+        json.dump({"model": type(model).__name__, "policies": rows}, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    print(f"{type(model).__name__}:")
+    for row in rows:
+        print(f"    {row['policy']:<24} {row['layer_class']}  (from {row['from']})")
+    return 0
+
+
 def _check(args: argparse.Namespace) -> int:
     from tpcore.check import run_check  # imports torch and transformers
 
@@ -53,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     plugins = commands.add_parser("plugins", help="list installed plugins and the policies each registers")
     plugins.add_argument("--json", action="store_true", help="print JSON")
+    plugins.add_argument("--model", help="show only the policies that apply to this model (directory or class name)")
     plugins.set_defaults(run=_plugins)
     check = commands.add_parser("check", help="split a model over gloo ranks and compare it with the unsplit model")
     check.add_argument("model", help="a saved model directory, or a transformers class name (small random config)")

@@ -23,3 +23,15 @@ def nccl_rank_pools():
     pools = PoolCache(backend="nccl")
     yield pools
     pools.close()
+
+
+@pytest.fixture
+def tp_check(rank_pools):
+    """``tp_check(model_class, config, world_sizes=(2,), policies=None, max_examples=10)``:
+    :func:`tpcore.testing.check_model` on the session's rank pools."""
+    from tpcore.testing import check_model
+
+    def check(model_class, config, world_sizes=(2,), **options):
+        check_model(model_class, config, world_sizes, pools=rank_pools, **options)
+
+    return check

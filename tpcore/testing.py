@@ -27,6 +27,7 @@ from tpcore.transfer import to_cpu, to_device
 
 __all__ = [
     "DEFAULT_RTOL",
+    "check_model",
     "EquivalenceError",
     "ModelSpec",
     "PoolCache",
@@ -192,3 +193,54 @@ def check_equivalence(
         if own_pools:
             pools.close()
     return report
+
+
+def check_model(
+    model_class: type[nn.Module],
+    config: Any,
+    world_sizes=(2,),
+    *,
+    policies=None,
+    pools: PoolCache | None = None,
+    max_examples: int = 10,
+    rtol: float = DEFAULT_RTOL,
+) -> None:
+    """The one-line check for policy authors: ``model_class(config)`` split over each world size
+    equals the unsplit model for hypothesis-drawn batches (sizes, token ids, right padding, and
+    decoder ids for encoder-decoder models). Raises :class:`EquivalenceError` on the first
+    difference, naming the output, the world size, the rank and the amount."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    spec = ModelSpec(model_class, config)
+    vocab = min(int(getattr(config, "vocab_size", 64) or 64), 512)
+    own_pools = pools is None
+    pools = pools or PoolCache()
+
+    @st.composite
+    def batches(draw):
+        batch, seq = draw(st.integers(1, 3)), draw(st.integers(1, 12))
+        ids = torch.tensor(
+            draw(
+                st.lists(
+                    st.lists(st.integers(3, vocab - 1), min_size=seq, max_size=seq), min_size=batch, max_size=batch
+                )
+            )
+        )
+        lengths = torch.tensor(draw(st.lists(st.integers(1, seq), min_size=batch, max_size=batch)))
+        mask = (torch.arange(seq)[None, :] < lengths[:, None]).long()
+        inputs = {"input_ids": ids * mask, "attention_mask": mask}
+        if getattr(config, "is_encoder_decoder", False):
+            inputs["decoder_input_ids"] = ids[:, : draw(st.integers(1, seq))]
+        return inputs
+
+    @settings(max_examples=max_examples, deadline=None, database=None)
+    @given(inputs=batches())
+    def holds(inputs):
+        check_equivalence(spec, inputs, world_sizes, policies=policies, pools=pools, rtol=rtol)
+
+    try:
+        holds()
+    finally:
+        if own_pools:
+            pools.close()
