@@ -295,3 +295,6 @@ def test_a_third_party_plugin_from_the_docs_is_found_and_equivalent(venv, tmp_pa
     assert result["entries"] == [["BioGptPolicy", "tp-biogpt"]]
     assert sorted(result["report"]) == ["1", "2"]
     assert result["report"]["2"]["logits"] <= 1e-5
+    report = venv.run(venv.bin / "tpcore", "check", "BioGptForCausalLM", "--world-sizes", "1", "2", timeout=600).stdout
+    assert "policy BioGptPolicy from tp-biogpt 0.1.0" in report
+    assert "2 ranks: PASS" in report and report.rstrip().endswith("PASS")
