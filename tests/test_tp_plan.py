@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import tpcore
 from tpcore.auto import AutoPolicy
@@ -90,3 +92,43 @@ def test_derived_kv_heads_that_cannot_be_split_or_replicated_are_refused():
     model = spec_for("Qwen3Config", "Qwen3ForCausalLM").build()  # 4 query heads, 2 KV heads
     with pytest.raises(tpcore.ShardingError, match="num_attention_heads = 4 cannot be split evenly over 3"):
         tpcore.TensorReplacer(model, None, False, 3, rank=0).validate()
+
+
+@st.composite
+def derived_cases(draw):
+    arch = draw(st.sampled_from(list(DERIVED)))
+    world_size = draw(st.sampled_from([1, 2, 3, 4]))
+    heads = world_size * draw(st.integers(1, 2))
+    kv_heads = draw(
+        st.sampled_from(
+            [d for d in range(1, heads + 1) if heads % d == 0 and (d % world_size == 0 or world_size % d == 0)]
+        )
+    )
+    head_dim = draw(st.sampled_from([4, 8]))
+    intermediate = world_size * draw(st.integers(1, 16))
+    batch, seq = draw(st.integers(1, 3)), draw(st.integers(1, 8))
+    lengths = draw(st.lists(st.integers(1, seq), min_size=batch, max_size=batch))
+    return arch, world_size, heads, kv_heads, head_dim, intermediate, lengths, seq, draw(st.integers(0, 2**16))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=derived_cases())
+def test_random_configs_of_derived_architectures_match_unsplit(rank_pools, case):
+    arch, world_size, heads, kv_heads, head_dim, intermediate, lengths, seq, seed = case
+    config_class, model_class = DERIVED[arch]
+    sizes = {
+        **SIZES,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "hidden_size": heads * head_dim,
+        "intermediate_size": intermediate,
+    }
+    spec = ModelSpec(getattr(transformers, model_class), getattr(transformers, config_class)(**sizes), seed)
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 64, (len(lengths), seq), generator=generator)
+    mask = (torch.arange(seq)[None, :] >= seq - torch.tensor(lengths)[:, None]).long()
+    report = check_equivalence(
+        spec, {"input_ids": ids * mask, "attention_mask": mask}, world_sizes=(world_size,), pools=rank_pools
+    )
+    assert report[world_size]
