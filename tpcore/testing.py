@@ -27,6 +27,7 @@ from tpcore.transfer import to_cpu, to_device
 
 __all__ = [
     "DEFAULT_RTOL",
+    "HALF_PRECISION_RTOL",
     "check_model",
     "EquivalenceError",
     "ModelSpec",
@@ -39,6 +40,10 @@ __all__ = [
 
 #: fp32 tolerance relative to the reference output's scale: max|a - b| <= rtol * max|a|.
 DEFAULT_RTOL = 1e-5
+
+#: fp16/bf16 tolerances relative to the output scale, for a split and an unsplit run in the same
+#: dtype (only the order of the reductions differs).
+HALF_PRECISION_RTOL = {torch.float16: 5e-3, torch.bfloat16: 4e-2}
 
 
 class EquivalenceError(AssertionError):

@@ -15,7 +15,7 @@ import transformers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tpcore.testing import ModelSpec, check_equivalence
+from tpcore.testing import HALF_PRECISION_RTOL, ModelSpec, check_equivalence
 
 
 @dataclass(frozen=True)
@@ -171,13 +171,8 @@ def test_random_configs_match_unsplit(rank_pools, case):
     assert report[world_size]
 
 
-#: fp16/bf16 tolerances relative to the output scale: both runs are in that dtype, only the
-#: order of the reductions differs.
-GPU_TOLERANCES = {torch.float16: 5e-3, torch.bfloat16: 4e-2}
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", list(GPU_TOLERANCES), ids=str)
+@pytest.mark.parametrize("dtype", list(HALF_PRECISION_RTOL), ids=str)
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 @pytest.mark.parametrize(("arch", "head"), [(arch, spec.heads[1]) for arch, spec in ARCHITECTURES.items()])
 def test_cuda_nccl_matches_unsplit(nccl_rank_pools, arch, head, world_size, dtype):
@@ -188,7 +183,7 @@ def test_cuda_nccl_matches_unsplit(nccl_rank_pools, arch, head, world_size, dtyp
     spec = model_spec(arch, head, hidden=48, heads=12, layers=2, intermediate=96, seed=1)
     inputs = make_inputs(head, lengths=[7, 3, 5], seq=7, seed=2)
     report = check_equivalence(
-        spec, inputs, world_sizes=(world_size,), pools=nccl_rank_pools, rtol=GPU_TOLERANCES[dtype], dtype=dtype
+        spec, inputs, world_sizes=(world_size,), pools=nccl_rank_pools, rtol=HALF_PRECISION_RTOL[dtype], dtype=dtype
     )
     assert report[world_size]
 

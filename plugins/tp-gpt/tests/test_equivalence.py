@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tpcore
-from tpcore.testing import ModelSpec, check_equivalence, compare_outputs
+from tpcore.testing import HALF_PRECISION_RTOL, ModelSpec, check_equivalence, compare_outputs
 
 VOCAB = 64
 HEADS = ("Model", "ForCausalLM", "ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering")
@@ -212,13 +212,8 @@ def test_random_configs_match_unsplit(rank_pools, case):
     assert report[world_size]
 
 
-#: fp16/bf16 tolerances relative to the logits' scale: both runs use that dtype, only the order
-#: of the reductions differs.
-GPU_TOLERANCES = {torch.float16: 5e-3, torch.bfloat16: 4e-2}
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", list(GPU_TOLERANCES), ids=str)
+@pytest.mark.parametrize("dtype", list(HALF_PRECISION_RTOL), ids=str)
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
 def test_cuda_nccl_matches_unsplit(nccl_rank_pools, arch, world_size, dtype):
@@ -229,6 +224,6 @@ def test_cuda_nccl_matches_unsplit(nccl_rank_pools, arch, world_size, dtype):
     spec = model_spec(arch, ARCHITECTURES[arch].causal_lm, kv_heads=1)
     inputs = left_padded([7, 3, 5], seq=7, seed=2)
     report = check_equivalence(
-        spec, inputs, world_sizes=(world_size,), pools=nccl_rank_pools, rtol=GPU_TOLERANCES[dtype], dtype=dtype
+        spec, inputs, world_sizes=(world_size,), pools=nccl_rank_pools, rtol=HALF_PRECISION_RTOL[dtype], dtype=dtype
     )
     assert report[world_size]

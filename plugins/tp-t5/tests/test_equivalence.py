@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tpcore
-from tpcore.testing import ModelSpec, check_equivalence
+from tpcore.testing import HALF_PRECISION_RTOL, ModelSpec, check_equivalence
 
 VOCAB = 64
 FAMILIES = ("T5", "MT5", "UMT5")
@@ -130,12 +130,8 @@ def test_random_configs_match_unsplit(rank_pools, case):
     assert report[world_size]
 
 
-#: fp16/bf16 tolerances relative to the output scale: both runs use that dtype.
-GPU_TOLERANCES = {torch.float16: 5e-3, torch.bfloat16: 4e-2}
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", list(GPU_TOLERANCES), ids=str)
+@pytest.mark.parametrize("dtype", list(HALF_PRECISION_RTOL), ids=str)
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_cuda_nccl_matches_unsplit(nccl_rank_pools, family, world_size, dtype):
@@ -146,6 +142,6 @@ def test_cuda_nccl_matches_unsplit(nccl_rank_pools, family, world_size, dtype):
     spec = model_spec(family, "gated-gelu", "ForConditionalGeneration")
     inputs = forward_inputs("ForConditionalGeneration", [7, 3, 5], 7, seed=2)
     report = check_equivalence(
-        spec, inputs, world_sizes=(world_size,), pools=nccl_rank_pools, rtol=GPU_TOLERANCES[dtype], dtype=dtype
+        spec, inputs, world_sizes=(world_size,), pools=nccl_rank_pools, rtol=HALF_PRECISION_RTOL[dtype], dtype=dtype
     )
     assert report[world_size]
