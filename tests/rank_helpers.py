@@ -52,3 +52,52 @@ def environment_variable(context, name):
 def parameter_shapes(context):
     """``{name: shape}`` of the model a ``parallelize()`` rank serves."""
     return {name: tuple(p.shape) for name, p in context.store["model"].named_parameters()}
+
+
+def vocab_parallel_logits(context, spec, input_ids, gather_logits=True):
+    """Build ``spec``, split it with ParallelEngine, return its logits and what its embeddings became."""
+    from tpcore import ParallelEngine
+
+    model = spec.build()
+    engine = ParallelEngine(
+        context.world_size, context.backend, process_group=context.group, gather_logits=gather_logits
+    )
+    engine.parallelize(model)
+    with torch.inference_mode():
+        logits = model(input_ids=input_ids).logits
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    return {
+        "logits": logits,
+        "classes": (type(embedding).__name__, type(head).__name__),
+        "tied": embedding.weight is head.weight,
+        "rows": embedding.weight.shape[0],
+        "starts": (embedding.vocab_start, head.vocab_start),
+    }
+
+
+def engine_from_checkpoint(context, directory, input_ids):
+    """ParallelEngine started from a checkpoint directory on this rank: logits and where the weights are."""
+    from tpcore import ParallelEngine
+
+    model = ParallelEngine(context.world_size, context.backend, process_group=context.group).parallelize(directory)
+    with torch.inference_mode():
+        logits = model(input_ids=input_ids).logits
+    devices = {p.device.type for p in model.parameters()}
+    return logits, devices, sum(p.numel() for p in model.parameters())
+
+
+def shm_against_backend(context, tensors):
+    """All-reduce and all-gather each tensor (scaled by rank + 1) through tpcore.comm and through the
+    group's backend directly; returns both, and whether shared-memory collectives are attached."""
+    from tpcore import comm, shm
+
+    results = []
+    for tensor in tensors:
+        mine = tensor * (context.rank + 1)
+        reduced = comm.all_reduce(mine.clone(), context.group)
+        expected = mine.contiguous().clone()
+        dist.all_reduce(expected, group=context.group)
+        parts = [torch.empty_like(mine.contiguous()) for _ in range(context.world_size)]
+        dist.all_gather(parts, mine.contiguous(), group=context.group)
+        results.append((reduced, expected, comm.all_gather(mine, context.group, dim=0), torch.cat(parts, dim=0)))
+    return shm.for_group(context.group) is not None, results

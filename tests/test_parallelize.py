@@ -83,7 +83,8 @@ def run_unsplit(model: nn.Module, *args, **kwargs):
 
 
 def assert_split(model: nn.Module, world_size: int, min_split: int) -> None:
-    """Every rank holds slices: at least ``min_split`` parameters cut to ``1/world_size`` along one dim."""
+    """Every rank holds slices: at least ``min_split`` parameters cut to ``1/world_size`` along one dim
+    (rounded up for vocabularies, which are padded to equal pieces)."""
     full = {name: tuple(p.shape) for name, p in model.named_parameters()}
     for rank, shapes in enumerate(model._tpcore_handle.pool.run(rank_helpers.parameter_shapes)):
         assert shapes.keys() == full.keys(), f"rank {rank} holds other parameters"
@@ -91,7 +92,7 @@ def assert_split(model: nn.Module, world_size: int, min_split: int) -> None:
         for name, shape in shapes.items():
             if shape != full[name]:
                 differing = [(a, b) for a, b in zip(shape, full[name], strict=True) if a != b]
-                assert len(differing) == 1 and differing[0][0] * world_size == differing[0][1], (name, shape)
+                assert len(differing) == 1 and differing[0][0] == -(-differing[0][1] // world_size), (name, shape)
                 split += 1
         assert split >= min_split, f"rank {rank}: only {split} parameters split"
 

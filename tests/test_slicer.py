@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tpcore import Layer, ShardingError
-from tpcore.slicer import COLUMN, ROW, TensorSlicer, check_divisible, shard, split_dims
+from tpcore.slicer import COLUMN, ROW, TensorSlicer, check_divisible, shard, shard_ranges, split_dims
 
 FAST = settings(max_examples=40, deadline=None)
 
@@ -288,3 +288,36 @@ def test_shard_does_not_keep_the_whole_tensor_alive():
     tensor = torch.randn(64, 32)
     piece = shard(tensor, 0, 1, 4)
     assert piece.untyped_storage().nbytes() == piece.numel() * piece.element_size()
+
+
+# -- padded (vocabulary) shards ------------------------------------------------------------------
+
+
+@FAST
+@given(world=worlds, rows=st.integers(1, 23), cols=small, seed=seeds)
+def test_padded_shards_are_equal_sized_and_reassemble_the_rows_then_zeros(world, rows, cols, seed):
+    tensor = randn(rows, cols, seed=seed)
+    shards = [shard(tensor, 0, rank, world, pad=True) for rank in range(world)]
+    per_rank = -(-rows // world)
+    assert all(piece.shape == (per_rank, cols) for piece in shards)
+    whole = torch.cat(shards)
+    assert torch.equal(whole[:rows], tensor)
+    assert not whole[rows:].any()  # only zero rows pad the last ranks
+    assert all(piece.untyped_storage().nbytes() == piece.numel() * piece.element_size() for piece in shards)
+
+
+@FAST
+@given(world=worlds, rows=st.integers(1, 23), rank_seed=seeds)
+def test_padded_ranges_name_the_rows_each_rank_holds(world, rows, rank_seed):
+    rank = rank_seed % world
+    ((start, stop),) = shard_ranges(rows, rank, world, pad=True)[0]
+    per_rank = -(-rows // world)
+    assert (start, stop) == (min(rank * per_rank, rows), min((rank + 1) * per_rank, rows))
+    assert shard_ranges(rows, rank, world, pad=True)[1] == per_rank - (stop - start)
+
+
+def test_a_padded_split_refuses_fused_tensors_and_heads():
+    with pytest.raises(ValueError, match="padded"):
+        shard(torch.zeros(6, 2), 0, 0, 2, n_fused=3, pad=True)
+    with pytest.raises(ValueError, match="padded"):
+        shard_ranges(6, 0, 2, heads=2, pad=True)

@@ -1,11 +1,17 @@
-"""Collectives of the tensor-parallel group. Inference only: no autograd through them."""
+"""Collectives of the tensor-parallel group. Inference only: no autograd through them.
+
+A group with shared-memory collectives attached (the gloo ranks of one host, see :mod:`tpcore.shm`)
+uses them for every tensor that fits; the rest goes through the group's backend.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_reduce", "group_rank", "group_size"]
+from tpcore import shm
+
+__all__ = ["all_gather", "all_reduce", "group_rank", "group_size"]
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:
@@ -21,5 +27,22 @@ def group_rank(group: dist.ProcessGroup | None) -> int:
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Sum ``tensor`` over ``group`` in place and return it; a no-op for a group of one."""
     if group_size(group) > 1:
+        fast = shm.for_group(group)
+        if fast is not None and fast.fits(tensor):
+            return fast.all_reduce(tensor)
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
     return tensor
+
+
+def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None, dim: int = -1) -> torch.Tensor:
+    """Every rank's ``tensor`` (all of one shape), concatenated along ``dim`` in rank order."""
+    world_size = group_size(group)
+    if world_size == 1:
+        return tensor
+    fast = shm.for_group(group)
+    if fast is not None and fast.fits(tensor):
+        return fast.all_gather(tensor, dim)
+    tensor = tensor.contiguous()
+    parts = [torch.empty_like(tensor) for _ in range(world_size)]
+    dist.all_gather(parts, tensor, group=group)
+    return torch.cat(parts, dim=dim)

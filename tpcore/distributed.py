@@ -10,6 +10,7 @@ import atexit
 import datetime
 import os
 import socket
+import time
 
 import torch
 import torch.distributed as dist
@@ -104,7 +105,15 @@ def tensor_parallel_group(num_gpus: int, backend: str | None = None) -> dist.Pro
     return mine
 
 
-def destroy_process_group() -> None:
-    """Leave the world, if this process joined one."""
+def destroy_process_group(settle_s: float = 0.1) -> None:
+    """Leave the world, if this process joined one; call it last thing in an SPMD script.
+
+    gloo's worker threads release a finished collective a moment after the caller has its result, and that release
+    needs the GIL when the tensors have Python objects. If the interpreter is already shutting down by then, the
+    thread cannot take the GIL and the process aborts (``terminate called without an active exception``) although
+    all work is done. Waiting ``settle_s`` seconds after the destroy lets the threads finish while the interpreter
+    is alive.
+    """
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+        time.sleep(settle_s)

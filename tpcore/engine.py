@@ -7,9 +7,12 @@ import os
 import torch
 from torch import nn
 
+from tpcore import shm
+from tpcore.checkpoint import Checkpoint, is_checkpoint_path
 from tpcore.comm import group_rank
 from tpcore.distributed import default_backend, device_for, tensor_parallel_group
 from tpcore.replacer import TensorReplacer
+from tpcore.skeleton import empty_model
 
 __all__ = ["ParallelEngine"]
 
@@ -23,10 +26,21 @@ class ParallelEngine:
         custom_policies: a Policy class or list of them; ``None`` uses the installed plugins.
         dtype: convert the model to this dtype after slicing (``fp16=True`` means ``torch.float16``).
         process_group: use this group instead of creating one.
+        vocab_parallel: split the input and output embeddings over the vocabulary too.
+        gather_logits: a vocab-parallel LM head returns the whole vocabulary's logits on every
+            rank (one all-gather); ``False`` leaves each rank its ``ceil(V / N)`` columns.
     """
 
     def __init__(
-        self, num_gpus: int, backend: str | None = None, custom_policies=None, *, dtype=None, process_group=None
+        self,
+        num_gpus: int,
+        backend: str | None = None,
+        custom_policies=None,
+        *,
+        dtype=None,
+        process_group=None,
+        vocab_parallel: bool = True,
+        gather_logits: bool = True,
     ):
         if int(num_gpus) < 1:
             raise ValueError(f"num_gpus must be at least 1, got {num_gpus}")
@@ -35,6 +49,8 @@ class ParallelEngine:
         self.custom_policies = custom_policies
         self.dtype = dtype
         self.mp_group = process_group
+        self.vocab_parallel = vocab_parallel
+        self.gather_logits = gather_logits
 
     def create_process_group(self, backend: str | None = None):
         """Create (or reuse) the tensor-parallel group; ``None`` for a world of one without torch.distributed."""
@@ -47,17 +63,29 @@ class ParallelEngine:
         local_rank = int(os.environ.get("LOCAL_RANK", group_rank(self.mp_group)))
         return device_for(self.backend, local_rank)
 
-    def parallelize(self, model: nn.Module, fp16: bool = False) -> nn.Module:
+    def parallelize(self, model: nn.Module | str | os.PathLike, fp16: bool = False, *, model_class=None) -> nn.Module:
         """Validate, slice and replace modules where the model is, then move it to this rank's device.
 
-        Returns the same model object, now holding only this rank's shard, in eval mode and
-        without gradients (tensor parallelism here is for inference).
+        ``model`` is a model, or the directory of a saved one: then the model is built without weights
+        and this rank reads only its own slices from the files (``model_class`` overrides the class
+        ``config.json`` names). Returns this rank's shard of the model (the same object for a model),
+        in eval mode and without gradients (tensor parallelism here is for inference).
         """
+        if is_checkpoint_path(model):
+            checkpoint = Checkpoint(model)
+            model = empty_model(checkpoint.config(), model_class)
+        else:
+            checkpoint = None
         # Fail on bad input before joining any process group.
-        TensorReplacer(model, None, fp16, self.num_gpus, self.custom_policies, rank=0).validate()
+        plan = self._replacer(model, None, fp16, rank=0).split_plan()
+        reads = checkpoint.reads(model, plan) if checkpoint is not None else None
         group = self.create_process_group(self.backend)
+        if group is not None:
+            shm.attach(group)  # gloo ranks of one host: shared-memory collectives
         model.eval().requires_grad_(False)
-        TensorReplacer(model, group, fp16, self.num_gpus, self.custom_policies).replace_modules()
+        self._replacer(model, group, fp16).replace_modules()
+        if checkpoint is not None:
+            checkpoint.load_into(model, reads, group_rank(group), self.num_gpus)
         dtype = torch.float16 if fp16 else self.dtype
         if dtype is not None:
             model.to(dtype)
@@ -65,3 +93,15 @@ class ParallelEngine:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         return model.to(device)  # module.to also moves non-persistent buffers
+
+    def _replacer(self, model: nn.Module, group, fp16: bool, rank: int | None = None) -> TensorReplacer:
+        return TensorReplacer(
+            model,
+            group,
+            fp16,
+            self.num_gpus,
+            self.custom_policies,
+            rank=rank,
+            vocab_parallel=self.vocab_parallel,
+            gather_logits=self.gather_logits,
+        )

@@ -9,6 +9,12 @@ features, so every rank computes a partial sum that must be all-reduced::
 The classes here subclass the original module type and are set on the instance
 (``module.__class__``), so ``.weight`` and ``.bias`` stay where model code reads them; the bias is
 kept whole and added once, after the all-reduce.
+
+Vocab-parallel modules hold ``V_r = ceil(V / N)`` rows of a ``(V, H)`` table, rank ``r`` the rows from
+``vocab_start = r * V_r`` (zero rows pad the last ranks, see :mod:`tpcore.slicer`)::
+
+    embedding:  E[ids] = sum_r  mask_r(ids) * E_r[ids - vocab_start_r]      one all-reduce
+    LM head:    x @ W.T = concat_r (x @ W_r.T)[..., :V]                     one all-gather
 """
 
 from __future__ import annotations
@@ -17,10 +23,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tpcore.comm import all_reduce
+from tpcore.comm import all_gather, all_reduce, group_rank
 from tpcore.policy import ShardingError
 
-__all__ = ["RowParallelConv1D", "RowParallelLinear", "make_row_parallel", "row_parallel_class", "set_layer_size"]
+__all__ = [
+    "RowParallelConv1D",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "VocabParallelLMHead",
+    "bind_group",
+    "make_row_parallel",
+    "make_vocab_parallel",
+    "row_parallel_class",
+    "set_layer_size",
+]
 
 
 class RowParallelLinear(nn.Linear):
@@ -31,6 +47,59 @@ class RowParallelLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = all_reduce(F.linear(x, self.weight), self.tp_group)
         return out if self.bias is None else out + self.bias
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """``nn.Embedding`` holding rows ``[vocab_start, vocab_start + V_r)``; looks up the ids it holds,
+    zeros the others and all-reduces: ``ids [...] -> [..., H]``, equal to the whole table's lookup.
+    An id outside the whole vocabulary raises ``IndexError`` as the whole table would."""
+
+    tp_group = None
+    vocab_start = 0
+    vocab_size = None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.numel():
+            low, high = torch.aminmax(ids)
+            if low.item() < 0 or high.item() >= self.vocab_size:
+                raise IndexError("index out of range in self")
+        local = ids - self.vocab_start
+        elsewhere = (local < 0) | (local >= self.num_embeddings)
+        out = F.embedding(local.masked_fill(elsewhere, 0), self.weight)
+        return all_reduce(out.masked_fill_(elsewhere.unsqueeze(-1), 0), self.tp_group)
+
+
+class VocabParallelLMHead(nn.Linear):
+    """``nn.Linear`` holding rows ``[vocab_start, vocab_start + V_r)`` of an output embedding ``(V, H)``:
+    ``x [..., H] -> logits [..., V]`` gathered from every rank, or this rank's ``[..., V_r]`` when
+    ``gather_output`` is false (columns past ``V`` on the last ranks are padding)."""
+
+    tp_group = None
+    vocab_start = 0
+    vocab_size = None
+    gather_output = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(x, self.weight, self.bias)
+        if not self.gather_output:
+            return logits
+        return all_gather(logits, self.tp_group)[..., : self.vocab_size]
+
+
+def make_vocab_parallel(module: nn.Module, group, vocab_start: int, vocab_size: int, gather_output: bool = True):
+    """Turn an ``nn.Embedding`` or ``nn.Linear`` (already holding its rows) into its vocab-parallel class."""
+    if type(module) is nn.Embedding:
+        module.__class__ = VocabParallelEmbedding
+    elif type(module) is nn.Linear:
+        module.__class__ = VocabParallelLMHead
+        module.gather_output = gather_output
+    else:
+        raise ShardingError(f"no vocab-parallel layer for a {type(module).__qualname__}")
+    module.tp_group = group
+    module.vocab_start = vocab_start
+    module.vocab_size = vocab_size
+    set_layer_size(module)
+    return module
 
 
 def _conv1d_class() -> type[nn.Module] | None:
@@ -87,3 +156,16 @@ def set_layer_size(module: nn.Module) -> None:
         module.nx, module.nf = weight.shape
     elif isinstance(module, nn.Embedding):
         module.num_embeddings, module.embedding_dim = weight.shape
+
+
+def bind_group(model: nn.Module, group) -> None:
+    """Give the parallel modules of a model split elsewhere (a skeleton sent to a rank) this rank's
+    group, and the vocab-parallel ones this rank's first row (every rank holds ``V_r`` rows)."""
+    rank = group_rank(group)
+    for module in model.modules():
+        if hasattr(module, "tp_group"):
+            module.tp_group = group
+        if isinstance(module, VocabParallelEmbedding):
+            module.vocab_start = rank * module.num_embeddings
+        elif isinstance(module, VocabParallelLMHead):
+            module.vocab_start = rank * module.out_features

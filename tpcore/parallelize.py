@@ -7,6 +7,10 @@ rest) as raw bytes, one tensor at a time, straight into the rank's own storage. 
 ``__call__`` and ``generate`` of the caller's model are then served by the ranks; rank 0 sends
 the outputs back as CPU tensors.
 
+Started from a checkpoint directory instead of a model, the caller builds the model without
+weights (parameters on the meta device) and each rank reads its own slices from the files: no
+process ever holds the whole model.
+
 Sampling stays in step: every call carries the caller's RNG state to all ranks, and the caller
 takes rank 0's state back, so ``torch.manual_seed(s); model.generate(do_sample=True)`` draws what
 the unsplit model draws with that seed, and the ranks never diverge.
@@ -16,16 +20,26 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 import resource
-from typing import Any
 
 import torch
 from torch import nn
 
+from tpcore.checkpoint import Checkpoint, Read, is_checkpoint_path
 from tpcore.distributed import default_backend
+from tpcore.layers import bind_group
 from tpcore.process import CALL_TIMEOUT_S, RankContext, RankPool, WorkerDiedError, WorkerError
 from tpcore.replacer import TensorReplacer
-from tpcore.slicer import shard
+from tpcore.skeleton import (
+    drop_output_capturing_hooks,
+    empty_model,
+    install_tensors,
+    named_tensors,
+    register_output_recording,
+    weightless_copy,
+)
+from tpcore.slicer import Split, shard
 from tpcore.transfer import to_cpu, to_device
 
 __all__ = ["ParallelHandle", "parallelize"]
@@ -35,7 +49,7 @@ _ADDED = ("deparallelize", "memory_allocated", "memory_reserved", "memory_cached
 
 
 def parallelize(
-    model: nn.Module,
+    model: nn.Module | str | os.PathLike,
     num_gpus: int,
     fp16: bool = False,
     dtype: torch.dtype | None = None,
@@ -50,11 +64,16 @@ def parallelize(
     init_method: str | None = None,
     daemon: bool | None = None,
     seed: int | None = None,
+    model_class: type[nn.Module] | None = None,
+    vocab_parallel: bool = True,
 ) -> nn.Module:
     """Split ``model`` over ``num_gpus`` local ranks and serve it from this process.
 
     Args:
-        model: the model; it is not changed, only given served methods.
+        model: the model; it is not changed, only given served methods. Or the directory of a saved
+            model (``save_pretrained``: safetensors, or pickle files read with ``weights_only``): then
+            only the ranks hold weights, each its own slices read from the files, and the caller
+            gets the model with its parameters on the meta device.
         num_gpus: number of ranks: GPUs with NCCL, CPU processes with gloo.
         fp16: run the ranks in ``torch.float16`` (``dtype`` for any other dtype).
         backend: ``"nccl"`` or ``"gloo"``; ``None`` is NCCL when CUDA is there, else gloo.
@@ -66,11 +85,13 @@ def parallelize(
         init_method, daemon: accepted for compatibility; ranks are always fresh interpreters
             that end with the caller.
         seed: seed the caller's RNG first (the ranks follow the caller's RNG on every call).
+        model_class: the class to build from a checkpoint (default: the one its config names).
+        vocab_parallel: split the input and output embeddings over the vocabulary too.
 
     Returns:
         ``model`` itself, whose ``forward``/``__call__``/``generate`` now run on the ranks, with
         ``deparallelize()`` and memory queries added. Validation errors (no policy, sizes that
-        do not divide) are raised before any process starts.
+        do not divide, weights missing from a checkpoint) are raised before any process starts.
     """
     if seed is not None:
         torch.manual_seed(seed)
@@ -79,24 +100,29 @@ def parallelize(
     dtype = torch.float16 if fp16 else dtype
     if getattr(model, "_tpcore_handle", None) is not None:
         raise RuntimeError("this model is already parallelized; call model.deparallelize() first")
-    replacer = TensorReplacer(model, None, fp16, num_gpus, custom_policies, rank=0)
+    checkpoint = None
+    if is_checkpoint_path(model):
+        checkpoint = Checkpoint(model)
+        model = _model_without_weights(checkpoint, model_class)
+    replacer = TensorReplacer(model, None, fp16, num_gpus, custom_policies, rank=0, vocab_parallel=vocab_parallel)
     plan = replacer.split_plan()  # validates: raises before any process starts
-    skeleton = _weightless_copy(model)
-    TensorReplacer(skeleton, None, fp16, num_gpus, replacer.custom_policies or None, rank=0).replace_modules()
+    if checkpoint is not None:
+        reads = checkpoint.reads(model, plan)
+        skeleton = copy.deepcopy(model)  # weights on meta already; keeps the constructed buffers
+        drop_output_capturing_hooks(skeleton)
+    else:
+        skeleton = weightless_copy(model)
+    policies = replacer.custom_policies or None
+    TensorReplacer(skeleton, None, fp16, num_gpus, policies, rank=0, vocab_parallel=vocab_parallel).replace_modules()
     backend = backend or default_backend()
     pool = RankPool(
         num_gpus, backend, master_addr=master_addr, master_port=master_port, threads_per_rank=threads_per_rank
     )
     try:
-        tensors = _named_tensors(model)
-        shapes = {name: _shard_shape(tensor, plan.get(id(tensor)), num_gpus) for name, tensor in tensors.items()}
-        metas = [(name, shape, tensors[name].dtype) for name, shape in shapes.items()]
-
-        def shares(rank: int):
-            for tensor in tensors.values():
-                yield _share(tensor, plan.get(id(tensor)), rank, num_gpus)
-
-        pool.scatter(_load_shard, lambda rank: (skeleton, metas, dtype), shares, timeout=timeout)
+        if checkpoint is not None:
+            pool.run(_read_shard, skeleton, str(checkpoint.directory), reads, dtype, timeout=timeout)
+        else:
+            _send_shards(pool, model, skeleton, plan, dtype, timeout)
     except BaseException:
         pool.close(timeout=3.0)
         raise
@@ -108,61 +134,39 @@ def parallelize(
     return model
 
 
-def _weightless_copy(model: nn.Module) -> nn.Module:
-    """A deep copy of ``model`` whose parameters and buffers live on the meta device (no data).
+def _model_without_weights(checkpoint: Checkpoint, model_class) -> nn.Module:
+    """The checkpoint's model with its parameters on meta, and its generation config if one was saved."""
+    model = empty_model(checkpoint.config(), model_class)
+    if (checkpoint.directory / "generation_config.json").is_file() and hasattr(model, "generation_config"):
+        from transformers import GenerationConfig
 
-    Ties survive: one meta tensor stands for each distinct original tensor.
-    """
-    memo: dict[int, Any] = {}
-    for tensor in [*model.parameters(), *model.buffers()]:
-        if id(tensor) not in memo:
-            meta = torch.empty_like(tensor, device="meta")
-            memo[id(tensor)] = nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
-    skeleton = copy.deepcopy(model, memo)
-    _drop_output_capturing_hooks(skeleton)
-    return skeleton
+        model.generation_config = GenerationConfig.from_pretrained(checkpoint.directory)
+    return model
 
 
-def _drop_output_capturing_hooks(model: nn.Module) -> None:
-    """Remove the forward hooks transformers installs to record hidden states and attentions.
+def _send_shards(pool: RankPool, model: nn.Module, skeleton: nn.Module, plan: dict, dtype, timeout: float) -> None:
+    """Stream every rank its parts of ``model``'s tensors, straight into the rank's storage."""
+    world_size = pool.world_size
+    tensors = named_tensors(model)
+    metas = [
+        (name, _shard_shape(tensor, plan.get(id(tensor)), world_size), tensor.dtype) for name, tensor in tensors.items()
+    ]
 
-    They are bound to this process (a ContextVar) and cannot travel; the rank installs its own.
-    """
-    for module in model.modules():
-        module.__dict__.pop("_output_capturing_hooks_installed", None)
-        for key, hook in list(module._forward_hooks.items()):
-            if "output_capturing" in getattr(hook, "__qualname__", ""):
-                del module._forward_hooks[key]
+    def shares(rank: int):
+        for tensor in tensors.values():
+            yield _share(tensor, plan.get(id(tensor)), rank, world_size)
 
-
-def _register_output_recording(model: nn.Module) -> None:
-    """Let transformers record hidden states and attentions of a model that was unpickled rather
-    than constructed (its constructor registers what each model class can record)."""
-    try:
-        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
-    except ImportError:  # transformers versions without output capturing need nothing
-        return
-    for module in model.modules():
-        if hasattr(module, "_can_record_outputs") and hasattr(module, "config"):
-            _CAN_RECORD_REGISTRY[module] = module._can_record_outputs
+    pool.scatter(_load_shard, lambda rank: (skeleton, metas, dtype), shares, timeout=timeout)
 
 
-def _named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every distinct parameter and buffer (non-persistent ones too) by its first name."""
-    named = dict(model.named_parameters())
-    named.update(model.named_buffers())
-    return named
-
-
-def _share(tensor: torch.Tensor, split: tuple | None, rank: int, world_size: int) -> torch.Tensor:
+def _share(tensor: torch.Tensor, split: Split | None, rank: int, world_size: int) -> torch.Tensor:
     """Rank ``rank``'s part of ``tensor``: a slice if the plan cuts it, else the whole tensor."""
     if split is None:
         return tensor.detach()
-    dim, n_fused, heads = split
-    return shard(tensor.detach(), dim, rank, world_size, n_fused, heads)
+    return shard(tensor.detach(), split.dim, rank, world_size, split.n_fused, split.heads, split.pad)
 
 
-def _shard_shape(tensor: torch.Tensor, split: tuple | None, world_size: int) -> tuple[int, ...]:
+def _shard_shape(tensor: torch.Tensor, split: Split | None, world_size: int) -> tuple[int, ...]:
     """The shape of one rank's part of ``tensor`` (every rank's part has the same shape)."""
     return tuple(_share(torch.empty_like(tensor, device="meta"), split, 0, world_size).shape)
 
@@ -170,35 +174,28 @@ def _shard_shape(tensor: torch.Tensor, split: tuple | None, world_size: int) -> 
 def _load_shard(context: RankContext, skeleton: nn.Module, metas: list, dtype) -> int:
     """On a rank: receive this rank's tensors, give them to the (already split) meta skeleton, keep it."""
     received = context.receive_tensors([(shape, tensor_dtype) for _, shape, tensor_dtype in metas])
-    state = {name: tensor for (name, _, _), tensor in zip(metas, received, strict=True)}
+    tensors = {name: tensor for (name, _, _), tensor in zip(metas, received, strict=True)}
     del received
-    slots: dict[int, list[tuple[nn.Module, str, bool]]] = {}
-    first_name: dict[int, str] = {}
-    for module_name, module in skeleton.named_modules(remove_duplicate=False):
-        for kind, table in (("p", module._parameters), ("b", module._buffers)):
-            for leaf, tensor in table.items():
-                if tensor is None:
-                    continue
-                slots.setdefault(id(tensor), []).append((module, leaf, kind == "p"))
-                first_name.setdefault(id(tensor), f"{module_name}.{leaf}" if module_name else leaf)
-    for key, places in slots.items():
-        value = state[first_name[key]]
-        for module, leaf, is_parameter in places:
-            if is_parameter:
-                module._parameters[leaf] = value if isinstance(value, nn.Parameter) else nn.Parameter(value, False)
-                value = module._parameters[leaf]  # one Parameter object for every tied place
-            else:
-                module._buffers[leaf] = value
-    for module in skeleton.modules():
-        if hasattr(module, "tp_group"):
-            module.tp_group = context.group
+    install_tensors(skeleton, tensors)
+    return _keep(context, skeleton, dtype)
+
+
+def _read_shard(context: RankContext, skeleton: nn.Module, directory: str, reads: list[Read], dtype) -> int:
+    """On a rank: read this rank's slices from the checkpoint into the (already split) meta skeleton, keep it."""
+    Checkpoint(directory).load_into(skeleton, reads, context.rank, context.world_size)
+    return _keep(context, skeleton, dtype)
+
+
+def _keep(context: RankContext, skeleton: nn.Module, dtype) -> int:
+    """On a rank: bind the filled skeleton to this rank, move it to the device and keep it for calls."""
+    bind_group(skeleton, context.group)
     skeleton.eval().requires_grad_(False)
     if dtype is not None:
         skeleton.to(dtype)
     model = skeleton.to(context.device)
-    _register_output_recording(model)
+    register_output_recording(model)
     context.store["model"] = model
-    return sum(t.numel() * t.element_size() for t in _named_tensors(model).values())
+    return sum(t.numel() * t.element_size() for t in named_tensors(model).values())
 
 
 def _serve(context: RankContext, method: str, args: tuple, kwargs: dict, rng_state: torch.Tensor):
@@ -216,7 +213,7 @@ def _serve(context: RankContext, method: str, args: tuple, kwargs: dict, rng_sta
 def _memory(context: RankContext) -> dict[str, int]:
     """On a rank: tensor bytes, current and peak resident bytes (CUDA: the allocator's figures)."""
     model = context.store["model"]
-    tensor_bytes = sum(t.numel() * t.element_size() for t in _named_tensors(model).values())
+    tensor_bytes = sum(t.numel() * t.element_size() for t in named_tensors(model).values())
     if context.device.type == "cuda":
         return {
             "allocated": torch.cuda.memory_allocated(context.device),
@@ -285,7 +282,8 @@ class ParallelHandle:
         return {f"{device}:{rank}": figures[kind] for rank, figures in enumerate(results)}
 
     def deparallelize(self) -> nn.Module:
-        """Stop the ranks and give the model its own methods back; it runs unsplit again."""
+        """Stop the ranks and give the model its own methods back; it runs unsplit again (a model
+        started from a checkpoint has no weights in the caller: load it with ``from_pretrained``)."""
         self.pool.close()
         for name in (*_SERVED, *_ADDED, "_tpcore_handle"):
             self.model.__dict__.pop(name, None)

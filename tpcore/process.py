@@ -358,10 +358,12 @@ def _worker_main(address, rank, world_size, backend, master_addr, master_port, t
         import torch
         import torch.distributed as dist
 
+        from tpcore import shm
         from tpcore.distributed import device_for, init_process_group
 
         torch.set_num_threads(threads)
         init_process_group(backend, rank, world_size, master_addr, master_port)
+        shm.attach(dist.group.WORLD)
         device = device_for(backend, rank)
         context = RankContext(rank, world_size, backend, dist.group.WORLD, device, connection=conn)
         _send(conn, ("ok", None))

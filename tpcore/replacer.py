@@ -4,7 +4,12 @@ Everything is validated before anything is changed: every module a policy names 
 tensor splits evenly over the world size, every per-rank attribute exists and divides. A model
 that fails any check is left untouched and the error names the model, the tensor and the size.
 Changes are instance-level only: parameter data, module sizes, ``__class__`` of the modules that
-become row parallel, and attributes the policy lists. No transformers class is patched.
+become row or vocab parallel, and attributes the policy lists. No transformers class is patched.
+
+Besides the layers the policies cover, the model's input and output embeddings (what
+``get_input_embeddings()`` / ``get_output_embeddings()`` return) are split over the vocabulary when
+they are plain ``nn.Embedding`` / ``nn.Linear`` modules that nothing else shares; other kinds stay
+whole on every rank.
 """
 
 from __future__ import annotations
@@ -17,9 +22,9 @@ from torch import nn
 
 from tpcore.auto import AutoPolicy
 from tpcore.comm import group_rank, group_size
-from tpcore.layers import make_row_parallel, row_parallel_class, set_layer_size
+from tpcore.layers import make_row_parallel, make_vocab_parallel, row_parallel_class, set_layer_size
 from tpcore.policy import Layer, Policy, ShardingError
-from tpcore.slicer import COLUMN, ROW, TensorSlicer, check_divisible, split_dims
+from tpcore.slicer import COLUMN, ROW, Split, TensorSlicer, check_divisible, shard, split_dims
 
 __all__ = ["TensorReplacer"]
 
@@ -72,10 +77,26 @@ class TensorReplacer:
         num_gpus: the world size; must equal the size of ``mp_group``.
         custom_policies: a Policy class or a list of them; ``None`` asks :class:`AutoPolicy`.
         rank: this rank in the group, for slicing without a process group (tests, tooling).
+        vocab_parallel: split the input and output embeddings over the vocabulary.
+        gather_logits: a vocab-parallel LM head returns the whole vocabulary's logits (else this
+            rank's ``ceil(V / N)`` columns).
     """
 
-    def __init__(self, model, mp_group=None, fp16=False, num_gpus=1, custom_policies=None, rank=None):
+    def __init__(
+        self,
+        model,
+        mp_group=None,
+        fp16=False,
+        num_gpus=1,
+        custom_policies=None,
+        rank=None,
+        *,
+        vocab_parallel: bool = True,
+        gather_logits: bool = True,
+    ):
         self.model = model
+        self.vocab_parallel = vocab_parallel
+        self.gather_logits = gather_logits
         self.mp_group = mp_group
         self.fp16 = fp16
         self.num_gpus = int(num_gpus)
@@ -104,8 +125,8 @@ class TensorReplacer:
         self._validate(self._targets(policies))
         return policies
 
-    def split_plan(self) -> dict[int, tuple[int, int, int | None]]:
-        """``{id(tensor): (split dim, n_fused, heads)}`` for every tensor the split cuts (validated first).
+    def split_plan(self) -> dict[int, Split]:
+        """``{id(tensor): Split}`` for every tensor the split cuts (validated first).
 
         Lets a caller cut a rank's shards out of a model without changing it.
         """
@@ -116,9 +137,13 @@ class TensorReplacer:
             for style, spec, weight, bias in self.preprocess(target.layer, target.policy):
                 weight_dim, bias_dim = split_dims(style, spec)
                 heads = self._heads(spec)
-                plan[id(weight)] = (weight_dim, spec.n_fused, heads)
+                plan[id(weight)] = Split(weight_dim, spec.n_fused, heads)
                 if bias is not None and bias_dim is not None:
-                    plan[id(bias)] = (bias_dim, spec.n_fused, heads)
+                    plan[id(bias)] = Split(bias_dim, spec.n_fused, heads)
+        for module in self.vocab_modules():
+            for tensor in (module.weight, getattr(module, "bias", None)):
+                if tensor is not None and id(tensor) not in plan:
+                    plan[id(tensor)] = Split(0, pad=True)
         return plan
 
     def replace_modules(self) -> nn.Module:
@@ -126,9 +151,47 @@ class TensorReplacer:
         targets = self._targets(self._policies())
         arguments = self._validate(targets)
         sliced: set[int] = set()
+        vocab_modules = self.vocab_modules()
         for target in targets:
             self._apply(target, sliced, arguments[target.policy])
+        self._split_vocab(vocab_modules, sliced)
         return self.model
+
+    def vocab_modules(self) -> list[nn.Module]:
+        """The input and output embeddings to split over the vocabulary (none if ``vocab_parallel`` is off).
+
+        Only an exact ``nn.Embedding`` (without ``max_norm``) or ``nn.Linear`` qualifies, and only if no
+        module but these two and their parents (BERT's head keeps the decoder's bias there) holds its
+        weight or bias: a subclass may do more than a lookup, and a tensor that some other module reads
+        must stay whole.
+        """
+        if not self.vocab_parallel:
+            return []
+        found: dict[int, nn.Module] = {}
+        for getter in ("get_input_embeddings", "get_output_embeddings"):
+            try:
+                module = getattr(self.model, getter)()
+            except (AttributeError, NotImplementedError):
+                continue
+            if (type(module) is nn.Embedding and module.max_norm is None) or type(module) is nn.Linear:
+                found[id(module)] = module
+        names = {id(module): name for name, module in self.model.named_modules()}
+        parents = {names[key].rpartition(".")[0] for key in found if key in names}
+        allowed = found.keys() | {id(module) for name, module in self.model.named_modules() if name in parents}
+        holders: dict[int, set[int]] = {}
+        for module in self.model.modules():
+            for tensor in module._parameters.values():
+                if tensor is not None:
+                    holders.setdefault(id(tensor), set()).add(id(module))
+        return [
+            module
+            for module in found.values()
+            if all(
+                holders.get(id(tensor), set()) <= allowed
+                for tensor in (module.weight, getattr(module, "bias", None))
+                if tensor is not None
+            )
+        ]
 
     def replace_user_define_modules(self, model: nn.Module, policy_cls: type[Policy]) -> None:
         """Give modules inside each layer of ``policy_cls`` the classes its ``replace_modules`` names."""
@@ -282,6 +345,20 @@ class TensorReplacer:
         if not isinstance(heads, int):
             raise ShardingError(f"Layer {spec.weight!r} names heads={spec.heads!r}, which the config lacks")
         return heads
+
+    def _split_vocab(self, modules: list[nn.Module], sliced: set[int]) -> None:
+        """Give each module its rows of the vocabulary and its vocab-parallel class (ties stay tied)."""
+        vocab_sizes = {id(module.weight): module.weight.shape[0] for module in modules}
+        rank, world_size = self.slicer.rank, self.slicer.world_size
+        for module in modules:
+            vocab_size = vocab_sizes[id(module.weight)]
+            with torch.no_grad():
+                for tensor in (module.weight, getattr(module, "bias", None)):
+                    if tensor is not None and id(tensor) not in sliced:
+                        sliced.add(id(tensor))
+                        tensor.data = shard(tensor.data, 0, rank, world_size, pad=True)
+            rows = module.weight.shape[0]
+            make_vocab_parallel(module, self.mp_group, rank * rows, vocab_size, self.gather_logits)
 
     def _slice_layer(self, target: _Target, sliced: set[int]) -> None:
         for style, spec, weight, bias in self.preprocess(target.layer, target.policy):

@@ -12,15 +12,22 @@ A tensor that packs fewer heads than there are ranks (grouped-query attention wi
 heads on 4 ranks) is split into its ``heads`` pieces instead, and rank ``r`` keeps piece
 ``r * heads // world_size``: each head is replicated on ``world_size / heads`` consecutive ranks,
 exactly the ranks whose query heads use it.
+
+A vocabulary (embedding rows, LM-head rows) rarely divides by the world size (GPT-2 has 50257
+tokens), so it is ``pad``-ded instead: every rank holds ``ceil(V / N)`` rows, rank ``r`` the rows
+``[r * ceil(V / N), (r + 1) * ceil(V / N))`` of the table, and the last ranks fill the rows past
+``V`` with zeros. Equal shapes keep the all-gather of logits a single fixed-size collective.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
 from tpcore.policy import Layer, ShardingError
 
-__all__ = ["COLUMN", "ROW", "TensorSlicer", "check_divisible", "shard", "split_dims"]
+__all__ = ["COLUMN", "ROW", "Split", "TensorSlicer", "check_divisible", "shard", "shard_ranges", "split_dims"]
 
 COLUMN = "column"
 ROW = "row"
@@ -41,19 +48,54 @@ def check_divisible(size: int, world_size: int, n_fused: int = 1, heads: int | N
         raise ShardingError(f"size {size} cannot be split into {pieces} equal pieces{fused}")
 
 
-def shard(
-    tensor: torch.Tensor, dim: int, rank: int, world_size: int, n_fused: int = 1, heads: int | None = None
-) -> torch.Tensor:
-    """Rank ``rank``'s contiguous shard of ``tensor`` along ``dim`` (see module docstring)."""
+class Split(NamedTuple):
+    """How one tensor is cut: along ``dim``, packing ``n_fused`` tensors, with ``heads`` (replicated
+    when fewer than the ranks) or ``pad``-ded to equal pieces (vocabularies); see the module docstring."""
+
+    dim: int
+    n_fused: int = 1
+    heads: int | None = None
+    pad: bool = False
+
+
+def shard_ranges(
+    size: int, rank: int, world_size: int, n_fused: int = 1, heads: int | None = None, pad: bool = False
+) -> tuple[list[tuple[int, int]], int]:
+    """Which part of a dimension of ``size`` rank ``rank`` holds: the ``[start, stop)`` ranges to
+    concatenate, in order, and how many zero rows follow them (``pad`` only)."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside a world of {world_size}")
-    check_divisible(tensor.shape[dim], world_size, n_fused, heads)
+    if pad:
+        if n_fused != 1 or heads is not None:
+            raise ValueError("a padded split packs one tensor and no heads")
+        piece = -(-size // world_size)
+        start = min(rank * piece, size)
+        stop = min(start + piece, size)
+        return [(start, stop)], piece - (stop - start)
+    check_divisible(size, world_size, n_fused, heads)
     if heads is not None and heads < world_size:  # replicate whole heads
         rank, world_size = rank * heads // world_size, heads
-    blocks = tensor.chunk(n_fused, dim=dim)
-    pieces = [block.chunk(world_size, dim=dim)[rank] for block in blocks]
+    block = size // n_fused
+    piece = block // world_size
+    return [(b * block + rank * piece, b * block + (rank + 1) * piece) for b in range(n_fused)], 0
+
+
+def shard(
+    tensor: torch.Tensor,
+    dim: int,
+    rank: int,
+    world_size: int,
+    n_fused: int = 1,
+    heads: int | None = None,
+    pad: bool = False,
+) -> torch.Tensor:
+    """Rank ``rank``'s contiguous shard of ``tensor`` along ``dim`` (see module docstring)."""
+    ranges, padding = shard_ranges(tensor.shape[dim], rank, world_size, n_fused, heads, pad)
+    pieces = [tensor.narrow(dim, start, stop - start) for start, stop in ranges]
+    if padding:
+        pieces.append(tensor.new_zeros(tensor.shape[:dim] + (padding,) + tensor.shape[dim + 1 :]))
     # cat copies; a lone piece is a view, cloned so that the whole tensor can be freed
-    return torch.cat(pieces, dim=dim) if n_fused > 1 else pieces[0].clone(memory_format=torch.contiguous_format)
+    return torch.cat(pieces, dim=dim) if len(pieces) > 1 else pieces[0].clone(memory_format=torch.contiguous_format)
 
 
 def split_dims(style: str, layer: Layer) -> tuple[int, int | None]:

@@ -1,0 +1,191 @@
+"""Shard-on-load: ranks read their own slices of a saved checkpoint (safetensors, single or sharded,
+or pickle files opened with ``weights_only``), and the caller never holds the weights."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+
+import pytest
+import rank_helpers
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import save_file
+from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, GPT2Model
+
+import tpcore
+from tpcore.checkpoint import Checkpoint
+from tpcore.process import RankPool
+from tpcore.slicer import Split, shard
+from tpcore.testing import compare_outputs
+
+GPT2 = GPT2Config(vocab_size=101, n_embd=48, n_layer=2, n_head=12, n_positions=32, bos_token_id=0, eos_token_id=0)
+
+
+def gpt2(seed: int = 0, model_class=GPT2LMHeadModel):
+    torch.manual_seed(seed)
+    return model_class(GPT2).eval()
+
+
+@pytest.fixture(scope="module")
+def gpt2_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("gpt2")
+    gpt2().save_pretrained(directory)
+    return directory
+
+
+def ids(batch: int = 2, seq: int = 7, vocab: int = 101, seed: int = 5) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+# -- reading slices ------------------------------------------------------------------------------
+
+
+def write(directory, tensors: dict[str, torch.Tensor], layout: str) -> None:
+    """Save ``tensors`` as one safetensors file, two with an index, or one pickle file."""
+    if layout == "single":
+        save_file(tensors, directory / "model.safetensors")
+    elif layout == "sharded":
+        names = sorted(tensors)
+        halves = {"a.safetensors": names[::2], "b.safetensors": names[1::2]}
+        for file, keys in halves.items():
+            save_file({key: tensors[key] for key in keys}, directory / file)
+        weight_map = {key: file for file, keys in halves.items() for key in keys}
+        (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    else:
+        torch.save(tensors, directory / "pytorch_model.bin")
+
+
+splits = st.one_of(
+    st.builds(lambda dim, n_fused: Split(dim, n_fused), st.integers(0, 1), st.sampled_from([1, 3])),
+    st.builds(lambda dim: Split(dim, pad=True), st.integers(0, 1)),
+    st.just(Split(0, heads=1)),
+)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    layout=st.sampled_from(["single", "sharded", "pickle"]),
+    split=splits,
+    world_size=st.integers(1, 4),
+    odd=st.integers(0, 5),
+    seed=st.integers(0, 2**16),
+)
+def test_a_slice_read_from_the_files_equals_the_slice_cut_from_the_tensor(
+    tmp_path_factory, layout, split, world_size, odd, seed
+):
+    directory = tmp_path_factory.mktemp("ckpt")
+    size = 12 * split.n_fused * (split.heads or 1) + (odd if split.pad else 0)
+    shape = [size, 5] if split.dim == 0 else [5, size]
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {"w": torch.randn(shape, generator=generator), "b": torch.randn(3, generator=generator)}
+    write(directory, tensors, layout)
+    checkpoint = Checkpoint(directory)
+    assert set(checkpoint.files) == {"w", "b"}
+    for rank in range(world_size):
+        expected = shard(tensors["w"], split.dim, rank, world_size, split.n_fused, split.heads, split.pad)
+        assert torch.equal(checkpoint.read("w", split, rank, world_size), expected)
+    assert torch.equal(checkpoint.read("b", None, 0, world_size), tensors["b"])
+
+
+class Payload:
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+def test_a_pickle_checkpoint_with_code_in_it_is_refused(tmp_path):
+    with open(tmp_path / "pytorch_model.bin", "wb") as file:
+        pickle.dump({"w": Payload()}, file, protocol=2)
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        Checkpoint(tmp_path)
+
+
+def test_a_directory_without_weights_or_a_missing_one_is_an_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not a directory"):
+        tpcore.parallelize(tmp_path / "nowhere", num_gpus=2)
+    with pytest.raises(FileNotFoundError, match="holds no weights"):
+        Checkpoint(tmp_path)
+
+
+# -- parallelize() and the engine from a checkpoint ----------------------------------------------
+
+
+def test_parallelize_from_a_checkpoint_equals_the_unsplit_model_and_the_caller_holds_no_weights(gpt2_dir):
+    reference = gpt2()
+    inputs = ids()
+    with torch.inference_mode():
+        expected = reference(input_ids=inputs)
+        tokens = reference.generate(inputs, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
+    model = tpcore.parallelize(gpt2_dir, num_gpus=2)
+    try:
+        assert type(model) is GPT2LMHeadModel and model.config.n_layer == 2
+        assert {p.device.type for p in model.parameters()} == {"meta"}
+        compare_outputs(expected, model(input_ids=inputs))
+        assert torch.equal(model.generate(inputs, max_new_tokens=12, min_new_tokens=12, do_sample=False), tokens)
+        shares = model.memory_allocated()
+        assert len(shares) == 2 and all(
+            v < 0.6 * 4 * sum(p.numel() for p in reference.parameters()) for v in shares.values()
+        )
+    finally:
+        model.deparallelize()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_sharded_safetensors_bert_loads_split_over_the_ranks(tmp_path, world_size):
+    config = BertConfig(
+        vocab_size=97, hidden_size=48, num_hidden_layers=2, num_attention_heads=12, intermediate_size=96
+    )
+    torch.manual_seed(2)
+    reference = BertForMaskedLM(config).eval()
+    reference.save_pretrained(tmp_path, max_shard_size="40KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[1, 4:] = 0
+    inputs = {"input_ids": ids(vocab=97), "attention_mask": mask}
+    with torch.inference_mode():
+        expected = reference(**inputs)
+    model = tpcore.parallelize(tmp_path, num_gpus=world_size)
+    try:
+        compare_outputs(expected, model(**inputs))
+    finally:
+        model.deparallelize()
+
+
+def test_a_base_model_checkpoint_fills_a_model_with_a_head_through_the_prefix(tmp_path):
+    base = gpt2(seed=4, model_class=GPT2Model)
+    base.save_pretrained(tmp_path)
+    reference = GPT2LMHeadModel(GPT2).eval()
+    reference.transformer.load_state_dict(base.state_dict())  # the head is tied to the base's embeddings
+    inputs = ids()
+    with torch.inference_mode():
+        expected = reference(input_ids=inputs).logits
+    model = tpcore.parallelize(tmp_path, num_gpus=2, model_class=GPT2LMHeadModel)
+    try:
+        compare_outputs(expected, model(input_ids=inputs).logits)
+    finally:
+        model.deparallelize()
+
+
+def test_missing_or_mismatched_weights_fail_before_any_rank_starts(tmp_path, gpt2_dir, monkeypatch):
+    started = []
+    monkeypatch.setattr(RankPool, "__init__", lambda *a, **k: started.append(1) or pytest.fail("ranks started"))
+    tensors = {k: v for k, v in gpt2().state_dict().items() if not k.startswith("transformer.h.1.mlp")}
+    save_file({k: v.contiguous() for k, v in tensors.items() if k != "lm_head.weight"}, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text((gpt2_dir / "config.json").read_text())
+    with pytest.raises(KeyError, match=r"lacks 4 parameters of GPT2LMHeadModel: transformer\.h\.1\.mlp"):
+        tpcore.parallelize(tmp_path, num_gpus=2)
+    with pytest.raises(tpcore.ShardingError, match="n_head = 12 cannot be split evenly over 5 ranks"):
+        tpcore.parallelize(gpt2_dir, num_gpus=5)
+    assert not started
+
+
+def test_the_spmd_engine_reads_its_own_slices_from_a_checkpoint(rank_pools, gpt2_dir):
+    inputs = ids()
+    with torch.inference_mode():
+        expected = gpt2()(input_ids=inputs).logits
+    full = sum(p.numel() for p in gpt2().parameters())
+    for logits, devices, held in rank_pools.get(2).run(rank_helpers.engine_from_checkpoint, str(gpt2_dir), inputs):
+        compare_outputs(expected, logits)
+        assert devices == {"cpu"} and held < 0.55 * full

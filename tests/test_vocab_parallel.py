@@ -1,0 +1,111 @@
+"""Vocab-parallel input embeddings and LM heads: which modules are split, and that the split model
+still equals the unsplit one (tied weights tied, odd vocabularies padded, logits gathered or not)."""
+
+from __future__ import annotations
+
+import pytest
+import rank_helpers
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from tpcore import TensorReplacer
+from tpcore.layers import VocabParallelEmbedding, VocabParallelLMHead
+from tpcore.testing import ModelSpec, check_equivalence, parameter_count
+
+
+def gpt2_spec(vocab: int, seed: int = 0, tie: bool = True) -> ModelSpec:
+    config = GPT2Config(
+        vocab_size=vocab,
+        n_embd=48,
+        n_layer=2,
+        n_head=12,
+        n_positions=32,
+        tie_word_embeddings=tie,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return ModelSpec(GPT2LMHeadModel, config, seed)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_an_odd_vocabulary_is_padded_to_equal_rows_and_the_tied_head_shares_them(world_size):
+    vocab = 101
+    for rank in range(world_size):
+        model = gpt2_spec(vocab).build()
+        TensorReplacer(model, None, False, world_size, rank=rank).replace_modules()
+        embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+        rows = -(-vocab // world_size)
+        assert type(embedding) is VocabParallelEmbedding and type(head) is VocabParallelLMHead
+        assert embedding.weight is head.weight and embedding.weight.shape == (rows, 48)
+        assert (embedding.vocab_start, head.vocab_start, head.vocab_size) == (rank * rows, rank * rows, vocab)
+        assert (embedding.num_embeddings, head.out_features) == (rows, rows)
+        assert model.transformer.wpe.weight.shape == (32, 48)  # position embeddings stay whole
+
+
+def test_untied_embeddings_are_each_split():
+    model = gpt2_spec(50, tie=False).build()
+    TensorReplacer(model, None, False, 2, rank=1).replace_modules()
+    assert model.get_input_embeddings().weight is not model.get_output_embeddings().weight
+    assert model.get_input_embeddings().weight.shape == model.get_output_embeddings().weight.shape == (25, 48)
+
+
+class ScaledEmbedding(nn.Embedding):
+    def forward(self, ids):
+        return super().forward(ids) * 2.0
+
+
+def test_embeddings_that_do_more_than_a_lookup_or_are_read_elsewhere_stay_whole():
+    model = gpt2_spec(50, tie=False).build()
+    model.transformer.wte.__class__ = ScaledEmbedding  # a subclass: its forward is not a plain lookup
+    model.extra = nn.Linear(48, 50)
+    model.extra.weight = model.lm_head.weight  # another module reads the head's weight
+    assert TensorReplacer(model, None, False, 2, rank=0).vocab_modules() == []
+    TensorReplacer(model, None, False, 2, rank=0).replace_modules()
+    assert model.lm_head.weight.shape == (50, 48) and type(model.lm_head) is nn.Linear
+
+
+def test_vocab_parallel_off_keeps_the_embeddings_whole():
+    model = gpt2_spec(50).build()
+    TensorReplacer(model, None, False, 2, rank=0, vocab_parallel=False).replace_modules()
+    assert type(model.lm_head) is nn.Linear and model.lm_head.weight.shape == (50, 48)
+
+
+@settings(max_examples=8, deadline=None)
+@given(world_size=st.integers(1, 4), vocab=st.integers(1, 40), seed=st.integers(0, 2**16))
+def test_split_vocabularies_give_the_unsplit_logits(rank_pools, world_size, vocab, seed):
+    spec = gpt2_spec(vocab, seed)
+    ids = torch.randint(0, vocab, (2, 7), generator=torch.Generator().manual_seed(seed))
+    check_equivalence(spec, {"input_ids": ids}, (world_size,), pools=rank_pools)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_logits_stay_split_when_asked_and_every_rank_holds_its_columns(rank_pools, world_size):
+    vocab = 37
+    spec = gpt2_spec(vocab, seed=3)
+    ids = torch.randint(0, vocab, (2, 5), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        expected = spec.build()(input_ids=ids).logits
+    results = rank_pools.get(world_size).run(rank_helpers.vocab_parallel_logits, spec, ids, False)
+    rows = -(-vocab // world_size)
+    for rank, result in enumerate(results):
+        assert result["classes"] == ("VocabParallelEmbedding", "VocabParallelLMHead") and result["tied"]
+        assert result["rows"] == rows and result["starts"] == (rank * rows, rank * rows)
+        assert result["logits"].shape == (2, 5, rows)
+    columns = torch.cat([result["logits"] for result in results], dim=-1)
+    torch.testing.assert_close(columns[..., :vocab], expected, rtol=0, atol=1e-5 * expected.abs().max().item())
+    assert not columns[..., vocab:].any()  # the padding rows give zero logits
+
+
+def test_a_rank_of_gpt2_holds_about_half_its_parameters(rank_pools):
+    spec = gpt2_spec(1001, seed=1)
+    full = parameter_count(spec.build())
+    results = rank_pools.get(2).run(rank_helpers.vocab_parallel_logits, spec, torch.zeros(1, 3, dtype=torch.long))
+    assert results[0]["rows"] == 501
+    model = spec.build()
+    TensorReplacer(model, None, False, 2, rank=0).replace_modules()
+    held = parameter_count(model)
+    replicated = sum(p.numel() for name, p in model.named_parameters() if "wpe" in name or "ln" in name)
+    assert held == pytest.approx(full / 2 + replicated / 2, abs=2 * 2 * 48)  # biases of row layers stay whole

@@ -1,0 +1,146 @@
+"""Models without weights: meta copies to split before any tensor exists, and filling them on a rank.
+
+A skeleton is a model whose parameters live on the meta device: it has every module, config and
+attribute of the model and costs no memory, so policies can be applied to it (slicing a meta tensor
+only changes its shape). A rank then fills the skeleton with its own tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "empty_model",
+    "install_tensors",
+    "named_tensors",
+    "parameters_on_meta",
+    "register_output_recording",
+    "weightless_copy",
+]
+
+
+def named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every distinct parameter and buffer (non-persistent ones too) by its first name."""
+    named = dict(model.named_parameters())
+    named.update(model.named_buffers())
+    return named
+
+
+def weightless_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` whose parameters and buffers live on the meta device (no data).
+
+    Ties survive: one meta tensor stands for each distinct original tensor.
+    """
+    memo: dict[int, Any] = {}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if id(tensor) not in memo:
+            meta = torch.empty_like(tensor, device="meta")
+            memo[id(tensor)] = nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
+    skeleton = copy.deepcopy(model, memo)
+    drop_output_capturing_hooks(skeleton)
+    return skeleton
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """While inside, every ``nn.Parameter`` a module registers is moved to the meta device.
+
+    Buffers stay real: the ones a checkpoint lacks (rotary frequencies, position ids) are computed
+    by the constructor and would be lost on meta. Affects module construction in all threads.
+    """
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def empty_model(config, model_class: type[nn.Module] | None = None) -> nn.Module:
+    """The model a transformers ``config`` describes, with its parameters on meta, in eval mode.
+
+    ``model_class`` defaults to the first of ``config.architectures`` (as saved by ``save_pretrained``).
+    """
+    if model_class is None:
+        model_class = _architecture(config)
+    with parameters_on_meta():
+        model = model_class(config)
+    return model.eval().requires_grad_(False)
+
+
+def _architecture(config) -> type[nn.Module]:
+    import transformers
+
+    names = getattr(config, "architectures", None) or []
+    for name in names:
+        model_class = getattr(transformers, name, None)
+        if isinstance(model_class, type) and issubclass(model_class, nn.Module):
+            return model_class
+    raise ValueError(
+        f"the checkpoint's config names no transformers model class (architectures={names!r}); "
+        "pass model_class=, e.g. transformers.AutoModelForCausalLM's class for it"
+    )
+
+
+def install_tensors(skeleton: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Put ``tensors`` (by the names of :func:`named_tensors`) into ``skeleton`` in place of its own.
+
+    Every place that held one tensor (tied weights) gets the same new object; a name that
+    ``tensors`` lacks keeps the skeleton's tensor.
+    """
+    places: dict[int, list[tuple[nn.Module, str, bool]]] = {}
+    first_name: dict[int, str] = {}
+    for module_name, module in skeleton.named_modules(remove_duplicate=False):
+        for is_parameter, table in ((True, module._parameters), (False, module._buffers)):
+            for leaf, tensor in table.items():
+                if tensor is None:
+                    continue
+                places.setdefault(id(tensor), []).append((module, leaf, is_parameter))
+                first_name.setdefault(id(tensor), f"{module_name}.{leaf}" if module_name else leaf)
+    for key, slots in places.items():
+        value = tensors.get(first_name[key])
+        if value is None:
+            continue
+        for module, leaf, is_parameter in slots:
+            if is_parameter:
+                if not isinstance(value, nn.Parameter):
+                    value = nn.Parameter(value, requires_grad=False)
+                module._parameters[leaf] = value
+            else:
+                module._buffers[leaf] = value
+
+
+def drop_output_capturing_hooks(model: nn.Module) -> None:
+    """Remove the forward hooks transformers installs to record hidden states and attentions.
+
+    They are bound to this process (a ContextVar) and cannot travel; the rank installs its own.
+    """
+    for module in model.modules():
+        module.__dict__.pop("_output_capturing_hooks_installed", None)
+        for key, hook in list(module._forward_hooks.items()):
+            if "output_capturing" in getattr(hook, "__qualname__", ""):
+                del module._forward_hooks[key]
+
+
+def register_output_recording(model: nn.Module) -> None:
+    """Let transformers record hidden states and attentions of a model that was unpickled rather
+    than constructed (its constructor registers what each model class can record)."""
+    try:
+        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+    except ImportError:  # transformers versions without output capturing need nothing
+        return
+    for module in model.modules():
+        if hasattr(module, "_can_record_outputs") and hasattr(module, "config"):
+            _CAN_RECORD_REGISTRY[module] = module._can_record_outputs
