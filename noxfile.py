@@ -4,7 +4,7 @@
     nox -s tests -- -k slicer  # pytest arguments go after "--"
     nox -s lint                # ruff check + ruff format --check
     nox -s demo                # real all-MiniLM-L6-v2 weights, split across CPU ranks
-    nox -s bench               # bench/: proxy overhead and memory of parallelize()
+    nox -s bench               # bench/: proxy overhead and memory of parallelize(), tpcore against its peers
     nox -s gpu_equivalence     # on the offline GPU machine: CUDA/NCCL equivalence tests, system torch
 
 Sessions build their virtualenvs with uv (``pip install nox uv``). Every install passes
@@ -82,7 +82,9 @@ def demo(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """The benchmarks in bench/ (results written to bench/results/); run them on an otherwise idle machine."""
     install(session, *editable_project())
-    for script in ("proxy_overhead.py", "memory.py"):
+    # peers.py: accelerate for transformers' own tensor parallelism (a peer), matplotlib for its chart.
+    install(session, "accelerate", "matplotlib")
+    for script in ("proxy_overhead.py", "memory.py", "peers.py"):
         session.run("python", f"bench/{script}", *session.posargs)
 
 
