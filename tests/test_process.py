@@ -8,6 +8,7 @@ import time
 
 import pytest
 import rank_helpers
+import torch
 from process_probes import children, gone
 
 from tpcore.distributed import free_port
@@ -111,3 +112,23 @@ def test_functions_and_classes_defined_in_main_travel_by_value(pool, monkeypatch
     answer.__module__ = "__main__"
     monkeypatch.setattr(__main__, "answer", answer, raising=False)
     assert pool.run(answer, 40) == [40, 41]
+
+
+def test_large_tensors_travel_out_of_band_and_come_back_exact_and_writable(pool):
+    import pickle
+
+    from tpcore.process import RAW_TENSOR_BYTES, _encode
+
+    tensors = [
+        torch.randn(3, 128, 1000),  # logits-sized: raw frame
+        torch.randn(400, 300).T,  # non-contiguous
+        torch.ones(70_000, dtype=torch.bfloat16),  # a dtype numpy lacks
+        torch.arange(5),  # small: stays in the pickle
+    ]
+    frames = _encode(tensors)
+    assert len(frames) == 1 + sum(t.numel() * t.element_size() >= RAW_TENSOR_BYTES for t in tensors) == 4
+    assert len(pickle.loads(frames[0])[0]) < 4096  # the big bytes are not in the pickled frame
+    back = pool.run(rank_helpers.echo, *tensors)[0]
+    for original, received in zip(tensors, back, strict=True):
+        assert received.dtype == original.dtype and torch.equal(received, original)
+    back[0].add_(1)  # its own writable storage

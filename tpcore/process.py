@@ -3,7 +3,8 @@
 Ranks are fresh interpreters (``python -c`` running :func:`worker_entry`), not forks or ``multiprocessing``
 spawns: they never re-import the caller's ``__main__``, so scripts need no ``if __name__ ==
 "__main__"`` guard and notebooks work. Messages are cloudpickled by value: functions and classes
-defined in ``__main__`` travel with them, and no tensor goes through shared memory.
+defined in ``__main__`` travel with them, and no tensor goes through shared memory. Large CPU
+tensors in a message (inputs, logits) travel out of band, as raw frames after the pickled rest.
 
 The caller never blocks without a bound: every wait watches the ranks' connections (a dead rank
 closes its end at once) and a deadline. A rank that raises sends back the exception, its type,
@@ -15,6 +16,7 @@ one), the pool is torn down first.
 from __future__ import annotations
 
 import atexit
+import io
 import os
 import pickle
 import secrets
@@ -40,6 +42,8 @@ START_TIMEOUT_S = 180.0
 CALL_TIMEOUT_S = 600.0
 #: after one rank fails, how long the others get to answer before the pool is presumed stuck
 ERROR_GRACE_S = 3.0
+#: CPU tensors from this size on travel as raw frames beside the pickled message
+RAW_TENSOR_BYTES = 64 * 2**10
 AUTHKEY_ENV = "TPCORE_WORKER_AUTHKEY"
 PARENT_ENV = "TPCORE_WORKER_PARENT"
 
@@ -104,12 +108,64 @@ def _uint8():
     return torch.uint8
 
 
+class _Pickler(cloudpickle.Pickler):
+    """cloudpickle, with large plain CPU tensors sent out of band: their bytes follow the message
+    as raw frames (no copy into the pickle, no torch serialization)."""
+
+    def reducer_override(self, obj):
+        torch = sys.modules.get("torch")
+        if torch is not None and type(obj) is torch.Tensor and _raw_sendable(obj):
+            data = obj.detach().contiguous()
+            raw = data.reshape(-1).view(torch.uint8).numpy()
+            return _tensor_from_buffer, (pickle.PickleBuffer(raw), data.dtype, tuple(data.shape))
+        parent = getattr(super(), "reducer_override", None)  # plain pickle (no cloudpickle) has none
+        return parent(obj) if parent is not None else NotImplemented
+
+
+def _raw_sendable(tensor) -> bool:
+    return (
+        tensor.device.type == "cpu"
+        and tensor.layout is _strided()
+        and not tensor.requires_grad
+        and not tensor.is_quantized
+        and tensor.numel() * tensor.element_size() >= RAW_TENSOR_BYTES
+    )
+
+
+def _strided():
+    import torch
+
+    return torch.strided
+
+
+def _tensor_from_buffer(buffer, dtype, shape):
+    import torch
+
+    return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(shape)
+
+
+def _encode(message) -> list:
+    """A message as frames: the pickled message with the sizes of the raw frames, then each raw frame."""
+    buffers: list = []
+    stream = io.BytesIO()
+    _Pickler(stream, protocol=5, buffer_callback=buffers.append).dump(message)
+    raws = [buffer.raw() for buffer in buffers]
+    return [pickle.dumps((stream.getvalue(), [raw.nbytes for raw in raws]), protocol=5), *raws]
+
+
 def _send(conn, message) -> None:
-    conn.send_bytes(cloudpickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+    for frame in _encode(message):
+        conn.send_bytes(frame)
 
 
 def _recv(conn):
-    return pickle.loads(conn.recv_bytes())
+    payload, sizes = pickle.loads(conn.recv_bytes())
+    buffers = []
+    for size in sizes:
+        buffer = bytearray(size)
+        conn.recv_bytes_into(buffer)
+        buffers.append(buffer)
+    return pickle.loads(payload, buffers=buffers)
 
 
 def _describe(error: BaseException) -> tuple:
@@ -232,10 +288,11 @@ class RankPool:
             if not self.alive:
                 raise WorkerDiedError("this RankPool is closed or lost a rank; create a new one")
             try:
-                payload = cloudpickle.dumps((fn, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
+                frames = _encode((fn, args, kwargs))
                 for conn in self._conns:
-                    conn.send_bytes(payload)
-                del payload
+                    for frame in frames:
+                        conn.send_bytes(frame)
+                del frames
                 return self._collect(timeout, getattr(fn, "__qualname__", repr(fn)))
             except WorkerError as error:
                 if not error.pool_consistent:
@@ -264,7 +321,7 @@ class RankPool:
                 raise WorkerDiedError("this RankPool is closed or lost a rank; create a new one")
             try:
                 for rank, conn in enumerate(self._conns):
-                    conn.send_bytes(cloudpickle.dumps((fn, args_for(rank), {}), protocol=pickle.HIGHEST_PROTOCOL))
+                    _send(conn, (fn, args_for(rank), {}))
                     for tensor in tensors_for(rank) if tensors_for else ():
                         conn.send_bytes(_byte_view(tensor.detach().contiguous()) if tensor.numel() else b"")
                 return self._collect(timeout, getattr(fn, "__qualname__", repr(fn)))
