@@ -2,7 +2,8 @@
 
 A checkpoint is a directory as ``save_pretrained`` writes it: ``config.json`` and the weights in
 safetensors, one ``model.safetensors`` or shards listed by ``model.safetensors.index.json``. The
-files are memory-mapped and sliced lazily, so a rank copies only the rows or columns it holds.
+files are memory-mapped and sliced lazily, so a rank copies only the rows or columns it holds, into
+memory of its own (the model never keeps a view of a file, which could change under it).
 Pickle checkpoints (``pytorch_model.bin``, sharded or not) are opened with ``weights_only=True``
 (no code in them runs) and memory-mapped where their format allows.
 
@@ -85,7 +86,7 @@ class Checkpoint:
             tensor = handle[key]
             return tensor.clone() if split is None else shard(tensor, split.dim, rank, world_size, *split[1:])
         if split is None:
-            return handle.get_tensor(key)
+            return handle.get_tensor(key).clone()  # own memory, not a view of the mapped file
         view = handle.get_slice(key)
         size = view.get_shape()[split.dim]
         ranges, padding = shard_ranges(size, rank, world_size, split.n_fused, split.heads, split.pad)
@@ -95,7 +96,9 @@ class Checkpoint:
             shape = list(pieces[0].shape)
             shape[split.dim] = padding
             pieces.append(pieces[0].new_zeros(shape))
-        return torch.cat(pieces, dim=split.dim) if len(pieces) > 1 else pieces[0].contiguous()
+        if len(pieces) > 1:
+            return torch.cat(pieces, dim=split.dim)
+        return pieces[0].clone(memory_format=torch.contiguous_format)  # own memory, not a view of the file
 
     def reads(self, model: nn.Module, plan: dict[int, Split]) -> list[Read]:
         """What to read to fill ``model``'s tensors, cut by ``plan`` (``{id(tensor): Split}``).
