@@ -101,3 +101,26 @@ def shm_against_backend(context, tensors):
         dist.all_gather(parts, mine.contiguous(), group=context.group)
         results.append((reduced, expected, comm.all_gather(mine, context.group, dim=0), torch.cat(parts, dim=0)))
     return shm.for_group(context.group) is not None, results
+
+
+def echo(context, *values):
+    """The arguments, sent back as they came (rank 0 only)."""
+    return values if context.rank == 0 else None
+
+
+def collectives_of_a_forward(context, spec, input_ids, layer_path):
+    """tpcore's collectives during one forward of ``spec`` split over the pool: in total, and inside
+    the module at ``layer_path``."""
+    from tpcore import ParallelEngine
+    from tpcore.comm import count_collectives
+
+    model = spec.build()
+    ParallelEngine(context.world_size, context.backend, process_group=context.group).parallelize(model)
+    layer = model.get_submodule(layer_path)
+    inside = {}
+    with count_collectives() as counts, torch.inference_mode():
+        layer.register_forward_pre_hook(lambda *_: inside.update(before=dict(counts)))
+        layer.register_forward_hook(lambda *_: inside.update(after=dict(counts)))
+        model(input_ids=input_ids)
+    in_layer = {op: inside["after"].get(op, 0) - inside["before"].get(op, 0) for op in inside["after"]}
+    return dict(counts), {op: n for op, n in in_layer.items() if n}

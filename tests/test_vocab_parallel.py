@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from tpcore import TensorReplacer
 from tpcore.layers import VocabParallelEmbedding, VocabParallelLMHead
@@ -109,3 +109,31 @@ def test_a_rank_of_gpt2_holds_about_half_its_parameters(rank_pools):
     held = parameter_count(model)
     replicated = sum(p.numel() for name, p in model.named_parameters() if "wpe" in name or "ln" in name)
     assert held == pytest.approx(full / 2 + replicated / 2, abs=2 * 2 * 48)  # biases of row layers stay whole
+
+
+@pytest.mark.parametrize(
+    ("spec", "layer"),
+    [
+        (gpt2_spec(50), "transformer.h.1"),
+        (
+            ModelSpec(
+                LlamaForCausalLM,
+                LlamaConfig(
+                    vocab_size=50,
+                    hidden_size=48,
+                    intermediate_size=96,
+                    num_hidden_layers=2,
+                    num_attention_heads=12,
+                    num_key_value_heads=4,
+                ),
+            ),
+            "model.layers.1",
+        ),
+    ],
+    ids=["GPT2", "Llama"],
+)
+def test_a_layer_costs_exactly_two_all_reduces_and_the_vocabulary_two_more_collectives(rank_pools, spec, layer):
+    ids = torch.randint(0, 50, (2, 6), generator=torch.Generator().manual_seed(0))
+    for total, in_layer in rank_pools.get(2).run(rank_helpers.collectives_of_a_forward, spec, ids, layer):
+        assert in_layer == {"all_reduce": 2}
+        assert total == {"all_reduce": 2 * 2 + 1, "all_gather": 1}  # + the embedding's reduce, the head's gather

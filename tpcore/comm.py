@@ -6,12 +6,35 @@ uses them for every tensor that fits; the rest goes through the group's backend.
 
 from __future__ import annotations
 
+import collections
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 
 from tpcore import shm
 
-__all__ = ["all_gather", "all_reduce", "group_rank", "group_size"]
+__all__ = ["all_gather", "all_reduce", "count_collectives", "group_rank", "group_size"]
+
+_COUNTERS: list[collections.Counter] = []
+
+
+@contextlib.contextmanager
+def count_collectives() -> Iterator[collections.Counter]:
+    """Count the collectives tpcore's layers issue in this process while inside, by operation
+    (``{"all_reduce": n, "all_gather": m}``), whichever transport carries them."""
+    counts: collections.Counter = collections.Counter()
+    _COUNTERS.append(counts)
+    try:
+        yield counts
+    finally:
+        _COUNTERS.remove(counts)
+
+
+def _counted(operation: str) -> None:
+    for counts in _COUNTERS:
+        counts[operation] += 1
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:
@@ -27,6 +50,7 @@ def group_rank(group: dist.ProcessGroup | None) -> int:
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Sum ``tensor`` over ``group`` in place and return it; a no-op for a group of one."""
     if group_size(group) > 1:
+        _counted("all_reduce")
         fast = shm.for_group(group)
         if fast is not None and fast.fits(tensor):
             return fast.all_reduce(tensor)
@@ -39,6 +63,7 @@ def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None, dim: int =
     world_size = group_size(group)
     if world_size == 1:
         return tensor
+    _counted("all_gather")
     fast = shm.for_group(group)
     if fast is not None and fast.fits(tensor):
         return fast.all_gather(tensor, dim)
