@@ -6,9 +6,10 @@ vocab 32000, untied LM head) is built from a seeded config and saved once with `
 
 - **unsplit**: ``from_pretrained`` in this process, ``--threads`` torch threads (default: all cores);
 - **tpcore SPMD**: in the ranks of a ``tpcore.process.RankPool(2, "gloo")`` (1 thread per rank on
-  2 cores), each rank runs ``ParallelEngine(2, "gloo", process_group=context.group).parallelize()``;
-- **tpcore parallelize()**: ``tpcore.parallelize(checkpoint or model, num_gpus=2)``, timed in this
-  process (inputs in, outputs back);
+  2 cores), each rank runs ``ParallelEngine(2, "gloo", process_group=context.group)
+  .parallelize(checkpoint)``;
+- **tpcore parallelize()**: ``tpcore.parallelize(checkpoint, num_gpus=2)``, timed in this process
+  (inputs in, outputs back);
 - **DTensor TP**: in RankPool ranks, PyTorch's ``parallelize_module`` with ``ColwiseParallel`` for
   q/k/v/gate/up and ``RowwiseParallel`` for o/down over ``init_device_mesh("cpu", (2,))``;
 - **HF tp_plan**: in RankPool ranks, ``from_pretrained(checkpoint, distributed_config=
@@ -28,7 +29,6 @@ is reported as n/a with the reason. Writes ``bench/results/peers.md`` and ``benc
 from __future__ import annotations
 
 import argparse
-import inspect
 import os
 import statistics
 import tempfile
@@ -51,8 +51,6 @@ BACKEND = "gloo"
 ATTENTION = "sdpa"
 STORE_KEY = "peers_model"  # where a rank of this script keeps its model (tpcore's proxy uses "model")
 PROXY_STORE_KEY = "model"
-#: the errors a tpcore entry point raises when it takes a model object but is given a checkpoint folder
-NOT_A_MODEL = (TypeError, ValueError, AttributeError)
 
 # --- run on the ranks and in the caller (module-level, so cloudpickle sends them by value) ---------
 
@@ -125,14 +123,18 @@ def rank_memory(context, key: str) -> dict:
 
 
 def rank_collectives(context, key: str, inputs: dict) -> dict:
-    """Collectives of one forward, seen by ``CommDebugMode`` (DTensor's functional collectives and
-    c10d ops such as a plain ``dist.all_reduce``), in total and inside the first decoder layer; plus
-    a cross-check that counts calls of the ``torch.distributed`` functions themselves."""
+    """Collectives of one forward, in total and inside the first decoder layer. tpcore's layers count
+    their own (``tpcore.comm.count_collectives``: the shared-memory transport bypasses
+    ``torch.distributed``); the peers' are seen by ``CommDebugMode`` (DTensor's functional
+    collectives and c10d ops such as a plain ``dist.all_reduce``). A cross-check counts the calls
+    of the ``torch.distributed`` functions themselves."""
     import warnings
 
     import torch
     import torch.distributed as dist
     from torch.distributed.tensor.debug import CommDebugMode
+
+    from tpcore.comm import count_collectives
 
     names = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "all_to_all")
     originals = {name: getattr(dist, name) for name in names if hasattr(dist, name)}
@@ -146,25 +148,45 @@ def rank_collectives(context, key: str, inputs: dict) -> dict:
         return wrapper
 
     model = context.store[key]
+    layer0 = next(module for name, module in model.named_modules() if name.endswith("layers.0"))
+    snapshots = {}
+    hooks = []
     try:
         for name, function in originals.items():
             setattr(dist, name, counting(function))
-        with warnings.catch_warnings(), torch.inference_mode(), CommDebugMode() as mode:
+        with (
+            warnings.catch_warnings(),
+            torch.inference_mode(),
+            CommDebugMode() as mode,
+            count_collectives() as own,
+        ):
             warnings.simplefilter("ignore")  # "For backward hooks to be called, module output should be a Tensor"
+            hooks.append(layer0.register_forward_pre_hook(lambda *_: snapshots.update(before=dict(own))))
+            hooks.append(layer0.register_forward_hook(lambda *_: snapshots.update(after=dict(own))))
             model(**inputs)
     finally:
         for name, function in originals.items():
             setattr(dist, name, function)
-    layer = {}
-    for module_name, counts in mode.comm_module_counts.items():
-        if module_name.endswith("layers.0"):
-            layer = {str(op): n for op, n in counts["forward"].items()}
+        for hook in hooks:
+            hook.remove()
+    if own:  # tpcore's layers issued them
+        before, after = snapshots.get("before", {}), snapshots.get("after", {})
+        layer = {op: after.get(op, 0) - before.get(op, 0) for op in after if after.get(op, 0) > before.get(op, 0)}
+        by_op, total, counted_by = dict(own), sum(own.values()), "tpcore.comm.count_collectives"
+    else:
+        layer = {}
+        for module_name, counts in mode.comm_module_counts.items():
+            if module_name.endswith("layers.0"):
+                layer = {str(op): n for op, n in counts["forward"].items()}
+        by_op = {str(op): n for op, n in mode.get_comm_counts().items()}
+        total, counted_by = mode.get_total_counts(), "CommDebugMode"
     return {
-        "total": mode.get_total_counts(),
-        "by_op": {str(op): n for op, n in mode.get_comm_counts().items()},
+        "total": total,
+        "by_op": by_op,
         "layer0": sum(layer.values()),
         "layer0_by_op": layer,
         "dist_calls": calls["n"],
+        "counted_by": counted_by,
     }
 
 
@@ -195,19 +217,12 @@ def save_checkpoints(context, models: list, seed: int) -> list[dict]:
 
 
 def load_tpcore(context, checkpoint: str, attn: str):
-    """``ParallelEngine.parallelize`` of the checkpoint folder (shard on load) where tpcore takes one,
-    else of the model loaded whole with ``from_pretrained``."""
-    from transformers import AutoModelForCausalLM
-
+    """``ParallelEngine.parallelize`` of the checkpoint folder: each rank reads only its slices
+    (with the config's default attention, sdpa)."""
     from tpcore import ParallelEngine
 
     engine = ParallelEngine(context.world_size, context.backend, process_group=context.group)
-    try:
-        return engine.parallelize(checkpoint), None
-    except NOT_A_MODEL as error:
-        fallback = f"{type(error).__name__}: {error}"
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation=attn)
-    return engine.parallelize(model), fallback
+    return engine.parallelize(checkpoint)
 
 
 def load_dtensor(context, checkpoint: str, attn: str):
@@ -226,7 +241,7 @@ def load_dtensor(context, checkpoint: str, attn: str):
         for name in ("num_heads", "num_key_value_heads"):
             if isinstance(getattr(layer.self_attn, name, None), int):
                 setattr(layer.self_attn, name, getattr(layer.self_attn, name) // context.world_size)
-    return model, None
+    return model
 
 
 def load_hf_tp(context, checkpoint: str, attn: str):
@@ -249,7 +264,7 @@ def load_hf_tp(context, checkpoint: str, attn: str):
     )
     config = DistributedConfig(tp_plan="auto", tp_size=context.world_size)
     model = AutoModelForCausalLM.from_pretrained(checkpoint, distributed_config=config, attn_implementation=attn)
-    return model.eval(), None
+    return model.eval()
 
 
 LOADERS = {"tpcore SPMD": load_tpcore, "DTensor TP": load_dtensor, "HF tp_plan": load_hf_tp}
@@ -276,12 +291,11 @@ def rank_load(context, way: str, checkpoint: str, attn: str) -> dict:
     start = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model, fallback = LOADERS[way](context, checkpoint, attn)
+        model = LOADERS[way](context, checkpoint, attn)
     ready = time.perf_counter() - start
     context.store[STORE_KEY] = model
     return {
         "ready_s": ready,
-        "fallback": fallback,
         "floor": floor,
         "load_peak": proc_status()["VmHWM"],
         "tensor_bytes": tensor_bytes(model),
@@ -304,7 +318,6 @@ class Way:
     na: str | None = None
     ready_s: float | None = None
     start_s: float | None = None  # starting the ranks, before the clock of ready_s
-    fallback: str | None = None
     floor: int | None = None
     load_peak: int | None = None
     run_peak: int | None = None
@@ -375,21 +388,6 @@ def make_inputs(args) -> dict:
     return {"b1": ids(1, args.seq), "large": ids(args.batch, args.seq), "prompt": ids(1, args.prompt)}
 
 
-def parallelize_checkpoint(checkpoint: str, num_gpus: int):
-    """``tpcore.parallelize`` of the checkpoint folder where tpcore takes one (the caller never holds
-    the model), else of the model loaded whole here; returns (model, why it fell back or None)."""
-    from transformers import AutoModelForCausalLM
-
-    import tpcore
-
-    try:
-        return tpcore.parallelize(checkpoint, num_gpus=num_gpus, backend=BACKEND), None
-    except NOT_A_MODEL as error:
-        fallback = f"{type(error).__name__}: {error}"
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation=ATTENTION)
-    return tpcore.parallelize(model, num_gpus=num_gpus, backend=BACKEND), fallback
-
-
 def load_unsplit(way: Way, checkpoint: str, args, inputs: dict, plan: dict) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -407,8 +405,10 @@ def load_unsplit(way: Way, checkpoint: str, args, inputs: dict, plan: dict) -> N
 
 
 def load_proxy(way: Way, checkpoint: str, args, inputs: dict, plan: dict) -> None:
+    import tpcore
+
     start = time.perf_counter()
-    way.model, way.fallback = parallelize_checkpoint(checkpoint, args.ranks)
+    way.model = tpcore.parallelize(checkpoint, num_gpus=args.ranks, backend=BACKEND)  # the caller never holds it
     way.ready_s = time.perf_counter() - start
     way.pool, way.key = getattr(way.model._tpcore_handle, "pool", None), PROXY_STORE_KEY
     way.rank_bytes = max(way.model.memory_allocated().values())
@@ -424,7 +424,6 @@ def load_on_ranks(way: Way, checkpoint: str, args, inputs: dict, plan: dict) -> 
     way.start_s = time.perf_counter() - start
     results = way.pool.run(rank_load, way.name, checkpoint, ATTENTION)
     way.ready_s = max(r["ready_s"] for r in results)
-    way.fallback = results[0]["fallback"]
     way.floor = max(r["floor"] for r in results)
     way.load_peak = max(r["load_peak"] for r in results)
     way.rank_bytes = max(r["tensor_bytes"] for r in results)
@@ -454,7 +453,14 @@ def time_round(way: Way, inputs: dict, plan: dict) -> None:
 def finish_ranks(way: Way, inputs: dict) -> None:
     """Collectives of one forward, and the ranks' memory after every timed call."""
     if way.name == "unsplit":
-        way.collectives = {"total": 0, "layer0": 0, "by_op": {}, "layer0_by_op": {}, "dist_calls": 0}
+        way.collectives = {
+            "total": 0,
+            "layer0": 0,
+            "by_op": {},
+            "layer0_by_op": {},
+            "dist_calls": 0,
+            "counted_by": "none needed",
+        }
         return
     if way.pool is None:
         way.notes.append("no access to its ranks: collectives and rank memory not measured")
@@ -476,10 +482,12 @@ def close(way: Way) -> None:
     way.model = way.pool = None
 
 
-def gpt2_part(args, checkpoint: str, model_bytes: int) -> tuple[list[list[str]], list[str]]:
+def gpt2_part(args, checkpoint: str, model_bytes: int) -> list[list[str]]:
     """Split the GPT-2 checkpoint with ``tpcore.parallelize()`` at each N: a rank's tensor bytes and
     the caller's peak RSS above its RSS just before the call, both against the model size."""
-    rows, notes = [], []
+    import tpcore
+
+    rows = []
     for n in args.gpt2_ranks:
         settle()
         before = proc_status()["VmRSS"]
@@ -487,13 +495,13 @@ def gpt2_part(args, checkpoint: str, model_bytes: int) -> tuple[list[list[str]],
         start, model = time.perf_counter(), None
         try:
             with RssSampler() as sampler:
-                model, fallback = parallelize_checkpoint(checkpoint, n)
+                model = tpcore.parallelize(checkpoint, num_gpus=n, backend=BACKEND)
             seconds = time.perf_counter() - start
             hwm = proc_status()["VmHWM"]
             allocated = model.memory_allocated()
             rank_peaks = model.memory_peak()
         except Exception as error:
-            rows.append([str(n), f"n/a ({first_line(error)})", "", "", "", "", ""])
+            rows.append([str(n), f"n/a ({first_line(error)})", "", "", "", ""])
             continue
         finally:
             if model is not None:
@@ -502,13 +510,9 @@ def gpt2_part(args, checkpoint: str, model_bytes: int) -> tuple[list[list[str]],
             settle()
         share = max(allocated.values())
         sampled_extra, hwm_extra = sampler.peak - before, hwm - before
-        how = "checkpoint folder" if fallback is None else "model loaded in the caller [^fallback]"
-        if fallback is not None and not notes:
-            notes.append(fallback)
         rows.append(
             [
                 str(n),
-                how,
                 f"{share / MIB:.1f} ({share / model_bytes:.3f}x)",
                 f"{max(rank_peaks.values()) / MIB:.1f}",
                 f"{sampled_extra / MIB:.1f} ({sampled_extra / model_bytes:.2f}x)",
@@ -519,18 +523,15 @@ def gpt2_part(args, checkpoint: str, model_bytes: int) -> tuple[list[list[str]],
         print(
             f"  GPT-2 N={n}: rank tensors {share / MIB:.1f} MiB ({share / model_bytes:.3f}x of the model), caller "
             f"peak +{sampled_extra / MIB:.1f} MiB sampled ({sampled_extra / model_bytes:.2f}x), "
-            f"+{hwm_extra / MIB:.1f} MiB VmHWM; {seconds:.1f} s ({how})"
+            f"+{hwm_extra / MIB:.1f} MiB VmHWM; {seconds:.1f} s"
         )
-    return rows, notes
+    return rows
 
 
 def loaded_by(way: Way) -> str:
     """How a way went from the checkpoint folder to its model, for the loading table."""
     if way.name.startswith("tpcore"):
-        if way.fallback is None:
-            return "tpcore from the checkpoint folder (each rank reads its slices)"
-        where = "the caller" if way.where == "caller" else "each rank"
-        return f"`from_pretrained` whole in {where}, then split [^fallback]"
+        return "tpcore from the checkpoint folder (each rank reads its slices)"
     return {
         "unsplit": "`from_pretrained`",
         "DTensor TP": "`from_pretrained` whole on each rank, then `parallelize_module`",
@@ -657,7 +658,6 @@ def main(argv=None) -> None:
     from transformers.models.gpt2 import modeling_gpt2  # noqa: F401  (imported before any memory baseline)
     from transformers.models.llama import modeling_llama  # noqa: F401
 
-    import tpcore
     from tpcore.plugins import registered_policies
     from tpcore.process import RankPool
 
@@ -688,7 +688,7 @@ def main(argv=None) -> None:
         f"{args.threads} threads\n"
     )
 
-    gpt2_rows, gpt2_notes, gpt2_line = [], [], ""
+    gpt2_rows, gpt2_line = [], ""
     if args.gpt2_ranks:  # first, while this process holds no model
         gpt2 = built[1]
         gpt2_line = (
@@ -697,7 +697,7 @@ def main(argv=None) -> None:
             f"parameters, **model size {gpt2['bytes'] / MIB:.1f} MiB** (parameter and buffer bytes, fp32)."
         )
         print("GPT-2 memory part: " + gpt2_line.replace("**", "").replace("`", ""))
-        gpt2_rows, gpt2_notes = gpt2_part(args, gpt2_dir, gpt2["bytes"])
+        gpt2_rows = gpt2_part(args, gpt2_dir, gpt2["bytes"])
         print()
 
     names = ["unsplit", "tpcore SPMD", "tpcore parallelize()"]
@@ -712,7 +712,7 @@ def main(argv=None) -> None:
         for way in ways:
             try:
                 loaders.get(way.name, load_on_ranks)(way, llama_dir, args, inputs, plan)
-                print(f"  {way.name}: ready in {way.ready_s:.1f} s" + (" (model object)" if way.fallback else ""))
+                print(f"  {way.name}: ready in {way.ready_s:.1f} s")
             except Exception as error:
                 way.na = first_line(error)
                 print(f"  {way.name}: n/a ({way.na})")
@@ -758,10 +758,6 @@ def main(argv=None) -> None:
     wall_s = time.perf_counter() - wall_start
 
     # --- report -------------------------------------------------------------------------------------
-    fallback_note = next((w.fallback for w in ways if w.fallback), None) or (gpt2_notes[0] if gpt2_notes else None)
-    vocab_parallel = all(
-        "vocab_parallel" in inspect.signature(entry).parameters for entry in (tpcore.parallelize, tpcore.ParallelEngine)
-    )
     header = [
         "way",
         "ready s",
@@ -784,11 +780,10 @@ def main(argv=None) -> None:
             rows.append([way.name, f"n/a ({way.na})", *[""] * (len(header) - 2)])
             continue
         comm = way.collectives or {}
-        ready = f"{way.ready_s:.1f}" + (" [^fallback]" if way.fallback else "")
         rows.append(
             [
                 way.name,
-                ready,
+                f"{way.ready_s:.1f}",
                 fmt(way.figure("b1"), ".1f"),
                 fmt(way.figure("large"), ".1f"),
                 fmt(way.figure("decode"), ".1f"),
@@ -826,10 +821,11 @@ def main(argv=None) -> None:
         ]
         for w in live
     ]
-    comm_header = ["way", "per forward, by op", "in layer 0, by op", "torch.distributed.* calls per forward"]
+    comm_header = ["way", "counted by", "per forward, by op", "in layer 0, by op", "torch.distributed.* calls"]
     comm_rows = [
         [
             w.name,
+            f"`{w.collectives['counted_by']}`",
             ", ".join(f"{op} x{n}" for op, n in w.collectives["by_op"].items()) or "none",
             ", ".join(f"{op} x{n}" for op, n in w.collectives["layer0_by_op"].items()) or "none",
             str(w.collectives["dist_calls"]),
@@ -860,7 +856,6 @@ def main(argv=None) -> None:
     ]
     gpt2_header = [
         "N",
-        "parallelize() of",
         "rank tensors MiB (x model)",
         "rank peak RSS MiB",
         "caller peak above baseline, sampled MiB (x model)",
@@ -922,22 +917,13 @@ def main(argv=None) -> None:
         "after its warm-up calls, before the other ways start). `VmHWM` counts the pages of a memory-mapped "
         "checkpoint that a rank touched, and the batch-8 activations and logits dominate 'all calls'. "
         "Ready: checkpoint folder to a model ready to run (load + split, the slowest rank; "
-        "`parallelize()` includes starting its ranks). Collectives: `CommDebugMode` over one 1 x "
-        f"{args.seq} forward on rank 0 (it counts DTensor's functional collectives and c10d ops such as gloo's "
-        "`allreduce_`): in `model.layers.0` and in the whole forward. Max abs diff: batch-1 logits against the "
+        "`parallelize()` includes starting its ranks). Collectives over one 1 x "
+        f"{args.seq} forward on rank 0, in `model.layers.0` and in the whole forward: tpcore counts its own "
+        "(`tpcore.comm.count_collectives`), `CommDebugMode` the peers' (DTensor's functional collectives and "
+        "c10d ops such as gloo's `allreduce_`). Max abs diff: batch-1 logits against the "
         "unsplit model's."
     )
-    feature_notes = [
-        "tpcore `vocab_parallel` keyword: "
-        + ("present (default used)." if vocab_parallel else "not in this tpcore yet (embeddings and LM head whole)."),
-    ]
-    if fallback_note:
-        feature_notes.append(
-            "[^fallback]: This tpcore does not take a checkpoint folder yet (`"
-            + fallback_note.replace("`", "'")
-            + "`), so the model was loaded whole with `from_pretrained` (in the caller for `parallelize()`, on "
-            "each rank for SPMD) and that model was split; ready time and peaks include that."
-        )
+    vocab_note = "tpcore splits the embeddings and the LM head over the vocabulary (`vocab_parallel=True`: default)."
     sections = [
         model_line + "\n\n" + how,
         (f"![forward, decode and memory per way]({chart.name})" if chart_error is None else chart_error),
@@ -946,23 +932,25 @@ def main(argv=None) -> None:
         "faster or smaller).\n\n" + "\n\n".join(markdown_table(h, r) for _, h, r in ratios),
         "## Spread\n\np25 - p75 of the timed calls in ms (how noisy the machine was).\n\n"
         + markdown_table(spread_header, spread_rows),
-        "## Collectives\n\nBy operation (`CommDebugMode`), and the calls of `torch.distributed.all_reduce` and "
-        "the other `torch.distributed` collective functions counted by wrapping them during the same forward "
-        "(DTensor's functional collectives do not go through them).\n\n" + markdown_table(comm_header, comm_rows),
+        "## Collectives\n\nBy operation during one forward: tpcore's layers count their own "
+        "(`tpcore.comm.count_collectives`; its shared-memory transport does not go through `torch.distributed`), "
+        "the peers' are seen by `CommDebugMode`; and the calls of `torch.distributed.all_reduce` and the other "
+        "`torch.distributed` collective functions, counted by wrapping them during the same forward (DTensor's "
+        "functional collectives and tpcore's shared-memory ones do not go through them).\n\n"
+        + markdown_table(comm_header, comm_rows),
         "## Loading\n\n" + markdown_table(load_header, load_rows),
     ]
     if gpt2_rows:
         sections.append(
             "## GPT-2: what a rank and the caller hold\n\n"
             + gpt2_line
-            + " `tpcore.parallelize(checkpoint, num_gpus=N)` (the folder where tpcore takes one, else the "
-            "model loaded in the caller); rank tensors: `memory_allocated()` of the largest rank; the caller's "
+            + " `tpcore.parallelize(checkpoint, num_gpus=N)` with the checkpoint folder; rank tensors: "
+            "`memory_allocated()` of the largest rank; the caller's "
             "peak above its RSS just before the call, sampled every ~10 ms and from `VmHWM` reset just before "
             "(the first call in this process also pays some one-time imports and caches, a few MiB).\n\n"
             + markdown_table(gpt2_header, gpt2_rows)
         )
-    sections.append("## Notes\n\n" + "\n".join(["- " + n for n in feature_notes[:1]] + notes))
-    sections += feature_notes[1:]  # the footnote, a paragraph of its own
+    sections.append("## Notes\n\n" + "\n".join(["- " + vocab_note, *notes]))
     write_result("peers", "tpcore and its peers, side by side", sections, BACKEND, args.note, args.output)
     if chart_error is None:
         try:
