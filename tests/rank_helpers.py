@@ -99,6 +99,10 @@ def shm_against_backend(context, tensors):
         dist.all_reduce(expected, group=context.group)
         parts = [torch.empty_like(mine.contiguous()) for _ in range(context.world_size)]
         dist.all_gather(parts, mine.contiguous(), group=context.group)
+        for dim in (0, -1):
+            gathered = comm.all_gather(mine, context.group, dim=dim)
+            if not torch.equal(gathered, torch.cat(parts, dim=dim)):
+                raise AssertionError(f"all_gather along dim {dim} of a {tuple(mine.shape)} tensor differs")
         results.append((reduced, expected, comm.all_gather(mine, context.group, dim=0), torch.cat(parts, dim=0)))
     return shm.for_group(context.group) is not None, results
 

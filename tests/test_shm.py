@@ -42,12 +42,16 @@ def test_shared_memory_collectives_give_what_the_backend_gives(rank_pools, world
             assert torch.equal(gathered, gathered_expected)
 
 
-def test_tensors_larger_than_a_slot_go_through_the_backend(rank_pools):
-    big = torch.randn(shm.SLOT_BYTES // 4 + 1)
-    attached, [(reduced, expected, gathered, gathered_expected)] = rank_pools.get(2).run(
-        rank_helpers.shm_against_backend, [big]
-    )[0]
-    assert attached and torch.equal(reduced, expected) and torch.equal(gathered, gathered_expected)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_tensors_larger_than_a_slot_go_through_in_chunks(rank_pools, world_size):
+    slot_floats = shm.SLOT_BYTES // 4
+    # 3 chunks of a flat tensor; a strided one; rows gathered in 3 steps along the last dim
+    tensors = [torch.randn(2 * slot_floats + 3), torch.randn(3, slot_floats // 2 + 1).T, torch.randn(3000, 1000)]
+    for attached, results in rank_pools.get(world_size).run(rank_helpers.shm_against_backend, tensors):
+        assert attached
+        for reduced, expected, gathered, gathered_expected in results:
+            torch.testing.assert_close(reduced, expected.view_as(reduced), rtol=1e-6, atol=1e-6)
+            assert torch.equal(gathered, gathered_expected)
 
 
 def test_a_rank_that_never_arrives_is_a_timeout_not_a_hang(tmp_path):

@@ -8,20 +8,22 @@ The ranks of a gloo group that all run on one host map one shared segment::
 
 Step ``k`` on rank ``r``: copy the tensor into ``slots[p, r]``, publish ``flags[p, r] = k``, wait
 until every rank has published ``k``, then read: an all-reduce sums ``slots[p, 0..N-1]`` in rank
-order (the same bits on every rank), an all-gather concatenates them. Two parities make this safe:
+order (the same bits on every rank), an all-gather concatenates them. A tensor larger than a slot
+goes through in slot-sized chunks, one step each. Two parities make this safe:
 a rank writes parity ``p`` again only at step ``k + 2``, after every rank has published ``k + 1``,
 which each does only after it finished reading step ``k``.
 
 The segment is a file in ``/dev/shm``, its memory reserved when it is created (no room: gloo is
 used instead), and unlinked as soon as every rank has mapped it, so nothing is left behind, however
 the ranks end. A wait spins briefly, then yields the core (ranks may
-outnumber cores) and gives up after the group's timeout. Tensors larger than a slot, or not on the
-CPU, go through the group's backend as before; ``TPCORE_SHM=0`` turns the fast path off.
+outnumber cores) and gives up after the group's timeout. Tensors not on the CPU go through the
+group's backend; ``TPCORE_SHM=0`` turns the fast path off.
 """
 
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import secrets
 import socket
@@ -47,7 +49,7 @@ _FENCE = threading.Lock()
 
 
 class ShmCollectives:
-    """All-reduce (sum) and all-gather of CPU tensors of up to ``slot_bytes`` through shared memory."""
+    """All-reduce (sum) and all-gather of CPU tensors through shared memory, ``slot_bytes`` per step."""
 
     def __init__(self, path: Path, rank: int, world_size: int, slot_bytes: int, timeout_s: float):
         self.rank = rank
@@ -61,19 +63,57 @@ class ShmCollectives:
         self._step = 0
 
     def fits(self, tensor: torch.Tensor) -> bool:
-        return tensor.device.type == "cpu" and tensor.numel() * tensor.element_size() <= self.slot_bytes
+        """Whether ``tensor`` can go through shared memory (any CPU tensor: large ones go in chunks)."""
+        return tensor.device.type == "cpu"
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over the ranks, in place: ``((t_0 + t_1) + t_2) + ...`` on every rank."""
-        slots = self._exchange(tensor)
-        total = torch.add(slots[0], slots[1])
-        for other in slots[2:]:
-            total.add_(other)
-        return tensor.copy_(total)
+        flat = tensor.reshape(-1)  # a view of a contiguous tensor, else a copy written back below
+        for chunk in flat.split(self._chunk_elements(flat)):
+            slots = self._exchange(chunk)
+            torch.add(slots[0], slots[1], out=chunk)
+            for other in slots[2:]:
+                chunk.add_(other)
+        if not tensor.is_contiguous():
+            tensor.copy_(flat.view(tensor.shape))
+        return tensor
 
     def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
-        """Every rank's ``tensor`` concatenated along ``dim`` in rank order."""
-        return torch.cat(self._exchange(tensor), dim=dim)
+        """Every rank's ``tensor`` concatenated along ``dim`` in rank order.
+
+        Seen as ``rows [outer, inner]`` (``outer``: the sizes before ``dim``), the result is
+        ``[outer, N * inner]`` with rank ``r``'s rows in columns ``[r * inner, (r + 1) * inner)``;
+        whole rows go through a step and land straight in the result.
+        """
+        dim = dim % tensor.dim()
+        outer, inner = math.prod(tensor.shape[:dim]), math.prod(tensor.shape[dim:])
+        rows = tensor.reshape(outer, inner)
+        rows_per_step = self._chunk_elements(rows) // max(inner, 1)
+        if rows_per_step == 0:  # one row is larger than a slot
+            return self._all_gather_flat(tensor, dim)
+        shape = list(tensor.shape)
+        shape[dim] *= self.world_size
+        out = tensor.new_empty(shape)
+        out_rows = out.view(outer, self.world_size * inner)
+        for start in range(0, outer, rows_per_step):
+            chunk = rows[start : start + rows_per_step]
+            for rank, slot in enumerate(self._exchange(chunk)):
+                out_rows[start : start + len(chunk), rank * inner : (rank + 1) * inner].copy_(slot)
+        return out
+
+    def _all_gather_flat(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        flat = tensor.reshape(-1)
+        parts = [torch.empty_like(flat) for _ in range(self.world_size)]
+        offset = 0
+        for chunk in flat.split(self._chunk_elements(flat)):
+            for part, slot in zip(parts, self._exchange(chunk), strict=True):
+                part[offset : offset + chunk.numel()].copy_(slot)
+            offset += chunk.numel()
+        return torch.cat([part.view(tensor.shape) for part in parts], dim=dim)
+
+    def _chunk_elements(self, flat: torch.Tensor) -> int:
+        """Elements per step: a slot's worth (at least one, so that an empty tensor is one step)."""
+        return max(1, self.slot_bytes // flat.element_size())
 
     def _exchange(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Publish ``tensor``, wait for every rank's, and return views of all of them (rank order)."""
