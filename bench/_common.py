@@ -99,6 +99,26 @@ def load_average() -> str:
         return "n/a"
 
 
+def cpu_busy(seconds: float = 2.0) -> float | None:
+    """The fraction of all cores that were busy over the next ``seconds`` (this process sleeps
+    meanwhile, so it is what the other processes use); ``None`` without ``/proc/stat``."""
+
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as stat:
+            values = [int(v) for v in stat.readline().split()[1:]]
+        idle = values[3] + (values[4] if len(values) > 4 else 0)  # idle + iowait
+        return sum(values), idle
+
+    try:
+        total_before, idle_before = sample()
+        time.sleep(seconds)
+        total_after, idle_after = sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    total = total_after - total_before
+    return 1 - (idle_after - idle_before) / total if total > 0 else None
+
+
 def median_ms(seconds: list[float]) -> float:
     return statistics.median(seconds) * 1e3
 

@@ -40,7 +40,7 @@ from pathlib import Path
 import cloudpickle
 import memory
 import torch
-from _common import MIB, _version, load_average, markdown_table, median_ms, plain_table, write_result
+from _common import MIB, _version, cpu_busy, load_average, markdown_table, median_ms, plain_table, write_result
 from memory import RssSampler, proc_status, reset_peak, settle
 
 # memory.py's helpers also run on the ranks here: send them by value, as the functions of this script.
@@ -651,7 +651,8 @@ def parse_args(argv=None):
 def main(argv=None) -> None:
     args = parse_args(argv)
     wall_start, load_at_start = time.perf_counter(), load_average()
-    busy_at_start = os.getloadavg()[0] > 0.5 if hasattr(os, "getloadavg") else False
+    busy = cpu_busy()  # measured, not the load average, which still counts a script that just ended
+    busy_at_start = busy is not None and busy > 0.25
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # the ranks inherit it
     import transformers
@@ -879,8 +880,8 @@ def main(argv=None) -> None:
     notes += [f"- {w.name}: {note}" for w in ways for note in w.notes]
     if busy_at_start:
         notes.append(
-            f"- **The machine was busy** when the run started (load average {load_at_start} on "
-            f"{os.cpu_count()} cores): other processes competed for the cores, which hurts the unsplit run's "
+            f"- **The machine was busy** when the run started (other processes kept {busy:.0%} of its "
+            f"{os.cpu_count()} cores busy over 2 s): they competed for the cores, which hurts the unsplit run's "
             "multi-threaded kernels most (a thread that loses its core stalls the other at every barrier). "
             "Rerun on an idle machine before drawing conclusions from the timings."
         )
@@ -900,7 +901,8 @@ def main(argv=None) -> None:
         f"thread(s) each; unsplit: this process with {args.threads} threads. Peers: torch {torch.__version__} "
         f"(DTensor), transformers {transformers.__version__} with accelerate {_version('accelerate')}. "
         f"**Whole run: {wall_s / 60:.1f} min** (wall clock, this script from start to end); load average "
-        f"at the start: {load_at_start}."
+        f"at the start: {load_at_start}; the other processes' use of the cores over 2 s before it: "
+        + (f"{busy:.0%}." if busy is not None else "n/a.")
     )
     how = (
         f"Timed: {args.rounds} interleaved rounds (every way once per round, the first way rotating), after "
