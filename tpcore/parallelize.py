@@ -39,7 +39,7 @@ from tpcore.skeleton import (
     register_output_recording,
     weightless_copy,
 )
-from tpcore.slicer import Split, shard
+from tpcore.slicer import Split, shard, shard_ranges
 from tpcore.transfer import to_cpu, to_device
 
 __all__ = ["ParallelHandle", "parallelize"]
@@ -160,10 +160,21 @@ def _send_shards(pool: RankPool, model: nn.Module, skeleton: nn.Module, plan: di
 
 
 def _share(tensor: torch.Tensor, split: Split | None, rank: int, world_size: int) -> torch.Tensor:
-    """Rank ``rank``'s part of ``tensor``: a slice if the plan cuts it, else the whole tensor."""
+    """Rank ``rank``'s part of ``tensor``: a slice if the plan cuts it, else the whole tensor.
+
+    A slice that is one contiguous block of the tensor (rows of a column split, most vocabularies)
+    is a view, sent without a copy; others are copied out, one at a time.
+    """
+    tensor = tensor.detach()
     if split is None:
-        return tensor.detach()
-    return shard(tensor.detach(), split.dim, rank, world_size, split.n_fused, split.heads, split.pad)
+        return tensor
+    ranges, padding = shard_ranges(tensor.shape[split.dim], rank, world_size, split.n_fused, split.heads, split.pad)
+    if len(ranges) == 1 and not padding:
+        ((start, stop),) = ranges
+        piece = tensor.narrow(split.dim, start, stop - start)
+        if piece.is_contiguous():
+            return piece
+    return shard(tensor, split.dim, rank, world_size, split.n_fused, split.heads, split.pad)
 
 
 def _shard_shape(tensor: torch.Tensor, split: Split | None, world_size: int) -> tuple[int, ...]:
