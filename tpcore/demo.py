@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nparameter memory: whole model {whole_bytes / 2**20:.1f} MiB")
     for device, held in rank_bytes.items():
         print(f"  {device}: {held / 2**20:.1f} MiB ({held / whole_bytes:.0%} of the whole model)")
-    print("  (embeddings, layer norms and the pooler are replicated; attention and MLP weights are split)")
+    print("  (attention and MLP weights are split, the word embedding over the vocabulary;")
+    print("   position embeddings, layer norms and the pooler are replicated)")
 
 
 if __name__ == "__main__":
