@@ -61,7 +61,7 @@ class Checkpoint:
                 return {key: self.directory / name for key, name in weight_map.items()}
             if (self.directory / single).is_file():
                 path = self.directory / single
-                return dict.fromkeys(self._keys(path), path)
+                return dict.fromkeys(self._handle(path).keys(), path)
         looked_for = ", ".join(SAFETENSORS + PICKLE)
         raise FileNotFoundError(f"{self.directory.name!r} holds no weights (looked for {looked_for})")
 
@@ -74,10 +74,6 @@ class Checkpoint:
             else:
                 self._handles[path] = _load_pickle(path)
         return self._handles[path]
-
-    def _keys(self, path: Path) -> list[str]:
-        handle = self._handle(path)
-        return list(handle.keys())
 
     def read(self, key: str, split: Split | None, rank: int, world_size: int) -> torch.Tensor:
         """Rank ``rank``'s part of tensor ``key``: the slice ``split`` gives it, or all of it."""

@@ -76,9 +76,12 @@ class ParallelEngine:
             model = empty_model(checkpoint.config(), model_class)
         else:
             checkpoint = None
-        # Fail on bad input before joining any process group.
-        plan = self._replacer(model, None, fp16, rank=0).split_plan()
-        reads = checkpoint.reads(model, plan) if checkpoint is not None else None
+        # Fail on bad input (and, from a checkpoint, on missing weights) before joining any process group.
+        validator = self._replacer(model, None, fp16, rank=0)
+        if checkpoint is not None:
+            reads = checkpoint.reads(model, validator.split_plan())
+        else:
+            validator.validate()
         group = self.create_process_group(self.backend)
         if group is not None:
             shm.attach(group)  # gloo ranks of one host: shared-memory collectives
