@@ -30,7 +30,7 @@ import pytest
 import rank_helpers
 import torch
 import transformers
-from process_probes import children, gone
+from process_probes import children, gone, listening_of, listening_sockets
 from torch import nn
 
 import tpcore
@@ -108,35 +108,6 @@ def wait_gone(pids, limit: float) -> float:
             return time.monotonic() - started
         time.sleep(0.05)
     return float("inf")
-
-
-def listening_sockets() -> dict[int, int]:
-    """``{socket inode: port}`` of every listening TCP socket in this network namespace."""
-    found = {}
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with contextlib.suppress(OSError), open(table) as lines:
-            for line in list(lines)[1:]:
-                fields = line.split()
-                if fields[3] == "0A":  # TCP_LISTEN
-                    found[int(fields[9])] = int(fields[1].rsplit(":", 1)[1], 16)
-    return found
-
-
-def socket_inodes(pid: int | str) -> set[int]:
-    inodes = set()
-    with contextlib.suppress(OSError):
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            with contextlib.suppress(OSError):
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if target.startswith("socket:["):
-                    inodes.add(int(target[8:-1]))
-    return inodes
-
-
-def listening_of(pids) -> dict[int, int]:
-    """``{inode: port}`` of the listening TCP sockets that ``pids`` hold."""
-    listening = listening_sockets()
-    return {inode: listening[inode] for pid in pids for inode in socket_inodes(pid) if inode in listening}
 
 
 def shm_entries() -> set[str]:
@@ -520,8 +491,9 @@ def test_two_models_parallelized_at_once_use_their_own_ports():
     try:
         tpcore.parallelize(models["distilbert"], num_gpus=2)
         try:
-            ports = {name: set(listening_of(m._tpcore_handle.pool.pids).values()) for name, m in models.items()}
-            assert port in ports["bert"] and ports["bert"].isdisjoint(ports["distilbert"]), ports
+            ports = {name: m._tpcore_handle.pool.master_port for name, m in models.items()}
+            assert ports["bert"] == port and ports["distilbert"] != port, ports
+            assert ("127.0.0.1", port) in listening_of([os.getpid()]).values()  # the caller serves the rendezvous
             for _ in range(2):  # interleaved calls
                 for name, model in models.items():
                     compare_outputs(expected[name], model(**inputs[name]))

@@ -4,17 +4,23 @@ from tpcore.auto import AutoPolicy, UnsupportedModelError
 from tpcore.engine import ParallelEngine
 from tpcore.hookspecs import hookimpl
 from tpcore.parallelize import parallelize
+from tpcore.plugins import PluginConflictError, PluginLoadWarning
 from tpcore.policy import Layer, Policy, ShardingError, divide
+from tpcore.process import WorkerDiedError, WorkerError
 from tpcore.replacer import TensorReplacer
 
 __all__ = [
     "AutoPolicy",
     "Layer",
     "ParallelEngine",
+    "PluginConflictError",
+    "PluginLoadWarning",
     "Policy",
     "ShardingError",
     "TensorReplacer",
     "UnsupportedModelError",
+    "WorkerDiedError",
+    "WorkerError",
     "divide",
     "hookimpl",
     "parallelize",

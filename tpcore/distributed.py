@@ -1,15 +1,23 @@
-"""Process-group management: backend choice, loopback rendezvous on a free port, clean destroy.
+"""Process-group management: backend choice, rendezvous stores that listen on one address, clean destroy.
 
 No global side effects beyond torch.distributed's own state: environment variables such as
 ``CUDA_VISIBLE_DEVICES`` and ``MASTER_PORT`` are read, never written.
+
+torch's ``TCPStore`` server binds every interface (``::``) whatever address it is given. The stores
+tpcore makes itself (the one behind ``parallelize()``, and rank 0's when :func:`tensor_parallel_group`
+joins a world from ``MASTER_ADDR``/``MASTER_PORT`` without torchrun) are handed a socket already
+bound to the rendezvous address, so they listen there alone: loopback by default.
 """
 
 from __future__ import annotations
 
 import atexit
 import datetime
+import fcntl
+import ipaddress
 import os
 import socket
+import struct
 import time
 
 import torch
@@ -17,11 +25,15 @@ import torch.distributed as dist
 
 __all__ = [
     "DEFAULT_TIMEOUT",
+    "LAUNCHER_VARIABLES",
     "default_backend",
     "destroy_process_group",
     "device_for",
     "free_port",
     "init_process_group",
+    "interface_of",
+    "listening_store",
+    "rendezvous_store",
     "tensor_parallel_group",
 ]
 
@@ -53,25 +65,85 @@ def device_for(backend: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def init_process_group(
-    backend: str,
-    rank: int,
-    world_size: int,
-    master_addr: str = "127.0.0.1",
-    master_port: int | None = None,
-    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
-) -> None:
-    """Join a world of ``world_size`` ranks through a TCP rendezvous at ``master_addr:master_port``."""
-    if master_port is None:
-        raise ValueError("init_process_group needs the master_port that rank 0 listens on")
-    host = f"[{master_addr}]" if ":" in master_addr else master_addr
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://{host}:{master_port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=timeout,
+#: what a launcher (torchrun, SLURM scripts) sets for its own ranks; a worker pool's ranks get their own world
+LAUNCHER_VARIABLES = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCHELASTIC_ERROR_FILE",
+)
+# torch's libuv store server takes a listening socket from 2.8 on (pytorch/pytorch#150215); before, its older one
+_LIBUV_TAKES_SOCKET = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 8)
+
+
+def listening_store(host: str, port: int = 0, timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> dist.TCPStore:
+    """A ``TCPStore`` server that listens on ``host`` only; ``port`` 0 picks a free one (``store.port``).
+
+    Raises ``OSError`` naming the address when ``host:port`` cannot be bound (in use, not an
+    address of this machine).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.bind((host, port))
+        sock.listen(128)
+    except OSError as error:
+        sock.close()
+        hint = " (another world or program holds it; master_port=None picks a free one)" if port else ""
+        message = f"cannot listen on {host}:{port} for the rendezvous: {error.strerror}{hint}"
+        raise OSError(error.errno, message) from None
+    fd = sock.detach()  # the store owns the socket from here on and closes it when it is deleted
+    return dist.TCPStore(
+        host, 0, None, True, timeout=timeout, wait_for_workers=False, master_listen_fd=fd, use_libuv=_LIBUV_TAKES_SOCKET
     )
+
+
+def rendezvous_store(
+    host: str, port: int, rank: int, world_size: int, timeout: datetime.timedelta = DEFAULT_TIMEOUT
+) -> dist.TCPStore:
+    """The store of a world: rank 0 serves it on ``host:port`` alone, the other ranks connect to it."""
+    if rank == 0:
+        return listening_store(host, port, timeout)
+    return dist.TCPStore(host, port, world_size, False, timeout=timeout)
+
+
+def init_process_group(
+    backend: str, rank: int, world_size: int, store: dist.Store, timeout: datetime.timedelta = DEFAULT_TIMEOUT
+) -> None:
+    """Join a world of ``world_size`` ranks that meet in ``store``."""
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+
+
+def interface_of(address: str) -> str | None:
+    """The name of the network interface that carries IPv4 ``address`` (any loopback address: the
+    loopback interface), or ``None`` (unknown address, IPv6, no interface query on this system)."""
+    try:
+        wanted = ipaddress.IPv4Address(address)
+    except ValueError:
+        return None
+    siocgifaddr = 0x8915  # Linux: an interface's IPv4 address
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for _, name in socket.if_nameindex():
+            try:
+                reply = fcntl.ioctl(sock.fileno(), siocgifaddr, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue  # an interface without an IPv4 address
+            carried = ipaddress.IPv4Address(reply[20:24])
+            if carried == wanted or (wanted.is_loopback and carried.is_loopback):
+                return name
+    return None
 
 
 def tensor_parallel_group(num_gpus: int, backend: str | None = None) -> dist.ProcessGroup | None:
@@ -89,7 +161,13 @@ def tensor_parallel_group(num_gpus: int, backend: str | None = None) -> dist.Pro
                 f"num_gpus={num_gpus} needs a process group: launch with torchrun "
                 f"(torchrun --nproc-per-node {num_gpus} script.py), or use tpcore.parallelize()"
             )
-        dist.init_process_group(backend or default_backend(), timeout=DEFAULT_TIMEOUT)
+        backend = backend or default_backend()
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun's agent serves the store
+            dist.init_process_group(backend, timeout=DEFAULT_TIMEOUT)
+        else:
+            rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+            init_process_group(backend, rank, world_size, rendezvous_store(address, port, rank, world_size))
         atexit.register(destroy_process_group)  # we created it, so we tear it down at exit
     world_size = dist.get_world_size()
     if world_size == num_gpus:

@@ -29,7 +29,7 @@ from torch import nn
 from tpcore.checkpoint import Checkpoint, Read, is_checkpoint_path
 from tpcore.distributed import default_backend
 from tpcore.layers import bind_group
-from tpcore.process import CALL_TIMEOUT_S, RankContext, RankPool, WorkerDiedError, WorkerError
+from tpcore.process import CALL_TIMEOUT_S, START_TIMEOUT_S, RankContext, RankPool, WorkerDiedError, WorkerError, reraise
 from tpcore.replacer import TensorReplacer
 from tpcore.skeleton import (
     drop_output_capturing_hooks,
@@ -79,7 +79,8 @@ def parallelize(
         backend: ``"nccl"`` or ``"gloo"``; ``None`` is NCCL when CUDA is there, else gloo.
         custom_policies: a Policy class or a list; ``None`` uses the installed plugins.
         master_addr, master_port: rendezvous of the ranks; loopback and a free port by default.
-        timeout: seconds any call may take before the ranks are presumed lost.
+        timeout: seconds any call may take before the ranks are presumed lost; starting the ranks
+            gives up after ``min(timeout, 180)`` seconds.
         threads_per_rank: torch threads per CPU rank; the cores are split evenly by default.
         verbose: print each rank's memory once the model is loaded.
         init_method, daemon: accepted for compatibility; ranks are always fresh interpreters
@@ -115,17 +116,25 @@ def parallelize(
     policies = replacer.custom_policies or None
     TensorReplacer(skeleton, None, fp16, num_gpus, policies, rank=0, vocab_parallel=vocab_parallel).replace_modules()
     backend = backend or default_backend()
-    pool = RankPool(
-        num_gpus, backend, master_addr=master_addr, master_port=master_port, threads_per_rank=threads_per_rank
-    )
     try:
-        if checkpoint is not None:
-            pool.run(_read_shard, skeleton, str(checkpoint.directory), reads, dtype, timeout=timeout)
-        else:
-            _send_shards(pool, model, skeleton, plan, dtype, timeout)
-    except BaseException:
-        pool.close(timeout=3.0)
-        raise
+        pool = RankPool(
+            num_gpus,
+            backend,
+            master_addr=master_addr,
+            master_port=master_port,
+            threads_per_rank=threads_per_rank,
+            start_timeout=min(timeout, START_TIMEOUT_S),
+        )
+        try:
+            if checkpoint is not None:
+                pool.run(_read_shard, skeleton, str(checkpoint.directory), reads, dtype, timeout=timeout)
+            else:
+                _send_shards(pool, model, skeleton, plan, dtype, timeout)
+        except BaseException:
+            pool.close(timeout=3.0)
+            raise
+    except WorkerError as error:  # a rank failed to start or to load: its own exception, its traceback as cause
+        reraise(error)
     handle = ParallelHandle(model, pool, timeout)
     handle.attach()
     if verbose:
@@ -277,9 +286,7 @@ class ParallelHandle:
         try:
             results = self.pool.run(_serve, method, args, kwargs, torch.get_rng_state(), timeout=self.timeout)
         except WorkerError as error:
-            if error.exception is not None:
-                raise error.exception from error
-            raise
+            reraise(error)
         except WorkerDiedError as error:
             message = f"{error} (the ranks are gone: call model.deparallelize() and parallelize again)"
             raise WorkerDiedError(message) from None

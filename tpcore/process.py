@@ -2,9 +2,10 @@
 
 Ranks are fresh interpreters (``python -c`` running :func:`worker_entry`), not forks or ``multiprocessing``
 spawns: they never re-import the caller's ``__main__``, so scripts need no ``if __name__ ==
-"__main__"`` guard and notebooks work. Messages are cloudpickled by value: functions and classes
-defined in ``__main__`` travel with them, and no tensor goes through shared memory. Large CPU
-tensors in a message (inputs, logits) travel out of band, as raw frames after the pickled rest.
+"__main__"`` guard and notebooks work. They run in their own session, so a terminal's Ctrl-C
+reaches the caller only, and they end soon after the caller does, however it ends. Messages travel
+over authenticated Unix sockets (:mod:`tpcore.wire`); the ranks meet in a TCP store that the
+caller serves on the rendezvous address alone (loopback by default).
 
 The caller never blocks without a bound: every wait watches the ranks' connections (a dead rank
 closes its end at once) and a deadline. A rank that raises sends back the exception, its type,
@@ -16,9 +17,8 @@ one), the pool is torn down first.
 from __future__ import annotations
 
 import atexit
-import io
+import datetime
 import os
-import pickle
 import secrets
 import subprocess
 import sys
@@ -28,22 +28,17 @@ import traceback
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from multiprocessing.connection import Client, Listener, wait
+from multiprocessing.connection import wait
 from typing import Any
 
-try:
-    import cloudpickle
-except ImportError:  # an offline machine without it: code from __main__ cannot travel, the rest works
-    cloudpickle = pickle
+from tpcore.wire import ControlListener, byte_view, connect, encode, picklable, recv, send
 
-__all__ = ["RankContext", "RankPool", "WorkerDiedError", "WorkerError"]
+__all__ = ["RankContext", "RankPool", "WorkerDiedError", "WorkerError", "reraise"]
 
 START_TIMEOUT_S = 180.0
 CALL_TIMEOUT_S = 600.0
 #: after one rank fails, how long the others get to answer before the pool is presumed stuck
 ERROR_GRACE_S = 3.0
-#: CPU tensors from this size on travel as raw frames beside the pickled message
-RAW_TENSOR_BYTES = 64 * 2**10
 AUTHKEY_ENV = "TPCORE_WORKER_AUTHKEY"
 PARENT_ENV = "TPCORE_WORKER_PARENT"
 
@@ -68,6 +63,14 @@ class WorkerDiedError(RuntimeError):
     """A rank's process ended without answering, or the pool is closed."""
 
 
+def reraise(error: WorkerError):
+    """Raise a rank's exception as its own type, with the :class:`WorkerError` (and so the rank's
+    traceback) as its ``__cause__``; the :class:`WorkerError` itself if the exception did not pickle."""
+    if error.exception is not None:
+        raise error.exception from error
+    raise error
+
+
 @dataclass
 class RankContext:
     """What a function running on a rank gets as its first argument."""
@@ -90,93 +93,17 @@ class RankContext:
         for shape, dtype in metas:
             tensor = torch.empty(shape, dtype=dtype)
             if tensor.numel():
-                self.connection.recv_bytes_into(_byte_view(tensor))
+                self.connection.recv_bytes_into(byte_view(tensor))
             else:
                 self.connection.recv_bytes()
             tensors.append(tensor)
         return tensors
 
 
-def _byte_view(tensor):
-    """A writable/readable numpy view of a contiguous CPU tensor's bytes (any dtype, bf16 too)."""
-    return tensor.reshape(-1).view(_uint8()).numpy()
-
-
-def _uint8():
-    import torch
-
-    return torch.uint8
-
-
-class _Pickler(cloudpickle.Pickler):
-    """cloudpickle, with large plain CPU tensors sent out of band: their bytes follow the message
-    as raw frames (no copy into the pickle, no torch serialization)."""
-
-    def reducer_override(self, obj):
-        torch = sys.modules.get("torch")
-        if torch is not None and type(obj) is torch.Tensor and _raw_sendable(obj):
-            data = obj.detach().contiguous()
-            raw = data.reshape(-1).view(torch.uint8).numpy()
-            return _tensor_from_buffer, (pickle.PickleBuffer(raw), data.dtype, tuple(data.shape))
-        parent = getattr(super(), "reducer_override", None)  # plain pickle (no cloudpickle) has none
-        return parent(obj) if parent is not None else NotImplemented
-
-
-def _raw_sendable(tensor) -> bool:
-    return (
-        tensor.device.type == "cpu"
-        and tensor.layout is _strided()
-        and not tensor.requires_grad
-        and not tensor.is_quantized
-        and tensor.numel() * tensor.element_size() >= RAW_TENSOR_BYTES
-    )
-
-
-def _strided():
-    import torch
-
-    return torch.strided
-
-
-def _tensor_from_buffer(buffer, dtype, shape):
-    import torch
-
-    return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(shape)
-
-
-def _encode(message) -> list:
-    """A message as frames: the pickled message with the sizes of the raw frames, then each raw frame."""
-    buffers: list = []
-    stream = io.BytesIO()
-    _Pickler(stream, protocol=5, buffer_callback=buffers.append).dump(message)
-    raws = [buffer.raw() for buffer in buffers]
-    return [pickle.dumps((stream.getvalue(), [raw.nbytes for raw in raws]), protocol=5), *raws]
-
-
-def _send(conn, message) -> None:
-    for frame in _encode(message):
-        conn.send_bytes(frame)
-
-
-def _recv(conn):
-    payload, sizes = pickle.loads(conn.recv_bytes())
-    buffers = []
-    for size in sizes:
-        buffer = bytearray(size)
-        conn.recv_bytes_into(buffer)
-        buffers.append(buffer)
-    return pickle.loads(payload, buffers=buffers)
-
-
 def _describe(error: BaseException) -> tuple:
     """``(type name, message, traceback, exception or None)``, the exception only if it pickles."""
     text = "".join(traceback.format_exception(error))
-    try:
-        pickle.loads(cloudpickle.dumps(error))
-        original = error
-    except Exception:
-        original = None
-    return type(error).__qualname__, str(error), text, original
+    return type(error).__qualname__, str(error), text, error if picklable(error) else None
 
 
 _live_pools: weakref.WeakSet = weakref.WeakSet()
@@ -211,67 +138,51 @@ class RankPool:
         threads_per_rank: int | None = None,
         start_timeout: float = START_TIMEOUT_S,
     ):
-        from tpcore.distributed import default_backend, free_port
+        from tpcore.distributed import default_backend, listening_store
 
         if world_size < 1:
             raise ValueError(f"world_size must be at least 1, got {world_size}")
         self.world_size = world_size
         self.backend = backend or default_backend()
         threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
-        port = master_port or free_port(master_addr)
+        deadline = time.monotonic() + start_timeout
         self._lock = threading.Lock()
-        _live_pools.add(self)
         self._conns: list = []
         self._procs: list[subprocess.Popen] = []
+        # The ranks meet in a store served here, listening on master_addr alone (a busy port fails now).
+        self._store = listening_store(master_addr, master_port or 0, datetime.timedelta(seconds=start_timeout))
+        _live_pools.add(self)
         authkey = secrets.token_bytes(32)
-        env = dict(os.environ)
+        env = _rank_environment(master_addr, self.backend)
         env[AUTHKEY_ENV] = authkey.hex()
-        env[PARENT_ENV] = str(os.getpid())
-        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # the caller's imports resolve
-        with Listener(family="AF_UNIX", authkey=authkey) as listener:
+        with ControlListener() as listener:
             for rank in range(world_size):
-                argv = [listener.address, rank, world_size, self.backend, master_addr, port, threads]
+                argv = [listener.address, rank, world_size, self.backend, master_addr, self._store.port, threads]
                 command = [sys.executable, "-c", _WORKER_COMMAND, *map(str, argv)]
-                self._procs.append(subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL))
+                # Own session: a terminal's Ctrl-C (sent to the foreground process group) spares the ranks.
+                process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+                self._procs.append(process)
             try:
-                self._conns = self._accept(listener, start_timeout)
-                self._collect(start_timeout, "start")
+                self._conns = listener.accept_ranks(authkey, world_size, deadline, self._check_started)
+                self._collect(max(0.0, deadline - time.monotonic()), "start")
             except BaseException:
                 self.close(timeout=3.0)
                 raise
 
-    def _accept(self, listener: Listener, timeout: float) -> list:
-        """One connection per rank, in rank order; fails fast if a rank exits first."""
-        accepted: dict[int, Any] = {}
-        result: list = []
-
-        def accept_all():
-            try:
-                while len(accepted) < self.world_size:
-                    conn = listener.accept()
-                    accepted[_recv(conn)] = conn
-            except Exception as error:  # listener closed or bad handshake
-                result.append(error)
-
-        thread = threading.Thread(target=accept_all, daemon=True)
-        thread.start()
-        deadline = time.monotonic() + timeout
-        while thread.is_alive():
-            thread.join(0.1)
-            for rank, proc in enumerate(self._procs):
-                if rank not in accepted and proc.poll() is not None:
-                    self._conns = list(accepted.values())
-                    raise WorkerDiedError(f"start: rank {rank} exited (code {proc.returncode}) before connecting")
-            if time.monotonic() > deadline:
-                self._conns = list(accepted.values())
-                raise TimeoutError(f"start: ranks did not connect within {timeout:.0f} s")
-        if result:
-            raise result[0]
-        return [accepted[rank] for rank in range(self.world_size)]
+    def _check_started(self, connected: set[int]) -> None:
+        """Raise if a rank that has not connected yet has exited."""
+        for rank, process in enumerate(self._procs):
+            if rank not in connected and process.poll() is not None:
+                raise WorkerDiedError(f"start: rank {rank} exited (code {process.returncode}) before connecting")
 
     @property
     def alive(self) -> bool:
         return bool(self._procs) and all(proc.poll() is None for proc in self._procs)
+
+    @property
+    def master_port(self) -> int | None:
+        """The port of the rendezvous store this process serves for the ranks (``None`` once closed)."""
+        return self._store.port if self._store is not None else None
 
     @property
     def pids(self) -> list[int]:
@@ -287,13 +198,13 @@ class RankPool:
         with self._lock:
             if not self.alive:
                 raise WorkerDiedError("this RankPool is closed or lost a rank; create a new one")
+            what = getattr(fn, "__qualname__", repr(fn))
             try:
-                frames = _encode((fn, args, kwargs))
-                for conn in self._conns:
-                    for frame in frames:
-                        conn.send_bytes(frame)
+                frames = encode((fn, args, kwargs))
+                for rank, conn in enumerate(self._conns):
+                    self._send_frames(rank, conn, frames, what)
                 del frames
-                return self._collect(timeout, getattr(fn, "__qualname__", repr(fn)))
+                return self._collect(timeout, what)
             except WorkerError as error:
                 if not error.pool_consistent:
                     self.close(timeout=3.0)
@@ -319,15 +230,25 @@ class RankPool:
         with self._lock:
             if not self.alive:
                 raise WorkerDiedError("this RankPool is closed or lost a rank; create a new one")
+            what = getattr(fn, "__qualname__", repr(fn))
             try:
                 for rank, conn in enumerate(self._conns):
-                    _send(conn, (fn, args_for(rank), {}))
+                    self._send_frames(rank, conn, encode((fn, args_for(rank), {})), what)
                     for tensor in tensors_for(rank) if tensors_for else ():
-                        conn.send_bytes(_byte_view(tensor.detach().contiguous()) if tensor.numel() else b"")
-                return self._collect(timeout, getattr(fn, "__qualname__", repr(fn)))
+                        frame = byte_view(tensor.detach().contiguous()) if tensor.numel() else b""
+                        self._send_frames(rank, conn, [frame], what)
+                return self._collect(timeout, what)
             except BaseException:
                 self.close(timeout=3.0)
                 raise
+
+    def _send_frames(self, rank: int, conn, frames: list, what: str) -> None:
+        """Send ``frames`` to ``rank``; a rank whose end is gone is reported as dead, not as an ``OSError``."""
+        try:
+            for frame in frames:
+                conn.send_bytes(frame)
+        except OSError as error:
+            raise self._died(rank, what) from error
 
     def _collect(self, timeout: float, what: str) -> list[Any]:
         """One reply per rank, watching replies, deaths and the deadline."""
@@ -344,7 +265,7 @@ class RankPool:
             for ready in wait(list(waiting), timeout=remaining):
                 rank = waiting.pop(ready)
                 try:
-                    status, payload = _recv(ready)
+                    status, payload = recv(ready)
                 except (EOFError, OSError):
                     raise self._died(rank, what) from None
                 if status == "error":
@@ -367,13 +288,16 @@ class RankPool:
         return WorkerDiedError(f"{what}: rank {rank} died (exit code {process.returncode}) without answering")
 
     def close(self, timeout: float = 10.0) -> None:
-        """Stop every rank (politely, then by force) and release their connections. Idempotent."""
+        """Stop every rank (politely, then by force) and release their connections. Idempotent.
+
+        Ranks that never connected (a failed start) cannot be asked and are killed at once.
+        """
         for conn in self._conns:
             try:
-                _send(conn, None)
+                send(conn, None)
             except (OSError, ValueError):
                 pass
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + (timeout if self._conns else 0.0)
         for proc in self._procs:
             try:
                 proc.wait(max(0.0, deadline - time.monotonic()))
@@ -383,6 +307,7 @@ class RankPool:
         for conn in self._conns:
             conn.close()
         self._conns, self._procs = [], []
+        self._store = None  # stop serving the rendezvous: the port is free again
 
     def __enter__(self) -> RankPool:
         return self
@@ -393,6 +318,21 @@ class RankPool:
     def __del__(self):
         if getattr(self, "_procs", None):
             self.close(timeout=1.0)
+
+
+def _rank_environment(master_addr: str, backend: str) -> dict[str, str]:
+    """The ranks' environment: the caller's, less an outer launcher's world, with the caller's imports,
+    and collectives' sockets on the rendezvous address's interface unless the user chose one."""
+    from tpcore.distributed import LAUNCHER_VARIABLES, interface_of
+
+    env = {name: value for name, value in os.environ.items() if name not in LAUNCHER_VARIABLES}
+    env[PARENT_ENV] = str(os.getpid())
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # the caller's imports resolve
+    interface = interface_of(master_addr)
+    socket_variable = "NCCL_SOCKET_IFNAME" if backend == "nccl" else "GLOO_SOCKET_IFNAME"
+    if interface is not None and socket_variable not in env:
+        env[socket_variable] = interface  # gloo would otherwise listen where the host name resolves
+    return env
 
 
 def _exit_with_parent(parent_pid: int, interval: float = 0.5) -> None:
@@ -409,8 +349,7 @@ def _exit_with_parent(parent_pid: int, interval: float = 0.5) -> None:
 def _worker_main(address, rank, world_size, backend, master_addr, master_port, threads) -> None:
     """A rank: connect to the caller, join the group, then serve calls until told to stop."""
     _exit_with_parent(int(os.environ.pop(PARENT_ENV)))
-    conn = Client(address, family="AF_UNIX", authkey=bytes.fromhex(os.environ.pop(AUTHKEY_ENV)))
-    _send(conn, rank)
+    conn = connect(address, bytes.fromhex(os.environ.pop(AUTHKEY_ENV)), rank)
     try:
         import torch
         import torch.distributed as dist
@@ -419,17 +358,18 @@ def _worker_main(address, rank, world_size, backend, master_addr, master_port, t
         from tpcore.distributed import device_for, init_process_group
 
         torch.set_num_threads(threads)
-        init_process_group(backend, rank, world_size, master_addr, master_port)
+        store = dist.TCPStore(master_addr, master_port, world_size, False, timeout=datetime.timedelta(minutes=5))
+        init_process_group(backend, rank, world_size, store)
         shm.attach(dist.group.WORLD)
         device = device_for(backend, rank)
         context = RankContext(rank, world_size, backend, dist.group.WORLD, device, connection=conn)
-        _send(conn, ("ok", None))
+        send(conn, ("ok", None))
     except BaseException as error:  # report, do not hang the caller
-        _send(conn, ("error", _describe(error)))
+        send(conn, ("error", _describe(error)))
         return
     while True:
         try:
-            message = _recv(conn)
+            message = recv(conn)
         except (EOFError, OSError):  # the caller is gone
             break
         if message is None:
@@ -440,9 +380,9 @@ def _worker_main(address, rank, world_size, backend, master_addr, master_port, t
         except BaseException as error:
             reply = ("error", _describe(error))
         try:
-            _send(conn, reply)
+            send(conn, reply)
         except Exception as error:  # e.g. an unpicklable result
-            _send(conn, ("error", _describe(error)))
+            send(conn, ("error", _describe(error)))
     dist.destroy_process_group()
     conn.close()
     sys.stdout.flush()

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tpcore.process import RankContext, RankPool
+from tpcore.process import RankContext, RankPool, WorkerError, reraise
 from tpcore.transfer import to_cpu, to_device
 
 __all__ = [
@@ -185,7 +185,10 @@ def check_equivalence(
     report = {}
     try:
         for world_size in world_sizes:
-            results = pools.get(world_size).run(sharded_forward, spec, inputs, policies, dtype, method, seed)
+            try:
+                results = pools.get(world_size).run(sharded_forward, spec, inputs, policies, dtype, method, seed)
+            except WorkerError as error:  # a rank's exception, as its own type (the rank's traceback as cause)
+                reraise(error)
             for rank, (outputs, size) in enumerate(results):
                 where = f"{spec.model_class.__name__} split over {world_size} ranks, rank {rank}"
                 if world_size > 1 and size >= full_size:

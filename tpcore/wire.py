@@ -1,0 +1,264 @@
+"""The caller-rank control channel: an authenticated Unix socket, and the message framing on it.
+
+A rank connects to a socket in a directory only the caller's user can enter, answers a random
+challenge with ``HMAC-SHA256(key, challenge | rank)`` for the key it was started with, and is
+then a :class:`~multiprocessing.connection.Connection`. Connections that do not answer correctly
+within :data:`HANDSHAKE_TIMEOUT_S` are dropped while the caller keeps waiting for its ranks.
+
+A message is framed as the pickled message (cloudpickle: code from ``__main__`` travels by value)
+and the sizes of its raw frames, then each raw frame: large CPU tensors travel out of band (pickle
+protocol 5), as their bytes, with no copy into the pickle and no torch serialization.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import io
+import pickle
+import secrets
+import selectors
+import shutil
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+try:
+    import cloudpickle
+except ImportError:  # an offline machine without it: code from __main__ cannot travel, the rest works
+    cloudpickle = pickle
+
+__all__ = ["ControlListener", "byte_view", "connect", "encode", "picklable", "recv", "send"]
+
+#: how long a new connection has to answer the challenge before it is dropped
+HANDSHAKE_TIMEOUT_S = 10.0
+CHALLENGE_BYTES = 32
+_RANK_BYTES = 4
+_REPLY_BYTES = hashlib.sha256().digest_size + _RANK_BYTES
+#: CPU tensors from this size on travel as raw frames beside the pickled message
+RAW_TENSOR_BYTES = 64 * 2**10
+
+
+# -- authentication ------------------------------------------------------------------------------
+
+
+def _proof(key: bytes, challenge: bytes, rank_bytes: bytes) -> bytes:
+    return hmac.new(key, challenge + rank_bytes, hashlib.sha256).digest()
+
+
+class _Handshake:
+    """A connection that has been sent its challenge and has until ``deadline`` to answer."""
+
+    def __init__(self, challenge: bytes, deadline: float):
+        self.challenge = challenge
+        self.deadline = deadline
+        self.reply = b""
+
+    def rank(self, key: bytes) -> int | None:
+        """The rank the full reply proves, or ``None`` if the proof is wrong."""
+        proof, rank_bytes = self.reply[:-_RANK_BYTES], self.reply[-_RANK_BYTES:]
+        if not hmac.compare_digest(proof, _proof(key, self.challenge, rank_bytes)):
+            return None
+        return int.from_bytes(rank_bytes, "big")
+
+
+class ControlListener:
+    """A listening Unix socket in a fresh directory of mode 0700 (only this user can connect)."""
+
+    def __init__(self):
+        self._directory = Path(tempfile.mkdtemp(prefix="tpcore-"))
+        self.address = str(self._directory / "control")
+        self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._socket.bind(self.address)
+            self._socket.listen(64)
+        except BaseException:
+            self.close()
+            raise
+        #: connections dropped because they did not authenticate in time
+        self.dropped = 0
+
+    def accept_ranks(
+        self, key: bytes, world_size: int, deadline: float, check: Callable[[set[int]], None]
+    ) -> list[Connection]:
+        """One authenticated connection per rank, in rank order, before ``deadline`` (``time.monotonic``).
+
+        ``check(connected_ranks)`` is called every tenth of a second and raises to give up (a rank
+        that died before connecting). A connection with a wrong, late or duplicate answer is dropped.
+        """
+        selector = selectors.DefaultSelector()
+        selector.register(self._socket, selectors.EVENT_READ)
+        pending: dict[socket.socket, _Handshake] = {}
+        accepted: dict[int, socket.socket] = {}
+
+        def drop(peer: socket.socket) -> None:
+            selector.unregister(peer)
+            pending.pop(peer)
+            peer.close()
+            self.dropped += 1
+
+        try:
+            while len(accepted) < world_size:
+                now = time.monotonic()
+                if now >= deadline:
+                    raise TimeoutError(
+                        f"start: ranks {sorted(set(range(world_size)) - set(accepted))} did not connect in time"
+                    )
+                check(set(accepted))
+                for peer in [peer for peer, state in pending.items() if now > state.deadline]:
+                    drop(peer)
+                for selected, _ in selector.select(timeout=min(0.1, deadline - now)):
+                    if selected.fileobj is self._socket:
+                        peer, _ = self._socket.accept()
+                        peer.setblocking(False)
+                        challenge = secrets.token_bytes(CHALLENGE_BYTES)
+                        try:
+                            peer.send(challenge)  # a fresh socket's buffer always takes 32 bytes
+                        except OSError:
+                            peer.close()
+                            continue
+                        pending[peer] = _Handshake(challenge, now + HANDSHAKE_TIMEOUT_S)
+                        selector.register(peer, selectors.EVENT_READ)
+                        continue
+                    peer, state = selected.fileobj, pending[selected.fileobj]
+                    try:
+                        data = peer.recv(_REPLY_BYTES - len(state.reply))
+                    except BlockingIOError:
+                        continue
+                    except OSError:
+                        data = b""
+                    state.reply += data
+                    if not data:
+                        drop(peer)
+                    elif len(state.reply) == _REPLY_BYTES:
+                        rank = state.rank(key)
+                        if rank is None or rank in accepted or not 0 <= rank < world_size:
+                            drop(peer)
+                        else:
+                            selector.unregister(peer)
+                            del pending[peer]
+                            accepted[rank] = peer
+        except BaseException:
+            for peer in accepted.values():
+                peer.close()
+            raise
+        finally:
+            for peer in list(pending):
+                drop(peer)
+            selector.close()
+        connections = []
+        for rank in range(world_size):
+            peer = accepted[rank]
+            peer.setblocking(True)
+            connections.append(Connection(peer.detach()))
+        return connections
+
+    def close(self) -> None:
+        """Stop listening and remove the socket and its directory. Idempotent."""
+        self._socket.close()
+        shutil.rmtree(self._directory, ignore_errors=True)
+
+    def __enter__(self) -> ControlListener:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def connect(address: str, key: bytes, rank: int, timeout: float = HANDSHAKE_TIMEOUT_S) -> Connection:
+    """A rank's side: connect to the caller's :class:`ControlListener` and prove ``key``."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout)
+        sock.connect(address)
+        challenge = b""
+        while len(challenge) < CHALLENGE_BYTES:
+            data = sock.recv(CHALLENGE_BYTES - len(challenge))
+            if not data:
+                raise ConnectionError("the caller closed the control socket during the handshake")
+            challenge += data
+        rank_bytes = rank.to_bytes(_RANK_BYTES, "big")
+        sock.sendall(_proof(key, challenge, rank_bytes) + rank_bytes)
+        sock.settimeout(None)
+    except BaseException:
+        sock.close()
+        raise
+    return Connection(sock.detach())
+
+
+# -- framing ---------------------------------------------------------------------------------------
+
+
+def byte_view(tensor):
+    """A writable/readable numpy view of a contiguous CPU tensor's bytes (any dtype, bf16 too)."""
+    import torch
+
+    return tensor.reshape(-1).view(torch.uint8).numpy()
+
+
+class _Pickler(cloudpickle.Pickler):
+    """cloudpickle, with large plain CPU tensors sent out of band: their bytes follow the message
+    as raw frames (no copy into the pickle, no torch serialization)."""
+
+    def reducer_override(self, obj):
+        torch = sys.modules.get("torch")
+        if torch is not None and type(obj) is torch.Tensor and _raw_sendable(obj):
+            data = obj.detach().contiguous()
+            return _tensor_from_buffer, (pickle.PickleBuffer(byte_view(data)), data.dtype, tuple(data.shape))
+        parent = getattr(super(), "reducer_override", None)  # plain pickle (no cloudpickle) has none
+        return parent(obj) if parent is not None else NotImplemented
+
+
+def _raw_sendable(tensor) -> bool:
+    import torch
+
+    return (
+        tensor.device.type == "cpu"
+        and tensor.layout is torch.strided
+        and not tensor.requires_grad
+        and not tensor.is_quantized
+        and tensor.numel() * tensor.element_size() >= RAW_TENSOR_BYTES
+    )
+
+
+def _tensor_from_buffer(buffer, dtype, shape):
+    import torch
+
+    return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(shape)
+
+
+def encode(message) -> list:
+    """A message as frames: the pickled message with the sizes of the raw frames, then each raw frame."""
+    buffers: list = []
+    stream = io.BytesIO()
+    _Pickler(stream, protocol=5, buffer_callback=buffers.append).dump(message)
+    raws = [buffer.raw() for buffer in buffers]
+    return [pickle.dumps((stream.getvalue(), [raw.nbytes for raw in raws]), protocol=5), *raws]
+
+
+def send(conn: Connection, message) -> None:
+    for frame in encode(message):
+        conn.send_bytes(frame)
+
+
+def recv(conn: Connection):
+    payload, sizes = pickle.loads(conn.recv_bytes())
+    buffers = []
+    for size in sizes:
+        buffer = bytearray(size)
+        conn.recv_bytes_into(buffer)
+        buffers.append(buffer)
+    return pickle.loads(payload, buffers=buffers)
+
+
+def picklable(obj) -> bool:
+    """Whether ``obj`` survives a round trip through the wire's pickler."""
+    try:
+        pickle.loads(cloudpickle.dumps(obj))
+    except Exception:
+        return False
+    return True
