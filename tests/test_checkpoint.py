@@ -3,16 +3,21 @@ or pickle files opened with ``weights_only``), and the caller never holds the we
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
+import re
+import shutil
+import subprocess
 
 import pytest
 import rank_helpers
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from safetensors.torch import save_file
+from process_probes import children
+from safetensors.torch import load_file, save_file
 from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, GPT2Model
 
 import tpcore
@@ -179,6 +184,158 @@ def test_missing_or_mismatched_weights_fail_before_any_rank_starts(tmp_path, gpt
     with pytest.raises(tpcore.ShardingError, match="n_head = 12 cannot be split evenly over 5 ranks"):
         tpcore.parallelize(gpt2_dir, num_gpus=5)
     assert not started
+
+
+# -- damaged checkpoints fail in the caller, before any rank starts --------------------------------
+
+
+@pytest.fixture(scope="module")
+def gpt2_shards(tmp_path_factory):
+    """GPT-2 saved in four safetensors shards, and the same shards as pickle files."""
+    directory = tmp_path_factory.mktemp("gpt2-shards")
+    gpt2().save_pretrained(directory, max_shard_size="100KB")
+    pickled = tmp_path_factory.mktemp("gpt2-pickle-shards")
+    index = json.loads((directory / "model.safetensors.index.json").read_text())
+    for name in set(index["weight_map"].values()):
+        torch.save(load_file(directory / name), pickled / name.replace(".safetensors", ".bin"))
+    index["weight_map"] = {key: name.replace(".safetensors", ".bin") for key, name in index["weight_map"].items()}
+    (pickled / "pytorch_model.bin.index.json").write_text(json.dumps(index))
+    shutil.copy(directory / "config.json", pickled)
+    return {"sharded": directory, "pickle": pickled}
+
+
+SHARD = "model-00002-of-00004.safetensors"
+
+
+def tensors_in(file) -> int:
+    index = next(file.parent.glob("*.index.json"))
+    return list(json.loads(index.read_text())["weight_map"].values()).count(file.name)
+
+
+def header_of(file) -> tuple[dict, bytes]:
+    """A safetensors file's header and the bytes after it."""
+    data = file.read_bytes()
+    length = int.from_bytes(data[:8], "little")
+    return json.loads(data[8 : 8 + length]), data[8 + length :]
+
+
+def missing_file(directory, name=SHARD):
+    count = tensors_in(directory / name)
+    (directory / name).unlink()
+    return (
+        FileNotFoundError,
+        rf"{name} is missing from the checkpoint in '{re.escape(str(directory))}': the index maps {count} tensors",
+    )
+
+
+def truncated(directory, name=SHARD):
+    file = directory / name
+    data = file.read_bytes()
+    file.write_bytes(data[: len(data) - 100])
+    return (
+        ValueError,
+        rf"{name} is truncated: tensor '[\w.]+' ends at byte \d+ but the file has {len(data) - 100} bytes",
+    )
+
+
+def garbage_header(directory):
+    file = directory / SHARD
+    data = bytearray(file.read_bytes())
+    data[8:40] = b"\xff" * 32
+    file.write_bytes(bytes(data))
+    return ValueError, f"{SHARD} is not a safetensors file: its header is not valid JSON"
+
+
+def garbage_header_length(directory):
+    file = directory / SHARD
+    file.write_bytes(b"\x00\x01" * 4 + file.read_bytes()[8:])
+    return ValueError, rf"{SHARD} is truncated or not a safetensors file: its header ends at byte \d+ but the file has"
+
+
+def shape_not_matching_its_bytes(directory):
+    file = directory / SHARD
+    header, data = header_of(file)
+    key = next(key for key in header if key != "__metadata__")
+    header[key]["shape"][0] += 1
+    encoded = json.dumps(header).encode()
+    file.write_bytes(len(encoded).to_bytes(8, "little") + encoded + data)
+    return ValueError, rf"{SHARD} is corrupt: tensor '{key}' of dtype F32 and shape \[.*\] needs \d+ bytes"
+
+
+def index_naming_a_key_the_file_lacks(directory):
+    index_file = directory / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    key = next(key for key, name in index["weight_map"].items() if name != SHARD)
+    index["weight_map"][key] = SHARD
+    index_file.write_text(json.dumps(index))
+    return ValueError, rf"{SHARD} lacks 1 of the tensors the index maps to it: {key}"
+
+
+def index_not_json(directory):
+    (directory / "model.safetensors.index.json").write_text('{"weight_map": {')
+    return ValueError, "model.safetensors.index.json in .* is not valid JSON"
+
+
+def index_without_weight_map(directory):
+    (directory / "model.safetensors.index.json").write_text('{"metadata": {}}')
+    return ValueError, "model.safetensors.index.json in .* has no 'weight_map'"
+
+
+DAMAGES = {
+    "sharded-missing-shard": ("sharded", missing_file),
+    "sharded-truncated-shard": ("sharded", truncated),
+    "sharded-garbage-header": ("sharded", garbage_header),
+    "sharded-garbage-header-length": ("sharded", garbage_header_length),
+    "sharded-shape-not-matching-its-bytes": ("sharded", shape_not_matching_its_bytes),
+    "sharded-index-naming-a-key-the-file-lacks": ("sharded", index_naming_a_key_the_file_lacks),
+    "sharded-index-not-json": ("sharded", index_not_json),
+    "sharded-index-without-weight-map": ("sharded", index_without_weight_map),
+    "single-truncated": ("single", lambda directory: truncated(directory, "model.safetensors")),
+    "pickle-missing-shard": (
+        "pickle",
+        lambda directory: missing_file(directory, SHARD.replace(".safetensors", ".bin")),
+    ),
+}
+
+
+def damaged(source, damage, tmp_path):
+    """A copy of a saved GPT-2 with ``damage`` done to it, and the error it must fail with."""
+    directory = tmp_path / "damaged"
+    shutil.copytree(source, directory)
+    return directory, *damage(directory)
+
+
+@contextlib.contextmanager
+def no_process_starts(monkeypatch):
+    """Inside, this process may start no child process (a rank is one)."""
+    spawned = []
+    real_popen = subprocess.Popen
+
+    def spy(*args, **kwargs):
+        spawned.append(args)
+        return real_popen(*args, **kwargs)
+
+    monkeypatch.setattr(subprocess, "Popen", spy)
+    kids = children()
+    yield
+    assert spawned == [] and children() <= kids
+
+
+@pytest.mark.parametrize("case", list(DAMAGES))
+def test_a_damaged_checkpoint_fails_naming_the_file_before_any_rank_starts(
+    case, gpt2_dir, gpt2_shards, tmp_path, monkeypatch
+):
+    kind, damage = DAMAGES[case]
+    directory, error, match = damaged(gpt2_dir if kind == "single" else gpt2_shards[kind], damage, tmp_path)
+    with no_process_starts(monkeypatch), pytest.raises(error, match=match):
+        tpcore.parallelize(directory, num_gpus=2)
+
+
+def test_the_engine_fails_on_a_missing_shard_before_joining_a_process_group(gpt2_shards, tmp_path, monkeypatch):
+    directory, error, match = damaged(gpt2_shards["sharded"], missing_file, tmp_path)
+    monkeypatch.setattr("tpcore.engine.tensor_parallel_group", lambda *a: pytest.fail("joined a process group"))
+    with no_process_starts(monkeypatch), pytest.raises(error, match=match):
+        tpcore.ParallelEngine(2).parallelize(directory)
 
 
 def test_the_spmd_engine_reads_its_own_slices_from_a_checkpoint(rank_pools, gpt2_dir):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import types
 import warnings
@@ -13,6 +14,7 @@ from transformers import BertConfig, BertModel, XLNetConfig, XLNetModel
 import tpcore
 from tpcore import AutoPolicy, Policy, UnsupportedModelError
 from tpcore import plugins as tp_plugins
+from tpcore.cli import main
 from tpcore.plugins import PluginLoadWarning, get_plugin_manager, plugin_infos, registered_policies, reset_plugins
 
 # Policies tp-bert has registered since its first release (it may add more).
@@ -64,6 +66,14 @@ class FakeEntryPoint:
         if isinstance(self.target, BaseException):
             raise self.target
         return self.target
+
+
+class ImportingEntryPoint(FakeEntryPoint):
+    """An entry point that imports its module (``target``, a module name), as importlib.metadata's does."""
+
+    def load(self):
+        self.loads.append(self.name)
+        return importlib.import_module(self.target)
 
 
 class FakeLayer:
@@ -235,6 +245,104 @@ def test_plugin_with_an_unknown_hook_does_not_take_the_others_down(fake_entry_po
         entries = registered_policies()
     assert [entry.policy for entry in entries] == [OtherFakePolicy]
     assert any("tp-typo 0.3" in str(w.message) for w in record if issubclass(w.category, PluginLoadWarning))
+
+
+@pytest.fixture
+def exits_on_import(tmp_path, monkeypatch):
+    """The name of an importable module that calls ``sys.exit(1)`` when imported."""
+    (tmp_path / "tp_exits_on_import.py").write_text("import sys\n\nsys.exit(1)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "tp_exits_on_import"
+
+
+def exiting_hook_module() -> types.ModuleType:
+    module = types.ModuleType("tp_exits_in_hook")
+
+    @tpcore.hookimpl
+    def tpcore_register_policies():
+        raise SystemExit("tp_exits_in_hook gives up")
+
+    module.tpcore_register_policies = tpcore_register_policies
+    return module
+
+
+def test_a_plugin_that_exits_on_import_or_in_its_hook_is_reported_and_the_good_one_loads(
+    fake_entry_points, exits_on_import
+):
+    fake_entry_points.points.extend(
+        [
+            ImportingEntryPoint("exits", exits_on_import, FakeDist("tp-exits", "0.1")),
+            FakeEntryPoint("hook", exiting_hook_module(), FakeDist("tp-hook", "0.2")),
+            FakeEntryPoint("fake", plugin_module("tp_fake", FakePolicy), FakeDist("tp-fake", "1.2.3")),
+        ]
+    )
+    with pytest.warns(PluginLoadWarning) as record:
+        entries = registered_policies()
+
+    assert [str(w.message) for w in record] == [
+        "tpcore plugin 'exits' from tp-exits 0.1 failed to load: SystemExit: 1",
+        "tpcore plugin 'hook' from tp-hook 0.2 failed to load: SystemExit: tp_exits_in_hook gives up",
+    ]
+    assert [(entry.policy, entry.plugin) for entry in entries] == [(FakePolicy, "fake")]
+    errors = {info.name: info.error for info in plugin_infos()}
+    assert errors == {"exits": "SystemExit: 1", "hook": "SystemExit: tp_exits_in_hook gives up", "fake": None}
+    assert get_plugin_manager().get_plugin("hook") is None
+
+
+class PluginBaseException(BaseException):
+    """A BaseException of a plugin's own, not one of Python's."""
+
+
+@pytest.mark.parametrize("exception", [SystemExit(), GeneratorExit("closed"), PluginBaseException("odd")])
+def test_any_base_exception_but_keyboard_interrupt_is_a_broken_plugin(fake_entry_points, exception):
+    fake_entry_points.points.extend(
+        [
+            FakeEntryPoint("odd", exception, FakeDist("tp-odd", "3.0")),
+            FakeEntryPoint("fake", plugin_module("tp_fake", FakePolicy), FakeDist("tp-fake", "1.2.3")),
+        ]
+    )
+    with pytest.warns(
+        PluginLoadWarning, match=rf"'odd' from tp-odd 3\.0 failed to load: ([\w.]+\.)?{type(exception).__name__}"
+    ):
+        entries = registered_policies()
+    assert [entry.policy for entry in entries] == [FakePolicy]
+    assert type(exception).__name__ in plugin_infos()[0].error
+
+
+def test_keyboard_interrupt_while_loading_a_plugin_goes_through(fake_entry_points):
+    fake_entry_points.points.extend(
+        [
+            FakeEntryPoint("fake", plugin_module("tp_fake", FakePolicy), FakeDist("tp-fake", "1.2.3")),
+            FakeEntryPoint("interrupted", KeyboardInterrupt(), FakeDist("tp-interrupted", "1.0")),
+        ]
+    )
+    with pytest.raises(KeyboardInterrupt):
+        registered_policies()
+    assert tp_plugins._manager is None  # nothing half-loaded is kept: the next use loads again
+
+
+def test_policy_lookup_survives_a_plugin_that_exits_on_import(monkeypatch, exits_on_import):
+    from tp_bert.policies import BertPolicy
+
+    real = importlib.metadata.entry_points
+    exits = ImportingEntryPoint("exits", exits_on_import, FakeDist("tp-exits", "0.1"))
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda **params: [exits, *real(**params)])
+    with pytest.warns(PluginLoadWarning, match=r"tp-exits 0\.1 failed to load: SystemExit: 1"):
+        assert AutoPolicy().get_policy(tiny_bert()) == [BertPolicy]
+
+
+def test_tpcore_plugins_lists_a_plugin_that_exits_on_import_as_failed(fake_entry_points, exits_on_import, capsys):
+    fake_entry_points.points.extend(
+        [
+            ImportingEntryPoint("exits", exits_on_import, FakeDist("tp-exits", "0.1")),
+            FakeEntryPoint("fake", plugin_module("tp_fake", FakePolicy), FakeDist("tp-fake", "1.2.3")),
+        ]
+    )
+    with pytest.warns(PluginLoadWarning, match="tp-exits 0.1"):
+        assert main(["plugins"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "tp-exits 0.1 (entry point 'exits')  FAILED: SystemExit: 1" in lines
+    assert "tp-fake 1.2.3 (entry point 'fake')" in lines
 
 
 # -- env switches ------------------------------------------------------------------------------

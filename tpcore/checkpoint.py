@@ -14,7 +14,9 @@ tensor read from a file equals the one :func:`~tpcore.slicer.shard` cuts from th
 from __future__ import annotations
 
 import json
+import math
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,13 @@ PICKLE = ("pytorch_model.bin.index.json", "pytorch_model.bin")
 
 #: one tensor of a model to fill: its name in the model, its key in the checkpoint, how it is cut
 Read = tuple[str, str, Split | None]
+
+#: bits per element of the safetensors dtypes (a dtype not listed here is not size-checked)
+DTYPE_BITS = {
+    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
+    "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32,
+    "I64": 64, "U64": 64, "F64": 64, "C64": 64,
+}  # fmt: skip
 
 
 def is_checkpoint_path(obj: Any) -> bool:
@@ -57,13 +66,52 @@ class Checkpoint:
     def _find_files(self) -> dict[str, Path]:
         for index, single in (SAFETENSORS, PICKLE):
             if (self.directory / index).is_file():
-                weight_map = json.loads((self.directory / index).read_text())["weight_map"]
-                return {key: self.directory / name for key, name in weight_map.items()}
+                return self._weight_map(self.directory / index)
             if (self.directory / single).is_file():
                 path = self.directory / single
-                return dict.fromkeys(self._handle(path).keys(), path)
+                return dict.fromkeys(self._keys_in(path), path)
         looked_for = ", ".join(SAFETENSORS + PICKLE)
         raise FileNotFoundError(f"{self.directory.name!r} holds no weights (looked for {looked_for})")
+
+    def _weight_map(self, index: Path) -> dict[str, Path]:
+        """The index's ``weight_map``: each tensor key's file."""
+        try:
+            content = json.loads(index.read_bytes())
+        except ValueError as error:  # not JSON, or not text
+            raise ValueError(f"{index.name} in {str(self.directory)!r} is not valid JSON: {error}") from None
+        weight_map = content.get("weight_map") if isinstance(content, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(name, str) for name in weight_map.values()):
+            raise ValueError(f"{index.name} in {str(self.directory)!r} has no 'weight_map' of tensor keys to files")
+        return {key: self.directory / name for key, name in weight_map.items()}
+
+    def _keys_in(self, path: Path) -> Iterable[str]:
+        """The tensor keys a weight file holds, from its header (safetensors) or its state dict (pickle)."""
+        return _safetensors_header(path) if path.suffix == ".safetensors" else self._handle(path).keys()
+
+    def verify(self, keys: Iterable[str]) -> None:
+        """Check that the files holding ``keys`` are there and whole, reading no tensor data.
+
+        Each file must exist; a safetensors file's header must parse and lay every tensor out inside
+        the file, in the bytes its dtype and shape need; a pickle file must open (memory-mapped where
+        its format allows). Each file must hold the keys the index gives it. Raises
+        ``FileNotFoundError`` for a missing file, ``ValueError`` for a truncated or corrupt one.
+        """
+        wanted: dict[Path, list[str]] = {}
+        for key in keys:
+            wanted.setdefault(self.files[key], []).append(key)
+        for path, names in wanted.items():
+            if not path.is_file():
+                count = sum(file == path for file in self.files.values())
+                raise FileNotFoundError(
+                    f"{path.name} is missing from the checkpoint in {str(self.directory)!r}: "
+                    f"the index maps {count} tensors to it"
+                )
+            held = set(self._keys_in(path))
+            absent = [name for name in names if name not in held]
+            if absent:
+                raise ValueError(
+                    f"{path.name} lacks {len(absent)} of the tensors the index maps to it: {_listing(absent)}"
+                )
 
     def _handle(self, path: Path):
         if path not in self._handles:
@@ -101,7 +149,8 @@ class Checkpoint:
 
         A tensor is found under any of its names (tied weights are saved once), with or without the
         model's ``base_model_prefix``. Raises ``KeyError`` naming the parameters the files lack;
-        a buffer they lack keeps the value the model was built with.
+        a buffer they lack keeps the value the model was built with. The files read are checked
+        first (:meth:`verify`), so a missing or truncated one fails here, not on a rank.
         """
         names: dict[int, list[str]] = {}
         kinds: dict[int, bool] = {}
@@ -118,11 +167,11 @@ class Checkpoint:
             elif kinds[key]:
                 missing.append(aliases[0])
         if missing:
-            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
             raise KeyError(
                 f"the checkpoint in {self.directory.name!r} lacks {len(missing)} parameters of "
-                f"{type(model).__name__}: {shown}"
+                f"{type(model).__name__}: {_listing(missing)}"
             )
+        self.verify(key for _, key, _ in reads)
         return reads
 
     def load_into(self, skeleton: nn.Module, reads: list[Read], rank: int, world_size: int) -> None:
@@ -145,6 +194,70 @@ class Checkpoint:
 
     def close(self) -> None:
         self._handles.clear()
+
+
+def _listing(names: list[str]) -> str:
+    """The first few of ``names``, and how many more there are."""
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
+def _safetensors_header(path: Path) -> dict[str, dict]:
+    """A safetensors file's tensor entries, checked against its size as safetensors checks them on open.
+
+    Raises ``ValueError`` naming the file, and the tensor and the sizes where one is at fault.
+    """
+    size = path.stat().st_size
+    with open(path, "rb") as file:
+        length = int.from_bytes(file.read(8), "little")
+        data_start = 8 + length
+        if data_start > size:
+            raise ValueError(
+                f"{path.name} is truncated or not a safetensors file: its header ends at byte {data_start} "
+                f"but the file has {size} bytes"
+            )
+        try:
+            header = json.loads(file.read(length))
+        except ValueError as error:  # not JSON, or not text
+            raise ValueError(f"{path.name} is not a safetensors file: its header is not valid JSON ({error})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path.name} is not a safetensors file: its header is not a JSON object")
+    header.pop("__metadata__", None)
+    layout = []
+    for key, entry in header.items():
+        try:
+            start, end = (int(offset) for offset in entry["data_offsets"])
+            shape = [int(n) for n in entry["shape"]]
+            dtype = entry["dtype"]
+            if not isinstance(dtype, str):
+                raise TypeError(dtype)
+            layout.append((start, end, key, dtype, shape))
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"{path.name} has a malformed header entry for tensor {key!r}: {entry!r}") from None
+    data_end = 0  # where the tensor before ends: tensors follow each other without gaps
+    for start, end, key, dtype, shape in sorted(layout):
+        if data_start + end > size:
+            raise ValueError(
+                f"{path.name} is truncated: tensor {key!r} ends at byte {data_start + end} "
+                f"but the file has {size} bytes"
+            )
+        if start != data_end or end < start:
+            raise ValueError(
+                f"{path.name} is corrupt: tensor {key!r} has data_offsets [{start}, {end}], "
+                f"but the tensor before it ends at {data_end}"
+            )
+        bits = DTYPE_BITS.get(dtype)
+        if bits is not None and math.prod(shape) * bits != 8 * (end - start):
+            raise ValueError(
+                f"{path.name} is corrupt: tensor {key!r} of dtype {dtype} and shape {shape} needs "
+                f"{math.prod(shape) * bits / 8:g} bytes, but its data_offsets give it {end - start}"
+            )
+        data_end = end
+    if data_start + data_end != size:
+        raise ValueError(
+            f"{path.name} is corrupt: its last tensor ends at byte {data_start + data_end} "
+            f"but the file has {size} bytes"
+        )
+    return header
 
 
 def _candidates(name: str, prefix: str) -> list[str]:

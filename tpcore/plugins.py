@@ -7,7 +7,8 @@ Environment switches (read on first use of the registry):
 ``TPCORE_PLUGINS=tp-bert,tp-gpt``
     load only these plugins, by distribution or entry-point name; empty loads none.
 
-A plugin that fails to import or register, or that claims a policy name or layer class another
+A plugin that fails to import or register (with any exception, ``SystemExit`` too; only
+``KeyboardInterrupt`` goes through), or that claims a policy name or layer class another
 loaded plugin already has, is reported with its distribution name and version (a
 :class:`PluginLoadWarning`, and in :func:`plugin_infos`) and the others still load.
 """
@@ -127,7 +128,9 @@ def _load_entry_points(manager: pluggy.PluginManager) -> list[PluginInfo]:
             policies = _policies_of(manager, plugin)
             _check_conflicts(policies, info, owners)
             info.policies = [policy.policy_name() for policy in policies]
-        except Exception as error:  # a broken plugin must not take the others down
+        except KeyboardInterrupt:
+            raise
+        except BaseException as error:  # a broken plugin, sys.exit() in it too, must not take the others down
             if manager.get_plugin(entry_point.name) is not None:
                 manager.unregister(name=entry_point.name)
             info.error = "".join(traceback.format_exception_only(type(error), error)).strip()
