@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import errno
 import os
 import socket
 import time
@@ -17,6 +18,7 @@ import torch.distributed as dist
 
 __all__ = [
     "DEFAULT_TIMEOUT",
+    "check_port_free",
     "default_backend",
     "destroy_process_group",
     "device_for",
@@ -34,6 +36,23 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raise ``OSError(EADDRINUSE)`` if something listens on ``port`` already (another world's rendezvous)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the rendezvous store binds
+        try:
+            sock.bind((host, port))
+        except OSError as error:
+            if error.errno != errno.EADDRINUSE:
+                raise
+            message = (
+                f"master_port {port} is in use on {host} (another parallelized model, or some other process, "
+                "listens there): pass another master_port, or None to let tpcore pick a free one"
+            )
+            raise OSError(errno.EADDRINUSE, message) from None
 
 
 def default_backend() -> str:

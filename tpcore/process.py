@@ -196,7 +196,8 @@ class RankPool:
         world_size: number of ranks.
         backend: ``"gloo"`` or ``"nccl"`` (``None``: NCCL when CUDA is there).
         master_addr: rendezvous address, loopback by default.
-        master_port: rendezvous port; ``None`` picks a free one.
+        master_port: rendezvous port; ``None`` picks a free one. A port something listens on
+            already is refused before any rank starts.
         threads_per_rank: torch intra-op threads per rank; default splits the cores evenly.
         start_timeout: seconds to wait for every rank to join.
     """
@@ -211,14 +212,18 @@ class RankPool:
         threads_per_rank: int | None = None,
         start_timeout: float = START_TIMEOUT_S,
     ):
-        from tpcore.distributed import default_backend, free_port
+        from tpcore.distributed import check_port_free, default_backend, free_port
 
         if world_size < 1:
             raise ValueError(f"world_size must be at least 1, got {world_size}")
         self.world_size = world_size
         self.backend = backend or default_backend()
         threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
+        if master_port:
+            check_port_free(master_addr, master_port)
         port = master_port or free_port(master_addr)
+        #: the rendezvous port rank 0 listens on
+        self.master_port = port
         self._lock = threading.Lock()
         _live_pools.add(self)
         self._conns: list = []
