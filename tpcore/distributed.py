@@ -96,6 +96,7 @@ def listening_store(host: str, port: int = 0, timeout: datetime.timedelta = DEFA
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port just freed (TIME_WAIT), never a listened one
     try:
         sock.bind((host, port))
         sock.listen(128)

@@ -45,7 +45,10 @@ from tpcore.transfer import to_cpu, to_device
 __all__ = ["ParallelHandle", "parallelize"]
 
 _SERVED = ("forward", "generate")
+#: moving the model ends the parallelization first, as in parallelformers
+_MOVES = ("to", "cpu", "cuda")
 _ADDED = ("deparallelize", "memory_allocated", "memory_reserved", "memory_cached", "memory_peak")
+_START_METHODS = (None, "spawn", "fork", "forkserver")
 
 
 def parallelize(
@@ -82,18 +85,31 @@ def parallelize(
         timeout: seconds any call may take before the ranks are presumed lost; starting the ranks
             gives up after ``min(timeout, 180)`` seconds.
         threads_per_rank: torch threads per CPU rank; the cores are split evenly by default.
-        verbose: print each rank's memory once the model is loaded.
-        init_method, daemon: accepted for compatibility; ranks are always fresh interpreters
-            that end with the caller.
-        seed: seed the caller's RNG first (the ranks follow the caller's RNG on every call).
+        verbose: once the model is loaded, print each rank's memory: ``True`` or ``"simple"`` its
+            allocated and reserved MiB (CPU: tensor bytes and resident memory), ``"detail"`` the
+            CUDA allocator's summary (CPU: resident, peak resident and tensor bytes).
+        init_method, daemon: parallelformers' multiprocessing start method and daemon flag, accepted
+            for compatibility and ignored: ranks are always fresh interpreters that end with the
+            caller, and the caller's start method is never changed.
+        seed: seed the caller's torch RNG first (the ranks follow the caller's RNG on every call).
         model_class: the class to build from a checkpoint (default: the one its config names).
         vocab_parallel: split the input and output embeddings over the vocabulary too.
 
     Returns:
         ``model`` itself, whose ``forward``/``__call__``/``generate`` now run on the ranks, with
-        ``deparallelize()`` and memory queries added. Validation errors (no policy, sizes that
-        do not divide, weights missing from a checkpoint) are raised before any process starts.
+        ``deparallelize()`` and memory queries added. ``model.to()``, ``.cpu()`` and ``.cuda()``
+        end the parallelization (as ``deparallelize()``), then move the caller's model, which runs
+        unsplit from then on; a model started from a checkpoint has no weights here to move, so
+        they raise and the ranks serve on (``half()``/``float()`` change only the caller's copy).
+        Validation errors (no policy, sizes that do not divide, weights missing from a checkpoint,
+        an unknown ``verbose``, a ``master_port`` already in use) are raised before any process
+        starts.
     """
+    if isinstance(num_gpus, bool):  # parallelformers' positional order is (model, fp16, num_gpus)
+        raise TypeError(f"num_gpus must be an int, got {num_gpus!r}: pass fp16= and num_gpus= by keyword")
+    verbosity = _verbosity(verbose)
+    if init_method not in _START_METHODS:
+        raise ValueError(f"init_method is a multiprocessing start method {_START_METHODS[1:]}, got {init_method!r}")
     if seed is not None:
         torch.manual_seed(seed)
     if fp16 and dtype not in (None, torch.float16):
@@ -126,22 +142,30 @@ def parallelize(
             threads_per_rank=threads_per_rank,
             start_timeout=min(timeout, START_TIMEOUT_S),
         )
+        handle = ParallelHandle(model, pool, timeout, has_weights=checkpoint is None)
         try:
             if checkpoint is not None:
                 pool.run(_read_shard, skeleton, str(checkpoint.directory), reads, dtype, timeout=timeout)
             else:
                 _send_shards(pool, model, skeleton, plan, dtype, timeout)
+            if verbosity is not None:
+                handle.print_memory(verbosity)
         except BaseException:
             pool.close(timeout=3.0)
             raise
     except WorkerError as error:  # a rank failed to start or to load: its own exception, its traceback as cause
         reraise(error)
-    handle = ParallelHandle(model, pool, timeout)
     handle.attach()
-    if verbose:
-        for device, allocated in handle.memory_allocated().items():
-            print(f"tpcore: {device} holds {allocated / 2**20:.1f} MiB")
     return model
+
+
+def _verbosity(verbose) -> str | None:
+    """``"simple"``, ``"detail"`` or ``None`` for a ``verbose`` argument (case-insensitive, as parallelformers)."""
+    if verbose is None or isinstance(verbose, bool):
+        return "simple" if verbose else None
+    if isinstance(verbose, str) and verbose.lower() in ("simple", "detail"):
+        return verbose.lower()
+    raise ValueError(f"verbose must be None, False, True, 'simple' or 'detail', got {verbose!r}")
 
 
 def _model_without_weights(checkpoint: Checkpoint, model_class) -> nn.Module:
@@ -250,6 +274,17 @@ def _memory(context: RankContext) -> dict[str, int]:
     }
 
 
+def _memory_detail(context: RankContext) -> str:
+    """On a rank: the CUDA allocator's summary, or on CPU the resident, peak resident and tensor bytes."""
+    if context.device.type == "cuda":
+        return "CUDA allocator summary\n" + torch.cuda.memory_summary(context.device)
+    figures = _memory(context)
+    return (
+        f"resident {figures['reserved'] / 2**20:.1f} MiB (VmRSS), peak {figures['peak'] / 2**20:.1f} MiB "
+        f"(VmHWM), tensors {figures['tensors'] / 2**20:.1f} MiB"
+    )
+
+
 def _status_bytes(field: str) -> int:
     """A ``kB`` field of ``/proc/self/status`` (``VmRSS``: resident now, ``VmHWM``: peak resident)."""
     try:
@@ -265,10 +300,12 @@ def _status_bytes(field: str) -> int:
 class ParallelHandle:
     """The ranks behind a parallelized model; reached as ``model._tpcore_handle``."""
 
-    def __init__(self, model: nn.Module, pool: RankPool, timeout: float):
+    def __init__(self, model: nn.Module, pool: RankPool, timeout: float, has_weights: bool = True):
         self.model = model
         self.pool = pool
         self.timeout = timeout
+        #: the caller's model holds real weights (not the meta ones of a checkpoint start)
+        self.has_weights = has_weights
 
     def attach(self) -> None:
         model = self.model
@@ -276,6 +313,8 @@ class ParallelHandle:
         for name in _SERVED:
             if name == "forward" or hasattr(type(model), name):
                 setattr(model, name, functools.partial(self.call, name))
+        for name in _MOVES:
+            setattr(model, name, functools.partial(self.move, name))
         model.deparallelize = self.deparallelize
         model.memory_allocated = functools.partial(self._memory, "allocated")
         model.memory_reserved = functools.partial(self._memory, "reserved")
@@ -295,15 +334,37 @@ class ParallelHandle:
         torch.set_rng_state(rng_state)
         return output
 
-    def _memory(self, kind: str) -> dict[str, int]:
-        results = self.pool.run(_memory, timeout=self.timeout)
+    def move(self, method: str, *args, **kwargs) -> nn.Module:
+        """``model.to/cpu/cuda``: stop the ranks, then move the caller's (unsplit) model."""
+        if not self.has_weights:
+            raise RuntimeError(
+                f"model.{method}(): this model was parallelized from a checkpoint, so this process holds no "
+                "weights to move (its ranks serve on); call model.deparallelize() and load it with from_pretrained"
+            )
+        return getattr(self.deparallelize(), method)(*args, **kwargs)
+
+    def _run_per_device(self, fn) -> dict:
+        results = self.pool.run(fn, timeout=self.timeout)
         device = "cuda" if self.pool.backend == "nccl" else "cpu"
-        return {f"{device}:{rank}": figures[kind] for rank, figures in enumerate(results)}
+        return {f"{device}:{rank}": result for rank, result in enumerate(results)}
+
+    def _memory(self, kind: str) -> dict[str, int]:
+        return {device: figures[kind] for device, figures in self._run_per_device(_memory).items()}
+
+    def print_memory(self, verbosity: str) -> None:
+        """Print each rank's memory: one line of allocated and reserved MiB, or the detailed figures."""
+        if verbosity == "simple":
+            for device, figures in self._run_per_device(_memory).items():
+                mib = {kind: figures[kind] / 2**20 for kind in ("allocated", "reserved")}
+                print(f"tpcore {device}: allocated {mib['allocated']:.1f} MiB, reserved {mib['reserved']:.1f} MiB")
+        else:
+            for device, detail in self._run_per_device(_memory_detail).items():
+                print(f"tpcore {device}: {detail}")
 
     def deparallelize(self) -> nn.Module:
         """Stop the ranks and give the model its own methods back; it runs unsplit again (a model
         started from a checkpoint has no weights in the caller: load it with ``from_pretrained``)."""
         self.pool.close()
-        for name in (*_SERVED, *_ADDED, "_tpcore_handle"):
+        for name in (*_SERVED, *_MOVES, *_ADDED, "_tpcore_handle"):
             self.model.__dict__.pop(name, None)
         return self.model
