@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import socket
 import io
 import multiprocessing
 import os
 import re
+import socket
 import subprocess
 
 import pytest
