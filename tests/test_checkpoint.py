@@ -281,6 +281,13 @@ def index_without_weight_map(directory):
     return ValueError, "model.safetensors.index.json in .* has no 'weight_map'"
 
 
+def truncated_pickle(directory):
+    name = SHARD.replace(".safetensors", ".bin")
+    file = directory / name
+    file.write_bytes(file.read_bytes()[:-100])
+    return ValueError, rf"{re.escape(name)} in 'damaged' cannot be read as a weights file: PytorchStreamReader"
+
+
 DAMAGES = {
     "sharded-missing-shard": ("sharded", missing_file),
     "sharded-truncated-shard": ("sharded", truncated),
@@ -295,6 +302,7 @@ DAMAGES = {
         "pickle",
         lambda directory: missing_file(directory, SHARD.replace(".safetensors", ".bin")),
     ),
+    "pickle-truncated-shard": ("pickle", truncated_pickle),
 }
 
 
@@ -346,3 +354,23 @@ def test_the_spmd_engine_reads_its_own_slices_from_a_checkpoint(rank_pools, gpt2
     for logits, devices, held in rank_pools.get(2).run(rank_helpers.engine_from_checkpoint, str(gpt2_dir), inputs):
         compare_outputs(expected, logits)
         assert devices == {"cpu"} and held < 0.55 * full
+
+
+def test_a_checkpoint_that_ships_code_is_refused_without_running_it_or_prompting(gpt2_dir, tmp_path, monkeypatch):
+    """``auto_map`` to a config class of the checkpoint's own: refused before any rank starts, its code never
+    imported (it would leave a file behind), and no "run the custom code? [y/N]" prompt on a terminal."""
+    directory = tmp_path / "ships-code"
+    directory.mkdir()
+    (directory / "model.safetensors").write_bytes((gpt2_dir / "model.safetensors").read_bytes())
+    config = json.loads((gpt2_dir / "config.json").read_text())
+    config.update(model_type="shipped", auto_map={"AutoConfig": "configuration_shipped.ShippedConfig"})
+    (directory / "config.json").write_text(json.dumps(config))
+    (directory / "configuration_shipped.py").write_text(
+        "import pathlib\npathlib.Path(__file__).with_name('CODE_RAN').touch()\n"
+        "from transformers import PretrainedConfig\n"
+        "class ShippedConfig(PretrainedConfig):\n    model_type = 'shipped'\n"
+    )
+    monkeypatch.setattr("builtins.input", lambda *_: pytest.fail("prompted on the terminal"))
+    with no_process_starts(monkeypatch), pytest.raises(ValueError, match="tpcore never runs a checkpoint's code"):
+        tpcore.parallelize(directory, num_gpus=2)
+    assert not (directory / "CODE_RAN").exists()

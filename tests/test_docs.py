@@ -1,13 +1,18 @@
-"""The documentation keeps up with the code: every hook is documented with its exact signature."""
+"""The documentation keeps up with the code: every hook is documented with its exact signature, and every
+test the threat model names exists."""
 
 from __future__ import annotations
 
+import ast
 import inspect
+import re
 from pathlib import Path
 
 from tpcore import hookspecs
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "writing-a-policy.md"
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "writing-a-policy.md"
+SECURITY = ROOT / "docs" / "security.md"
 
 
 def hook_specs() -> dict[str, str]:
@@ -28,3 +33,18 @@ def test_every_hook_is_documented_with_its_exact_signature():
     text = DOC.read_text()
     missing = [signature for signature in hook_specs().values() if f"### `{signature}`" not in text]
     assert not missing, f"document these hooks in {DOC.name} under '### `<signature>`': {missing}"
+
+
+def test_every_test_the_threat_model_cites_exists():
+    """``path::test`` or ``::test`` (same path as the citation before it) in docs/security.md."""
+    cited, path = [], None
+    for file, name in re.findall(r"`((?:tests|plugins)/[\w/]+\.py)?::(test_\w+)`", SECURITY.read_text()):
+        path = file or path
+        cited.append((path, name))
+    assert len(cited) >= 10
+    missing = []
+    for file, name in cited:
+        tree = ast.parse((ROOT / file).read_text())
+        if name not in {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)}:
+            missing.append(f"{file}::{name}")
+    assert not missing, f"docs/security.md cites tests that do not exist: {missing}"

@@ -382,7 +382,7 @@ def bad_inputs():
 
 
 @pytest.mark.parametrize("case", list(bad_inputs()))
-def test_an_error_on_every_rank_comes_back_as_its_type_and_the_model_keeps_working(masked_lm, case):
+def test_an_error_on_every_rank_comes_back_as_its_type_and_the_model_keeps_working(masked_lm, case, time_to_error):
     model, reference = masked_lm
     args, kwargs = bad_inputs()[case]
     with pytest.raises(Exception) as unsplit:
@@ -391,7 +391,7 @@ def test_an_error_on_every_rank_comes_back_as_its_type_and_the_model_keeps_worki
     started = time.monotonic()
     with pytest.raises(unsplit.type) as caught:
         model(*args, **kwargs)
-    assert time.monotonic() - started < 10
+    time_to_error(f"every rank raises ({case})", time.monotonic() - started)
     assert type(caught.value) is unsplit.type and str(caught.value) == str(unsplit.value)
     cause = caught.value.__cause__
     assert isinstance(cause, WorkerError) and cause.type_name == unsplit.type.__qualname__
@@ -434,13 +434,13 @@ def stall_on_batch_of_three(module, args):
         time.sleep(30)
 
 
-def test_a_killed_rank_is_detected_within_seconds_and_deparallelize_still_works():
+def test_a_killed_rank_is_detected_not_waited_out_and_deparallelize_still_works(time_to_error):
+    """Detected means a :class:`WorkerDiedError` naming the rank, where a wait would end in ``TimeoutError``."""
     reference, model = tiny_bert(seed=3), tiny_bert(seed=3)
     model.encoder.register_forward_pre_hook(stall_on_batch_of_three)  # travels to the ranks with the model
     inputs = {"input_ids": torch.tensor([[5, 6, 7, 8], [9, 10, 11, 0]]), "attention_mask": torch.ones(2, 4)}
     inputs["attention_mask"][1, 3] = 0
     expected = run_unsplit(reference, **inputs)
-    timings = {}
 
     # a rank killed between calls
     tpcore.parallelize(model, num_gpus=2)
@@ -450,12 +450,12 @@ def test_a_killed_rank_is_detected_within_seconds_and_deparallelize_still_works(
     os.kill(pids[1], signal.SIGKILL)
     with pytest.raises(WorkerDiedError, match="rank 1 died|lost a rank"):
         model(**inputs)
-    timings["idle"] = time.monotonic() - started
+    time_to_error("a rank killed between calls, next call", time.monotonic() - started)
     started = time.monotonic()
-    with pytest.raises(WorkerDiedError):
-        model(**inputs)  # no hang on the next call either
-    assert time.monotonic() - started < 1
-    assert wait_gone(pids, 5) < 5 and not model._tpcore_handle.pool.alive
+    with pytest.raises(WorkerDiedError, match="closed or lost a rank"):
+        model(**inputs)  # refused at once, not sent to ranks that are gone
+    time_to_error("the call after that", time.monotonic() - started)
+    assert wait_gone(pids, 60) < 60 and not model._tpcore_handle.pool.alive
     assert model.deparallelize() is model
     assert not hasattr(model, "_tpcore_handle") and "forward" not in vars(model)
     compare_outputs(expected, run_unsplit(model, **inputs), rtol=0)
@@ -469,12 +469,10 @@ def test_a_killed_rank_is_detected_within_seconds_and_deparallelize_still_works(
     killer.start()
     with pytest.raises(WorkerDiedError, match="rank 0 died"):
         model(input_ids=torch.tensor([[5, 6], [7, 8], [9, 10]]))
-    timings["mid-call"] = time.monotonic() - killed_at[0]
-    assert wait_gone(pids, 5) < 5
+    time_to_error("a rank killed mid-call", time.monotonic() - killed_at[0])
+    assert wait_gone(pids, 60) < 60
     model.deparallelize()
     compare_outputs(expected, run_unsplit(model, **inputs), rtol=0)
-    print(f"\nkill detection: {', '.join(f'{k} {v:.2f} s' for k, v in timings.items())}")
-    assert all(t < 5 for t in timings.values()), timings
 
 
 # -- 6. lifecycle --------------------------------------------------------------------------------
@@ -538,9 +536,11 @@ def test_twenty_cycles_leave_no_process_port_or_shared_memory_behind():
 
 CALLER = textwrap.dedent(
     """
-    import json, sys, time
+    import json, signal, sys, time
     import torch, transformers, tpcore
 
+    # Ctrl-C raises KeyboardInterrupt here even when started with SIGINT ignored (as a background job is)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     mode = sys.argv[1]
     config = transformers.BertConfig(
         hidden_size=16, num_attention_heads=2, num_hidden_layers=1, intermediate_size=32, vocab_size=32
@@ -571,14 +571,23 @@ CALLER = textwrap.dedent(
 )
 
 
+#: runs the rest of its argv with SIGINT ignored, as a shell starts a background job
+SIGINT_IGNORED = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); os.execv(sys.argv[1], sys.argv[1:])"
+)
+
+
 class Script:
     """A Python process in its own session whose stdout lines and stderr are collected by threads.
 
-    The ranks inherit its pipes, so nothing may wait for them to close.
+    The ranks inherit its pipes, so nothing may wait for them to close. ``sigint_ignored`` starts it
+    with SIGINT ignored, as a shell starts a background job: what it does with Ctrl-C it must set itself.
     """
 
-    def __init__(self, argv, stdin_text: str | None = None, env=None, cwd=None):
+    def __init__(self, argv, stdin_text: str | None = None, env=None, cwd=None, sigint_ignored: bool = False):
         """``stdin_text``: written to its stdin, which is then closed; ``""`` leaves stdin open."""
+        if sigint_ignored:
+            argv = [sys.executable, "-c", SIGINT_IGNORED, *argv]
         self.proc = subprocess.Popen(
             argv,
             stdin=subprocess.PIPE if stdin_text is not None else subprocess.DEVNULL,
@@ -646,15 +655,21 @@ EXITS = {
 }
 
 
-def test_the_caller_exiting_in_any_way_leaves_no_orphans(tmp_path):
+#: generous bounds (the watchdog polls twice a second; a caller ends in well under a second): they catch
+#: orphans, never a slow machine
+CALLER_END_S, RANKS_GONE_S = 120, 30
+
+
+def test_the_caller_exiting_in_any_way_leaves_no_orphans(tmp_path, time_to_error):
     """Every way a caller ends, run side by side: normal exit, uncaught exception, SIGINT (to the caller
     only, or to its process group like Ctrl-C in a terminal) while idle or mid-call, SIGKILL.
 
-    The ranks must be gone within 10 s of the caller's end (of the signal, for a signalled caller).
+    The callers start with SIGINT ignored, as a background job does, and set what they need themselves.
+    The ranks must be gone within ``RANKS_GONE_S`` of the caller's end (of the signal, for a signalled caller).
     """
     script = tmp_path / "caller.py"
     script.write_text(CALLER)
-    callers = {mode: Script([sys.executable, str(script), mode], stdin_text="") for mode in EXITS}
+    callers = {mode: Script([sys.executable, str(script), mode], stdin_text="", sigint_ignored=True) for mode in EXITS}
     rank_pids: dict[str, list[int]] = {}
     ended_at: dict[str, float] = {}  # caller exit, or the signal sent to it
     gone_at: dict[str, float] = {}  # every rank of that caller gone
@@ -687,11 +702,11 @@ def test_the_caller_exiting_in_any_way_leaves_no_orphans(tmp_path):
             else:
                 ended_at[mode] = time.monotonic()
                 (os.killpg if group else os.kill)(callers[mode].proc.pid, signum)
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + CALLER_END_S
         while time.monotonic() < deadline and not all(c.proc.poll() is not None for c in callers.values()):
             time.sleep(0.05)
         while time.monotonic() < deadline and len(gone_at) < len(callers):
-            if all(time.monotonic() > ended_at[mode] + 10 for mode in callers if mode not in gone_at):
+            if all(time.monotonic() > ended_at[mode] + RANKS_GONE_S for mode in callers if mode not in gone_at):
                 break
             time.sleep(0.05)
         stop.set()
@@ -700,23 +715,78 @@ def test_the_caller_exiting_in_any_way_leaves_no_orphans(tmp_path):
         for mode, caller in callers.items():
             code = caller.proc.poll()
             if code is None or mode not in ended_at:
-                failures.append(f"{mode}: the caller did not end within 60 s")
+                failures.append(f"{mode}: the caller did not end within {CALLER_END_S} s")
                 continue
-            timings[mode] = gone_at.get(mode, float("inf")) - ended_at[mode]
-            if not timings[mode] <= 10:
-                failures.append(f"{mode}: ranks {rank_pids[mode]} still alive 10 s after the caller ended")
+            timings[mode] = max(0.0, gone_at.get(mode, float("inf")) - ended_at[mode])  # 0: gone before it ended
+            time_to_error(f"ranks gone after the caller's {mode}", timings[mode])
+            if not timings[mode] <= RANKS_GONE_S:
+                failures.append(f"{mode}: ranks {rank_pids[mode]} alive {RANKS_GONE_S} s after the caller ended")
             wanted = {"exit": code == 0, "raise": code == 1, "sigkill-idle": code == -9, "sigkill-call": code == -9}
             if not wanted.get(mode, code != 0):
                 failures.append(f"{mode}: exit code {code}; stderr:\n{caller.stderr[-2000:]}")
             if mode == "raise" and "uncaught in the caller" not in caller.stderr:
                 failures.append(f"raise: the caller's exception is not on its stderr:\n{caller.stderr[-2000:]}")
-        print("\nranks gone after the caller ended: " + ", ".join(f"{m} {t:.2f} s" for m, t in timings.items()))
         assert not failures, "\n".join(failures)
     finally:
         stop.set()
         for caller in callers.values():
             caller.kill()
         for pid in (pid for pids in rank_pids.values() for pid in pids):
+            if not gone(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+
+REPL = textwrap.dedent(
+    """
+    import json, signal, time
+    import torch, transformers, tpcore
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as an interactive interpreter has it
+    config = transformers.BertConfig(
+        hidden_size=16, num_attention_heads=2, num_hidden_layers=1, intermediate_size=32, vocab_size=32
+    )
+    model = transformers.BertModel(config).eval()
+    ids = torch.tensor([[5, 6, 7]])
+    with torch.inference_mode():
+        expected = model(input_ids=ids).last_hidden_state
+    tpcore.parallelize(model, num_gpus=2)
+    pids = model._tpcore_handle.pool.pids
+    print(json.dumps(pids), flush=True)
+    print("READY", flush=True)
+    try:
+        time.sleep(120)  # idle at the prompt
+    except KeyboardInterrupt:
+        print("KeyboardInterrupt at the prompt", flush=True)
+    got = model(input_ids=ids).last_hidden_state
+    print("max abs diff", (got - expected).abs().max().item(), flush=True)
+    print("same ranks", model._tpcore_handle.pool.pids == pids, flush=True)
+    model.deparallelize()
+    """
+)
+
+
+def test_ctrl_c_at_an_idle_prompt_spares_the_ranks(tmp_path):
+    """A terminal's Ctrl-C goes to the whole foreground process group; the REPL catches it and carries on,
+    and so must its model: the ranks run in their own session and never see it."""
+    script = tmp_path / "repl.py"
+    script.write_text(REPL)
+    caller = Script([sys.executable, str(script)], sigint_ignored=True)
+    pids: list[int] = []
+    try:
+        pids = json.loads(caller.next_line(180))
+        assert caller.next_line(60) == "READY"
+        os.killpg(caller.proc.pid, signal.SIGINT)  # what the terminal does
+        assert caller.next_line(60) == "KeyboardInterrupt at the prompt"
+        diff = float(caller.next_line(60).removeprefix("max abs diff "))
+        assert diff < 1e-5
+        assert caller.next_line(60) == "same ranks True"
+        assert caller.finish(60) == 0, caller.stderr
+        assert "KeyboardInterrupt" not in caller.stderr, caller.stderr  # no rank printed one
+        assert wait_gone(pids, 60) < 60
+    finally:
+        caller.kill()
+        for pid in pids:
             if not gone(pid):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)

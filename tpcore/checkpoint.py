@@ -58,10 +58,20 @@ class Checkpoint:
         self.files = self._find_files()
 
     def config(self):
-        """The transformers config saved beside the weights."""
+        """The transformers config saved beside the weights. A checkpoint's own code never runs: a config
+        that needs it (``auto_map`` to a class transformers lacks) is refused, without a prompt."""
         from transformers import AutoConfig
 
-        return AutoConfig.from_pretrained(self.directory)
+        try:
+            return AutoConfig.from_pretrained(self.directory, trust_remote_code=False)
+        except ValueError as error:
+            if "trust_remote_code" not in str(error):
+                raise
+            raise ValueError(
+                f"the checkpoint in {self.directory.name!r} needs its own code to build its config; tpcore never "
+                "runs a checkpoint's code: build the model yourself (from_pretrained(..., trust_remote_code=True) "
+                "once you have read that code) and parallelize the model object"
+            ) from None
 
     def _find_files(self) -> dict[str, Path]:
         for index, single in (SAFETENSORS, PICKLE):
@@ -270,8 +280,18 @@ def _candidates(name: str, prefix: str) -> list[str]:
 
 
 def _load_pickle(path: Path) -> dict[str, torch.Tensor]:
-    """A pickle state dict, loaded without running code; memory-mapped when its format allows."""
+    """A pickle state dict, loaded without running code; memory-mapped when its format allows.
+
+    A file that holds code is refused (``pickle.UnpicklingError``, as torch raises it); one that
+    cannot be read (truncated, not a weights file) is a ``ValueError`` naming it.
+    """
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except RuntimeError:  # the legacy (non-zip) format cannot be memory-mapped
-        return torch.load(path, map_location="cpu", weights_only=True)
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # the legacy (non-zip) format cannot be memory-mapped
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError) as error:
+        first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise ValueError(
+            f"{path.name} in {path.parent.name!r} cannot be read as a weights file: {first_line}"
+        ) from error
