@@ -1,4 +1,4 @@
-"""Fixtures shared by the core tests: a record of fault-injection timings, printed after the run.
+"""Fixtures shared by the core tests: the processes a test starts, and a record of fault-injection timings.
 
 Fault-injection tests prove a failure is *detected* (its error type, its message) rather than waited
 out; how long detection took is measured, never asserted (a loaded machine would break a bound),
@@ -7,9 +7,24 @@ and listed in the terminal summary.
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 
 _TIMES_TO_ERROR: dict[str, float] = {}
+
+
+@pytest.fixture
+def spawned(monkeypatch) -> list:
+    """The commands of the processes started while the test runs (a rank is one): ``[]`` proves none was."""
+    commands, real_popen = [], subprocess.Popen
+
+    def spy(*args, **kwargs):
+        commands.append(args)
+        return real_popen(*args, **kwargs)
+
+    monkeypatch.setattr(subprocess, "Popen", spy)
+    return commands
 
 
 @pytest.fixture

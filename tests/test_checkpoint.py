@@ -3,13 +3,11 @@ or pickle files opened with ``weights_only``), and the caller never holds the we
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import pickle
 import re
 import shutil
-import subprocess
 
 import pytest
 import rank_helpers
@@ -313,17 +311,9 @@ def damaged(source, damage, tmp_path):
     return directory, *damage(directory)
 
 
-@contextlib.contextmanager
-def no_process_starts(monkeypatch):
-    """Inside, this process may start no child process (a rank is one)."""
-    spawned = []
-    real_popen = subprocess.Popen
-
-    def spy(*args, **kwargs):
-        spawned.append(args)
-        return real_popen(*args, **kwargs)
-
-    monkeypatch.setattr(subprocess, "Popen", spy)
+@pytest.fixture
+def no_process_starts(spawned):
+    """The test may start no child process (a rank is one)."""
     kids = children()
     yield
     assert spawned == [] and children() <= kids
@@ -331,18 +321,20 @@ def no_process_starts(monkeypatch):
 
 @pytest.mark.parametrize("case", list(DAMAGES))
 def test_a_damaged_checkpoint_fails_naming_the_file_before_any_rank_starts(
-    case, gpt2_dir, gpt2_shards, tmp_path, monkeypatch
+    case, gpt2_dir, gpt2_shards, tmp_path, no_process_starts
 ):
     kind, damage = DAMAGES[case]
     directory, error, match = damaged(gpt2_dir if kind == "single" else gpt2_shards[kind], damage, tmp_path)
-    with no_process_starts(monkeypatch), pytest.raises(error, match=match):
+    with pytest.raises(error, match=match):
         tpcore.parallelize(directory, num_gpus=2)
 
 
-def test_the_engine_fails_on_a_missing_shard_before_joining_a_process_group(gpt2_shards, tmp_path, monkeypatch):
+def test_the_engine_fails_on_a_missing_shard_before_joining_a_process_group(
+    gpt2_shards, tmp_path, monkeypatch, no_process_starts
+):
     directory, error, match = damaged(gpt2_shards["sharded"], missing_file, tmp_path)
     monkeypatch.setattr("tpcore.engine.tensor_parallel_group", lambda *a: pytest.fail("joined a process group"))
-    with no_process_starts(monkeypatch), pytest.raises(error, match=match):
+    with pytest.raises(error, match=match):
         tpcore.ParallelEngine(2).parallelize(directory)
 
 
@@ -356,7 +348,9 @@ def test_the_spmd_engine_reads_its_own_slices_from_a_checkpoint(rank_pools, gpt2
         assert devices == {"cpu"} and held < 0.55 * full
 
 
-def test_a_checkpoint_that_ships_code_is_refused_without_running_it_or_prompting(gpt2_dir, tmp_path, monkeypatch):
+def test_a_checkpoint_that_ships_code_is_refused_without_running_it_or_prompting(
+    gpt2_dir, tmp_path, monkeypatch, no_process_starts
+):
     """``auto_map`` to a config class of the checkpoint's own: refused before any rank starts, its code never
     imported (it would leave a file behind), and no "run the custom code? [y/N]" prompt on a terminal."""
     directory = tmp_path / "ships-code"
@@ -371,6 +365,6 @@ def test_a_checkpoint_that_ships_code_is_refused_without_running_it_or_prompting
         "class ShippedConfig(PretrainedConfig):\n    model_type = 'shipped'\n"
     )
     monkeypatch.setattr("builtins.input", lambda *_: pytest.fail("prompted on the terminal"))
-    with no_process_starts(monkeypatch), pytest.raises(ValueError, match="tpcore never runs a checkpoint's code"):
+    with pytest.raises(ValueError, match="tpcore never runs a checkpoint's code"):
         tpcore.parallelize(directory, num_gpus=2)
     assert not (directory / "CODE_RAN").exists()

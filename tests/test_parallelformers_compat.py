@@ -19,7 +19,6 @@ import multiprocessing
 import os
 import re
 import socket
-import subprocess
 
 import pytest
 import rank_helpers
@@ -88,19 +87,6 @@ def parallelized_printing(**kwargs) -> tuple[torch.nn.Module, str]:
     with contextlib.redirect_stdout(printed):
         parallelize(model, **kwargs)
     return model, printed.getvalue()
-
-
-@pytest.fixture
-def spawned(monkeypatch) -> list:
-    """The commands of the processes started while the test runs."""
-    commands, real_popen = [], subprocess.Popen
-
-    def spy(*args, **kwargs):
-        commands.append(args)
-        return real_popen(*args, **kwargs)
-
-    monkeypatch.setattr(subprocess, "Popen", spy)
-    return commands
 
 
 def assert_ended(model, pids: list[int]) -> None:

@@ -350,17 +350,9 @@ INVALID = [
 @pytest.mark.parametrize(
     ("make", "world_size", "error", "match"), [c[1:] for c in INVALID], ids=[c[0] for c in INVALID]
 )
-def test_invalid_models_fail_before_any_process_starts(only_tp_bert, monkeypatch, make, world_size, error, match):
+def test_invalid_models_fail_before_any_process_starts(only_tp_bert, spawned, make, world_size, error, match):
     model = make()
     before = {name: t.clone() for name, t in model.state_dict().items()}
-    spawned = []
-    real_popen = subprocess.Popen
-
-    def spy(*args, **kwargs):
-        spawned.append(args)
-        return real_popen(*args, **kwargs)
-
-    monkeypatch.setattr(subprocess, "Popen", spy)
     kids = children()
     with pytest.raises(error, match=match):
         tpcore.parallelize(model, num_gpus=world_size)
