@@ -31,7 +31,7 @@ done
 
 # Step budgets in seconds, each killed 5 s after its budget: 20 + 20 + 175 + 165 + 70 + 5 x 5 = 475 at the most.
 BUDGET_INSTALL=20 BUDGET_VERSIONS=20 BUDGET_TESTS=175 BUDGET_PROBE=165 BUDGET_SPMD=70
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PIP_NO_INDEX=1 PYTHONUNBUFFERED=1
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 PIP_NO_INDEX=1 PYTHONUNBUFFERED=1
 
 mkdir -p "$OUT"
 for file in versions.json pytest-gpu.xml pytest-gpu.log probe.json probe.log spmd.json spmd.log summary.txt; do
@@ -99,11 +99,11 @@ else
 fi
 
 # 4. the probes: CUDA paths of parallelize(), shard-on-load, gloo ranks sharing a GPU, NCCL's refusals
-step probe "$BUDGET_PROBE" "$OUT/probe.log" "$PYTHON" bench/gpu_probe.py "${CPU_FLAG[@]}" "$OUT"
+step probe "$BUDGET_PROBE" "$OUT/probe.log" "$PYTHON" bench/gpu_probe.py ${CPU_FLAG[@]+"${CPU_FLAG[@]}"} "$OUT"
 
 # 5. SPMD: torchrun with one rank reads a checkpoint onto its device with ParallelEngine(1).parallelize(path)
 step torchrun "$BUDGET_SPMD" "$OUT/spmd.log" bash -c '
     "$1" bench/gpu_spmd.py save "$2" && "$1" -m torch.distributed.run --standalone --nproc-per-node 1 \
-        bench/gpu_spmd.py run "$2" "$3" "${@:4}"' _ "$PYTHON" "$WORK/checkpoint" "$OUT/spmd.json" "${CPU_FLAG[@]}"
+        bench/gpu_spmd.py run "$2" "$3" "${@:4}"' _ "$PYTHON" "$WORK/checkpoint" "$OUT/spmd.json" ${CPU_FLAG[@]+"${CPU_FLAG[@]}"}
 
 printf '%s' "$STEPS" | "$PYTHON" bench/gpu_env.py summary "$OUT"

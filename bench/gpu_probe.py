@@ -64,8 +64,9 @@ class Mode:
         return torch.device("cuda", 0) if self.cuda else torch.device("cpu")
 
     @property
-    def backend(self) -> str | None:
-        return None if self.cuda else "gloo"  # None: tpcore's default, NCCL on a CUDA machine
+    def options(self) -> dict:
+        """parallelize()'s options: tpcore's default backend (NCCL on a CUDA machine), or one-thread gloo ranks."""
+        return {"backend": None} if self.cuda else {"backend": "gloo", "threads_per_rank": 1}
 
     def need_cuda(self) -> None:
         if not self.cuda:
@@ -287,7 +288,7 @@ def collectives(mode: Mode, record: dict) -> None:
 
     world_size, backend = (1, "nccl") if mode.cuda else (2, "gloo")
     record.update(world_size=world_size, backend=backend)
-    with RankPool(world_size, backend) as pool:
+    with RankPool(world_size, backend, threads_per_rank=1) as pool:
         check_collectives(record, pool.run(collectives_on_rank, list(DTYPES)), mode.device.type)
     record["summary"] = f"{backend} x{world_size}: " + ("exact" if record["checks"]["collectives_exact"] else "WRONG")
 
@@ -295,7 +296,7 @@ def collectives(mode: Mode, record: dict) -> None:
 def _parallelize_probe(spec: ModelSpec, mode: Mode, record: dict) -> None:
     """parallelize(num_gpus=1) against the unsplit model on the probe's device."""
     reference = spec.build().to(mode.device)
-    with parallelized(spec.build(), num_gpus=1, backend=mode.backend) as served:
+    with parallelized(spec.build(), num_gpus=1, **mode.options) as served:
         record["backend"] = served._tpcore_handle.pool.backend
         record["rank_devices"] = served_devices(served)
         record["checks"]["ranks_on_device"] = record["rank_devices"] == [[str(mode.device)]]
@@ -327,7 +328,7 @@ def caller_model_on_cuda(mode: Mode, record: dict) -> None:
     mode.need_cuda()
     spec = gpt2_spec(seed=4)
     reference = spec.build().to(mode.device)
-    with parallelized(spec.build().to(mode.device), num_gpus=1, backend=mode.backend) as served:
+    with parallelized(spec.build().to(mode.device), num_gpus=1, **mode.options) as served:
         record["rank_devices"] = served_devices(served)
         check_equivalence(record, served, reference, spec, mode.device)
         check_deparallelize(record, served, reference, spec, mode.device)
@@ -343,7 +344,7 @@ def shard_on_load(mode: Mode, record: dict) -> None:
     directory = mode.workdir / "llama-checkpoint"
     reference.save_pretrained(directory)
     reference.to(mode.device)
-    with parallelized(str(directory), num_gpus=1, backend=mode.backend) as served:
+    with parallelized(str(directory), num_gpus=1, **mode.options) as served:
         record["rank_devices"] = served_devices(served)
         record["checks"]["ranks_on_device"] = record["rank_devices"] == [[str(mode.device)]]
         record["checks"]["caller_holds_no_weights"] = all(p.device.type == "meta" for p in served.parameters())

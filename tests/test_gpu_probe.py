@@ -151,4 +151,4 @@ def test_wheels_are_taken_only_when_every_distribution_has_one(tmp_path):
 
 def test_scrubbed_results_name_no_path_of_this_machine():
     text = f'{ROOT}/tpcore/x.py {sys.prefix}/lib/torch hostname="{gpu_env.socket.gethostname()}"'
-    assert gpu_env.scrub_paths(text) == './tpcore/x.py <python>/lib/torch hostname="<host>"'
+    assert gpu_env.scrub_paths(text) == './tpcore/x.py $PYTHON_PREFIX/lib/torch hostname="host"'
