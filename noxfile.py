@@ -5,7 +5,7 @@
     nox -s lint                # ruff check + ruff format --check
     nox -s demo                # real all-MiniLM-L6-v2 weights, split across CPU ranks
     nox -s bench               # bench/: proxy overhead and memory of parallelize(), tpcore against its peers
-    nox -s gpu_equivalence     # on the offline GPU machine: CUDA/NCCL equivalence tests, system torch
+    nox -s gpu_equivalence     # on the offline GPU machine: bench/gpu.sh (CUDA/NCCL tests and probes), system torch
 
 Sessions build their virtualenvs with uv (``pip install nox uv``). Every install passes
 ``-c constraints.txt``, which pins torch to the local CPU wheel.
@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import nox
-import tomllib
 
 ROOT = Path(__file__).resolve().parent
 CONSTRAINTS = ("-c", "constraints.txt")  # nox runs sessions from this file's directory
@@ -88,60 +86,14 @@ def bench(session: nox.Session) -> None:
         session.run("python", f"bench/{script}", *session.posargs)
 
 
-def _project(pyproject: Path) -> dict:
-    with pyproject.open("rb") as file:
-        return tomllib.load(file)["project"]
-
-
-def _write_dist_info(site: Path, pyproject: Path) -> None:
-    """A minimal .dist-info, enough for importlib.metadata to see a distribution and its entry points."""
-    project = _project(pyproject)
-    info = site / f"{project['name'].replace('-', '_')}-{project['version']}.dist-info"
-    info.mkdir(parents=True, exist_ok=True)
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {project['name']}\nVersion: {project['version']}\n")
-    groups = dict(project.get("entry-points", {}))
-    if "scripts" in project:
-        groups["console_scripts"] = project["scripts"]
-    lines = [f"[{group}]\n" + "".join(f"{k} = {v}\n" for k, v in points.items()) for group, points in groups.items()]
-    (info / "entry_points.txt").write_text("\n".join(lines))
-
-
 @nox.session(venv_backend="none")
 def gpu_equivalence(session: nox.Session) -> None:
-    """CUDA/NCCL equivalence tests (marker "gpu") on the GPU machine; skipped world sizes are reported.
+    """bench/gpu.sh on the offline GPU machine: versions, the "gpu" tests, the CUDA probes, torchrun; results in
+    bench/results/gpu (arguments after "--" go to the script: an output folder, --wheels DIR, --cpu).
 
-    That machine has no network, and torch + transformers already installed system-wide (torch 2.11,
-    transformers 5.17), so this session makes no venv and uses whatever ``python`` is on PATH (pytest and
-    hypothesis must be installed there too). It makes tpcore and the plugins importable, with their entry
-    points visible:
-
-    1. already importable (installed earlier): nothing to do;
-    2. else ``python -m pip install --no-deps --no-build-isolation -e . -e plugins/...`` (needs hatchling
-       and editables on that machine, since nothing can be downloaded);
-    3. else, without installing anything: the sources on PYTHONPATH plus a generated .dist-info for each
-       distribution in .nox/gpu_equivalence-site, so that importlib.metadata still finds the entry points.
+    That machine has no network and torch + transformers installed system-wide, so this session makes no venv:
+    the script runs on ``python3`` (else ``python``) and installs tpcore and the plugins from wheels built
+    beforehand, or runs them from the source tree (bench/README.md). Pytest options go in PYTEST_ADDOPTS.
     """
-    python = shutil.which("python") or shutil.which("python3") or "python"  # the system Python that has torch
-    names = [_project(ROOT / plugin / "pyproject.toml")["name"] for plugin in PLUGINS]
-    probe = f"import importlib.metadata as m, tpcore; [m.distribution(n) for n in {names!r}]"
-    env = {}
-    if subprocess.run([python, "-c", probe], capture_output=True).returncode != 0:
-        session.log("tpcore and its plugins are not installed here; trying an offline editable pip install")
-        pip = [python, "-m", "pip", "install", "--no-deps", "--no-build-isolation", *editable_project()]
-        if subprocess.run(pip).returncode != 0:
-            # Typical causes: no hatchling/editables offline, or an "externally managed" system Python (PEP 668).
-            site = ROOT / ".nox" / "gpu_equivalence-site"  # git-ignored; rebuilt on every run
-            shutil.rmtree(site, ignore_errors=True)
-            paths = [str(ROOT), *(str(ROOT / plugin / "src") for plugin in PLUGINS), str(site)]
-            for pyproject in [ROOT / "pyproject.toml", *(ROOT / plugin / "pyproject.toml" for plugin in PLUGINS)]:
-                _write_dist_info(site, pyproject)
-            if os.environ.get("PYTHONPATH"):
-                paths.append(os.environ["PYTHONPATH"])
-            env["PYTHONPATH"] = os.pathsep.join(paths)
-            session.warn(
-                "pip install failed (see above); running from the source tree instead, with PYTHONPATH="
-                f"{env['PYTHONPATH']} (generated entry-point metadata in {site})"
-            )
-        session.run(python, "-c", probe, env=env, external=True)  # fail here, clearly, if still not importable
-    # The "gpu" tests live beside the CPU properties they repeat (testpaths in pyproject.toml).
-    session.run(python, "-m", "pytest", "-m", "gpu", "-rs", *session.posargs, env=env, external=True)
+    python = shutil.which("python3") or shutil.which("python") or "python3"  # the system Python that has torch
+    session.run("bash", "bench/gpu.sh", *session.posargs, env={"PYTHON": python}, external=True)
