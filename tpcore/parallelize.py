@@ -226,8 +226,9 @@ def _load_shard(context: RankContext, skeleton: nn.Module, metas: list, dtype) -
 
 
 def _read_shard(context: RankContext, skeleton: nn.Module, directory: str, reads: list[Read], dtype) -> int:
-    """On a rank: read this rank's slices from the checkpoint into the (already split) meta skeleton, keep it."""
-    Checkpoint(directory).load_into(skeleton, reads, context.rank, context.world_size)
+    """On a rank: read this rank's slices from the checkpoint, onto its device, into the (already split)
+    meta skeleton, keep it."""
+    Checkpoint(directory).load_into(skeleton, reads, context.rank, context.world_size, context.device, dtype)
     return _keep(context, skeleton, dtype)
 
 
