@@ -112,6 +112,13 @@ def echo(context, *values):
     return values if context.rank == 0 else None
 
 
+def echo_through_device(context, value):
+    """``value`` moved to this rank's device and back to the CPU, as a served call moves inputs and outputs."""
+    from tpcore.transfer import to_cpu, to_device
+
+    return to_cpu(to_device(value, context.device))
+
+
 def collectives_of_a_forward(context, spec, input_ids, layer_path):
     """tpcore's collectives during one forward of ``spec`` split over the pool: in total, and inside
     the module at ``layer_path``."""

@@ -93,6 +93,38 @@ def test_a_slice_read_from_the_files_equals_the_slice_cut_from_the_tensor(
     assert torch.equal(checkpoint.read("b", None, 0, world_size), tensors["b"])
 
 
+@pytest.mark.parametrize("layout", ["single", "sharded", "pickle"])
+def test_reading_onto_the_cpu_by_name_gives_the_same_tensors_in_memory_of_their_own(tmp_path, layout):
+    generator = torch.Generator().manual_seed(3)
+    tensors = {"w": torch.randn(13, 6, generator=generator), "b": torch.randn(6, generator=generator).half()}
+    write(tmp_path, tensors, layout)
+    checkpoint = Checkpoint(tmp_path)
+    for key, split in [("w", None), ("w", Split(0, pad=True)), ("w", Split(1, n_fused=3)), ("b", Split(0))]:
+        for rank in range(2):
+            expected = checkpoint.read(key, split, rank, 2)
+            for device in ("cpu", torch.device("cpu")):
+                for dtype in (None, torch.float16, torch.float64):
+                    got = checkpoint.read(key, split, rank, 2, device, dtype)
+                    assert torch.equal(got, expected) and got.dtype == tensors[key].dtype and got.is_contiguous()
+                    got.add_(1)  # not a view of the file, nor of another read
+                    assert torch.equal(checkpoint.read(key, split, rank, 2), expected)
+
+
+@pytest.mark.parametrize("layout", ["single", "pickle"])
+def test_a_gpu_rank_reads_a_tensor_that_its_cast_would_shrink_to_the_cpu(tmp_path, layout):
+    from tpcore.checkpoint import _shrinks
+
+    write(tmp_path, {"w": torch.ones(4, 2), "b": torch.ones(2).half()}, layout)
+    checkpoint = Checkpoint(tmp_path)
+    assert checkpoint._stored_dtype("w", torch.device("cpu")) == torch.float32
+    got = checkpoint.read("w", Split(0), 1, 2, device="cuda:1", dtype=torch.float16)  # no CUDA touched: staged
+    assert got.device.type == "cpu" and torch.equal(got, torch.ones(2, 2))
+    assert _shrinks(torch.float32, torch.float16) and _shrinks(torch.float64, torch.bfloat16)
+    same_or_wider = [(torch.float16, torch.float32), (torch.bfloat16, torch.float16), (torch.float32, torch.float32)]
+    no_cast = [(torch.int64, torch.float16), (torch.float32, None), (None, torch.float16)]
+    assert not any(_shrinks(stored, dtype) for stored, dtype in same_or_wider + no_cast)
+
+
 class Payload:
     def __reduce__(self):
         return (os.system, ("echo pwned",))

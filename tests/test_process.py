@@ -148,6 +148,16 @@ def test_large_tensors_travel_out_of_band_and_come_back_exact_and_writable(pool)
     back[0].add_(1)  # its own writable storage
 
 
+def test_only_cpu_tensors_have_a_byte_view_and_a_cuda_rank_waits_for_its_kernels_before_replying(monkeypatch):
+    with pytest.raises(ValueError, match="needs a CPU tensor, got one on meta"):
+        wire.byte_view(torch.ones(3, device="meta"))
+    waited = []
+    monkeypatch.setattr(torch.cuda, "synchronize", waited.append)
+    process.synchronize(torch.device("cpu"))
+    process.synchronize(torch.device("cuda", 1))
+    assert waited == [torch.device("cuda", 1)]
+
+
 # -- where the ranks listen, and who may talk to them -------------------------------------------
 
 

@@ -73,6 +73,24 @@ def test_vocab_parallel_off_keeps_the_embeddings_whole():
     assert type(model.lm_head) is nn.Linear and model.lm_head.weight.shape == (50, 48)
 
 
+def test_an_id_outside_the_vocabulary_raises_and_the_check_reads_the_host_once_per_forward(monkeypatch):
+    model = gpt2_spec(50).build()
+    TensorReplacer(model, None, False, 2, rank=1).replace_modules()  # rows 25-49; no group: no collective
+    embedding = model.get_input_embeddings()
+    reads = []
+    for name in ("item", "__bool__"):  # the ways a tensor's value reaches the host
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, _o=original, _n=name: reads.append(_n) or _o(self))
+    out = embedding(torch.tensor([[0, 24, 25, 49]]))
+    assert len(reads) <= 1 and out.shape == (1, 4, 48)
+    assert not out[0, :2].any() and torch.equal(out[0, 2:], embedding.weight[[0, 24]])  # ids held elsewhere: zeros
+    monkeypatch.undo()
+    for ids in ([0, 50], [-1, 3], [[7], [60]]):
+        with pytest.raises(IndexError, match="index out of range"):
+            embedding(torch.tensor(ids))
+    assert embedding(torch.zeros(2, 0, dtype=torch.long)).shape == (2, 0, 48)
+
+
 @settings(max_examples=8, deadline=None)
 @given(world_size=st.integers(1, 4), vocab=st.integers(1, 40), seed=st.integers(0, 2**16))
 def test_split_vocabularies_give_the_unsplit_logits(rank_pools, world_size, vocab, seed):

@@ -3,7 +3,8 @@
 A checkpoint is a directory as ``save_pretrained`` writes it: ``config.json`` and the weights in
 safetensors, one ``model.safetensors`` or shards listed by ``model.safetensors.index.json``. The
 files are memory-mapped and sliced lazily, so a rank copies only the rows or columns it holds, into
-memory of its own (the model never keeps a view of a file, which could change under it).
+memory of its own (the model never keeps a view of a file, which could change under it); a rank
+on a GPU reads safetensors slices straight to its device.
 Pickle checkpoints (``pytorch_model.bin``, sharded or not) are opened with ``weights_only=True``
 (no code in them runs) and memory-mapped where their format allows.
 
@@ -24,12 +25,16 @@ import torch
 from torch import nn
 
 from tpcore.skeleton import install_tensors
-from tpcore.slicer import Split, shard, shard_ranges
+from tpcore.slicer import Split, shard_ranges
 
 __all__ = ["Checkpoint", "Read", "is_checkpoint_path"]
 
 SAFETENSORS = ("model.safetensors.index.json", "model.safetensors")
 PICKLE = ("pytorch_model.bin.index.json", "pytorch_model.bin")
+
+CPU = torch.device("cpu")
+#: the torch dtypes of safetensors' floating dtypes that a cast can shrink
+SAFETENSORS_FLOATS = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 #: one tensor of a model to fill: its name in the model, its key in the checkpoint, how it is cut
 Read = tuple[str, str, Split | None]
@@ -123,36 +128,56 @@ class Checkpoint:
                     f"{path.name} lacks {len(absent)} of the tensors the index maps to it: {_listing(absent)}"
                 )
 
-    def _handle(self, path: Path):
-        if path not in self._handles:
+    def _handle(self, path: Path, device: torch.device = CPU):
+        """An open weight file: safetensors opened for ``device`` (its tensors land there), or a pickle
+        state dict (on the CPU, memory-mapped)."""
+        key = (path, str(device)) if path.suffix == ".safetensors" else (path, "cpu")
+        if key not in self._handles:
             if path.suffix == ".safetensors":
                 from safetensors import safe_open
 
-                self._handles[path] = safe_open(path, framework="pt")
+                self._handles[key] = safe_open(path, framework="pt", device=str(device))
             else:
-                self._handles[path] = _load_pickle(path)
-        return self._handles[path]
+                self._handles[key] = _load_pickle(path)
+        return self._handles[key]
 
-    def read(self, key: str, split: Split | None, rank: int, world_size: int) -> torch.Tensor:
-        """Rank ``rank``'s part of tensor ``key``: the slice ``split`` gives it, or all of it."""
-        handle = self._handle(self.files[key])
+    def read(self, key: str, split: Split | None, rank: int, world_size: int, device=None, dtype=None) -> torch.Tensor:
+        """Rank ``rank``'s part of tensor ``key`` (the slice ``split`` gives it, or all of it) in memory of its
+        own on ``device`` (the CPU by default).
+
+        Off the CPU, safetensors slices land on the device without a copy in host memory where they are
+        contiguous in the file (rows). A tensor that the model's later cast to ``dtype`` would shrink
+        is read to the CPU instead, so the device never holds its wider copy.
+        """
+        device = torch.device(device) if device is not None else CPU
+        if device != CPU and dtype is not None and _shrinks(self._stored_dtype(key, device), dtype):
+            device = CPU
+        handle = self._handle(self.files[key], device)
         if isinstance(handle, dict):  # a pickle checkpoint, memory-mapped
             tensor = handle[key]
-            return tensor.clone() if split is None else shard(tensor, split.dim, rank, world_size, *split[1:])
-        if split is None:
-            return handle.get_tensor(key).clone()  # own memory, not a view of the mapped file
-        view = handle.get_slice(key)
-        size = view.get_shape()[split.dim]
+            if split is None:
+                return _own(tensor, device)
+            take, size = tensor.__getitem__, tensor.shape[split.dim]
+        else:
+            if split is None:
+                return _own(handle.get_tensor(key), device)
+            view = handle.get_slice(key)
+            take, size = view.__getitem__, view.get_shape()[split.dim]
         ranges, padding = shard_ranges(size, rank, world_size, split.n_fused, split.heads, split.pad)
         lead = (slice(None),) * split.dim
-        pieces = [view[(*lead, slice(start, stop))] for start, stop in ranges]
+        pieces = [take((*lead, slice(start, stop))).to(device) for start, stop in ranges]
         if padding:
             shape = list(pieces[0].shape)
             shape[split.dim] = padding
             pieces.append(pieces[0].new_zeros(shape))
-        if len(pieces) > 1:
-            return torch.cat(pieces, dim=split.dim)
-        return pieces[0].clone(memory_format=torch.contiguous_format)  # own memory, not a view of the file
+        return torch.cat(pieces, dim=split.dim) if len(pieces) > 1 else _own(pieces[0], device)
+
+    def _stored_dtype(self, key: str, device: torch.device) -> torch.dtype | None:
+        """The dtype of tensor ``key`` in its file, read from the header (``None``: not a float a cast can shrink)."""
+        handle = self._handle(self.files[key], device)
+        if isinstance(handle, dict):
+            return handle[key].dtype
+        return SAFETENSORS_FLOATS.get(handle.get_slice(key).get_dtype())
 
     def reads(self, model: nn.Module, plan: dict[int, Split]) -> list[Read]:
         """What to read to fill ``model``'s tensors, cut by ``plan`` (``{id(tensor): Split}``).
@@ -184,12 +209,15 @@ class Checkpoint:
         self.verify(key for _, key, _ in reads)
         return reads
 
-    def load_into(self, skeleton: nn.Module, reads: list[Read], rank: int, world_size: int) -> None:
-        """Read this rank's tensors and put them into ``skeleton`` (already split, weights on meta)."""
+    def load_into(
+        self, skeleton: nn.Module, reads: list[Read], rank: int, world_size: int, device=None, dtype=None
+    ) -> None:
+        """Read this rank's tensors onto ``device`` (see :meth:`read`) and put them into ``skeleton``
+        (already split, weights on meta)."""
         expected = {name: tensor.shape for name, tensor in [*skeleton.named_parameters(), *skeleton.named_buffers()]}
         tensors = {}
         for name, key, split in reads:
-            tensor = self.read(key, split, rank, world_size)
+            tensor = self.read(key, split, rank, world_size, device, dtype)
             if name in expected and tensor.shape != expected[name]:
                 raise ValueError(
                     f"{key!r} in the checkpoint gives rank {rank} a shape {tuple(tensor.shape)}, but the model's "
@@ -204,6 +232,21 @@ class Checkpoint:
 
     def close(self) -> None:
         self._handles.clear()
+
+
+def _own(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` on ``device`` in memory of its own and contiguous: a CPU tensor may be a view of the
+    mapped file and is copied; one that lands on another device already is a copy."""
+    if tensor.device == CPU and device == CPU:
+        return tensor.clone(memory_format=torch.contiguous_format)
+    return tensor.to(device).contiguous()
+
+
+def _shrinks(stored: torch.dtype | None, dtype: torch.dtype | None) -> bool:
+    """Whether casting a floating tensor of dtype ``stored`` to ``dtype`` makes it smaller."""
+    if stored is None or dtype is None or not (stored.is_floating_point and dtype.is_floating_point):
+        return False
+    return stored.itemsize > dtype.itemsize
 
 
 def _listing(names: list[str]) -> str:

@@ -87,9 +87,9 @@ class ParallelEngine:
             shm.attach(group)  # gloo ranks of one host: shared-memory collectives
         model.eval().requires_grad_(False)
         self._replacer(model, group, fp16).replace_modules()
-        if checkpoint is not None:
-            checkpoint.load_into(model, reads, group_rank(group), self.num_gpus)
         dtype = torch.float16 if fp16 else self.dtype
+        if checkpoint is not None:
+            checkpoint.load_into(model, reads, group_rank(group), self.num_gpus, self.device, dtype)
         if dtype is not None:
             model.to(dtype)
         device = self.device

@@ -52,21 +52,31 @@ class RowParallelLinear(nn.Linear):
 class VocabParallelEmbedding(nn.Embedding):
     """``nn.Embedding`` holding rows ``[vocab_start, vocab_start + V_r)``; looks up the ids it holds,
     zeros the others and all-reduces: ``ids [...] -> [..., H]``, equal to the whole table's lookup.
-    An id outside the whole vocabulary raises ``IndexError`` as the whole table would."""
+
+    An id outside the whole vocabulary fails as with the whole table: ``IndexError`` on the CPU (one
+    host read per forward); on a GPU a device-side assert, so that the check costs no host sync.
+    """
 
     tp_group = None
     vocab_start = 0
     vocab_size = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if ids.numel():
-            low, high = torch.aminmax(ids)
-            if low.item() < 0 or high.item() >= self.vocab_size:
-                raise IndexError("index out of range in self")
+        self._check_range(ids)
         local = ids - self.vocab_start
         elsewhere = (local < 0) | (local >= self.num_embeddings)
         out = F.embedding(local.masked_fill(elsewhere, 0), self.weight)
         return all_reduce(out.masked_fill_(elsewhere.unsqueeze(-1), 0), self.tp_group)
+
+    def _check_range(self, ids: torch.Tensor) -> None:
+        if not ids.numel():
+            return
+        low, high = torch.aminmax(ids)
+        inside = (low >= 0) & (high < self.vocab_size)
+        if ids.device.type != "cpu" and hasattr(torch, "_assert_async"):
+            torch._assert_async(inside, "index out of range in self")
+        elif not inside.item():
+            raise IndexError("index out of range in self")
 
 
 class VocabParallelLMHead(nn.Linear):

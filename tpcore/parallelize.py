@@ -3,17 +3,20 @@
 The caller keeps its model object and its one copy of the weights. Each rank is sent only its
 own shard: the caller builds a weightless (meta) copy of the model, applies the policies to it,
 and streams every rank the tensors it holds (its slices of the split tensors, the replicated
-rest) as raw bytes, one tensor at a time, straight into the rank's own storage. ``forward``,
-``__call__`` and ``generate`` of the caller's model are then served by the ranks; rank 0 sends
-the outputs back as CPU tensors.
+rest) as raw bytes, one tensor at a time, straight into the rank's own storage (a model on a GPU
+goes through the CPU one share at a time). ``forward``, ``__call__`` and ``generate`` of the
+caller's model are then served by the ranks: inputs travel through the CPU to each rank's device,
+and rank 0 sends the outputs back, which the caller gets on the device of its first input tensor
+(the CPU when it passed none), as the unsplit model would return them.
 
 Started from a checkpoint directory instead of a model, the caller builds the model without
 weights (parameters on the meta device) and each rank reads its own slices from the files: no
 process ever holds the whole model.
 
-Sampling stays in step: every call carries the caller's RNG state to all ranks, and the caller
-takes rank 0's state back, so ``torch.manual_seed(s); model.generate(do_sample=True)`` draws what
-the unsplit model draws with that seed, and the ranks never diverge.
+Sampling stays in step: every call carries the caller's RNG state (CPU, and CUDA for CUDA ranks, see
+:mod:`tpcore.rng`) to all ranks, and the caller takes rank 0's state back, so
+``torch.manual_seed(s); model.generate(do_sample=True)`` draws what the unsplit model draws with
+that seed, and the ranks never diverge.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import copy
 import functools
 import os
 import resource
+import threading
 
 import torch
 from torch import nn
@@ -31,6 +35,7 @@ from tpcore.distributed import default_backend
 from tpcore.layers import bind_group
 from tpcore.process import CALL_TIMEOUT_S, START_TIMEOUT_S, RankContext, RankPool, WorkerDiedError, WorkerError, reraise
 from tpcore.replacer import TensorReplacer
+from tpcore.rng import CallerRandomState, RandomState, device_generator
 from tpcore.skeleton import (
     drop_output_capturing_hooks,
     empty_model,
@@ -40,7 +45,7 @@ from tpcore.skeleton import (
     weightless_copy,
 )
 from tpcore.slicer import Split, shard, shard_ranges
-from tpcore.transfer import to_cpu, to_device
+from tpcore.transfer import first_device, to_cpu, to_device
 
 __all__ = ["ParallelHandle", "parallelize"]
 
@@ -187,8 +192,8 @@ def _send_shards(pool: RankPool, model: nn.Module, skeleton: nn.Module, plan: di
     ]
 
     def shares(rank: int):
-        for tensor in tensors.values():
-            yield _share(tensor, plan.get(id(tensor)), rank, world_size)
+        for tensor in tensors.values():  # a model on a GPU: one share at a time goes through the CPU
+            yield _share(tensor, plan.get(id(tensor)), rank, world_size).cpu()
 
     pool.scatter(_load_shard, lambda rank: (skeleton, metas, dtype), shares, timeout=timeout)
 
@@ -226,8 +231,9 @@ def _load_shard(context: RankContext, skeleton: nn.Module, metas: list, dtype) -
 
 
 def _read_shard(context: RankContext, skeleton: nn.Module, directory: str, reads: list[Read], dtype) -> int:
-    """On a rank: read this rank's slices from the checkpoint into the (already split) meta skeleton, keep it."""
-    Checkpoint(directory).load_into(skeleton, reads, context.rank, context.world_size)
+    """On a rank: read this rank's slices from the checkpoint, onto its device, into the (already split)
+    meta skeleton, keep it."""
+    Checkpoint(directory).load_into(skeleton, reads, context.rank, context.world_size, context.device, dtype)
     return _keep(context, skeleton, dtype)
 
 
@@ -243,16 +249,15 @@ def _keep(context: RankContext, skeleton: nn.Module, dtype) -> int:
     return sum(t.numel() * t.element_size() for t in named_tensors(model).values())
 
 
-def _serve(context: RankContext, method: str, args: tuple, kwargs: dict, rng_state: torch.Tensor):
-    """On a rank: run ``model.<method>`` with the caller's RNG state; rank 0 returns the result."""
+def _serve(context: RankContext, method: str, args: tuple, kwargs: dict, random_state: RandomState):
+    """On a rank: run ``model.<method>`` with the caller's random state; rank 0 returns the result
+    (on the CPU) and its random state."""
     model = context.store["model"]
-    torch.set_rng_state(rng_state)
-    if context.device.type == "cuda":
-        torch.cuda.manual_seed_all(int(torch.randint(2**62, ()).item()))
-        torch.set_rng_state(rng_state)
+    generator = device_generator(context.device)
+    random_state.apply(generator)
     with torch.inference_mode():
         output = getattr(model, method)(*to_device(args, context.device), **to_device(kwargs, context.device))
-    return (to_cpu(output), torch.get_rng_state()) if context.rank == 0 else None
+    return (to_cpu(output), RandomState.of(generator)) if context.rank == 0 else None
 
 
 def _memory(context: RankContext) -> dict[str, int]:
@@ -306,6 +311,8 @@ class ParallelHandle:
         self.timeout = timeout
         #: the caller's model holds real weights (not the meta ones of a checkpoint start)
         self.has_weights = has_weights
+        self.random = CallerRandomState()
+        self._lock = threading.Lock()
 
     def attach(self) -> None:
         model = self.model
@@ -322,17 +329,23 @@ class ParallelHandle:
         model.memory_peak = functools.partial(self._memory, "peak")
 
     def call(self, method: str, *args, **kwargs):
-        """Run ``model.<method>(*args, **kwargs)`` on the ranks; raise a rank's error as its own type."""
-        try:
-            results = self.pool.run(_serve, method, args, kwargs, torch.get_rng_state(), timeout=self.timeout)
-        except WorkerError as error:
-            reraise(error)
-        except WorkerDiedError as error:
-            message = f"{error} (the ranks are gone: call model.deparallelize() and parallelize again)"
-            raise WorkerDiedError(message) from None
-        output, rng_state = results[0]
-        torch.set_rng_state(rng_state)
-        return output
+        """Run ``model.<method>(*args, **kwargs)`` on the ranks; raise a rank's error as its own type.
+
+        Tensors travel through the CPU; the output comes back on the device of the first input tensor.
+        """
+        device = first_device((args, kwargs))
+        args, kwargs = to_device((args, kwargs), "cpu")
+        with self._lock:  # one call's random state at a time
+            try:
+                results = self.pool.run(_serve, method, args, kwargs, self.random.outgoing(), timeout=self.timeout)
+            except WorkerError as error:
+                reraise(error)
+            except WorkerDiedError as error:
+                message = f"{error} (the ranks are gone: call model.deparallelize() and parallelize again)"
+                raise WorkerDiedError(message) from None
+            output, random_state = results[0]
+            self.random.adopt(random_state)
+        return output if device is None or device.type == "cpu" else to_device(output, device)
 
     def move(self, method: str, *args, **kwargs) -> nn.Module:
         """``model.to/cpu/cuda``: stop the ranks, then move the caller's (unsplit) model."""

@@ -346,6 +346,15 @@ def _exit_with_parent(parent_pid: int, interval: float = 0.5) -> None:
     threading.Thread(target=watch, name="tpcore-parent-watch", daemon=True).start()
 
 
+def synchronize(device) -> None:
+    """Wait for the kernels queued on a CUDA ``device``, so that a kernel's error is raised by the call
+    that queued it (and a rank replies only once its work is done); nothing to wait for on the CPU."""
+    if getattr(device, "type", None) == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
+
+
 def _worker_main(address, rank, world_size, backend, master_addr, master_port, threads) -> None:
     """A rank: connect to the caller, join the group, then serve calls until told to stop."""
     _exit_with_parent(int(os.environ.pop(PARENT_ENV)))
@@ -376,7 +385,9 @@ def _worker_main(address, rank, world_size, backend, master_addr, master_port, t
             break
         try:
             fn, args, kwargs = message
-            reply = ("ok", fn(context, *args, **kwargs))
+            result = fn(context, *args, **kwargs)
+            synchronize(context.device)
+            reply = ("ok", result)
         except BaseException as error:
             reply = ("error", _describe(error))
         try:

@@ -35,13 +35,19 @@ def named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 def weightless_copy(model: nn.Module) -> nn.Module:
     """A deep copy of ``model`` whose parameters and buffers live on the meta device (no data).
 
-    Ties survive: one meta tensor stands for each distinct original tensor.
+    Ties survive: one meta tensor stands for each distinct original tensor. Tensors that modules hold
+    as plain attributes are copied to the CPU if they are on another device (a model on a GPU), so
+    the copy can travel to ranks on any device.
     """
     memo: dict[int, Any] = {}
     for tensor in [*model.parameters(), *model.buffers()]:
         if id(tensor) not in memo:
             meta = torch.empty_like(tensor, device="meta")
             memo[id(tensor)] = nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, torch.Tensor) and value.device.type not in ("cpu", "meta") and id(value) not in memo:
+                memo[id(value)] = value.detach().cpu()
     skeleton = copy.deepcopy(model, memo)
     drop_output_capturing_hooks(skeleton)
     return skeleton

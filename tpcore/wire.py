@@ -194,9 +194,14 @@ def connect(address: str, key: bytes, rank: int, timeout: float = HANDSHAKE_TIME
 
 
 def byte_view(tensor):
-    """A writable/readable numpy view of a contiguous CPU tensor's bytes (any dtype, bf16 too)."""
+    """A writable/readable numpy view of a contiguous CPU tensor's bytes (any dtype, bf16 too).
+
+    A tensor elsewhere (a GPU) has no such view: copy it to the CPU first, one tensor at a time.
+    """
     import torch
 
+    if tensor.device.type != "cpu":
+        raise ValueError(f"byte_view needs a CPU tensor, got one on {tensor.device}: send tensor.cpu()")
     return tensor.reshape(-1).view(torch.uint8).numpy()
 
 
