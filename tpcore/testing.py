@@ -71,7 +71,10 @@ def sharded_forward(
     from tpcore.engine import ParallelEngine
 
     model = spec.build()
-    engine = ParallelEngine(context.world_size, context.backend, policies, dtype=dtype, process_group=context.group)
+    device = context.device.type  # gloo ranks may compute on CUDA
+    engine = ParallelEngine(
+        context.world_size, context.backend, policies, dtype=dtype, device=device, process_group=context.group
+    )
     engine.parallelize(model)
     return run_on(model, inputs, context.device, method, seed), parameter_count(model)
 
