@@ -146,3 +146,28 @@ def collective_routes(context):
     finally:
         dist.all_reduce, dist.all_gather = originals
     return shm.for_group(context.group) is not None, routed
+
+
+def tensor_dtypes(context):
+    """``{name: dtype}`` of every parameter and buffer of the model a ``parallelize()`` rank serves."""
+    model = context.store["model"]
+    return {name: t.dtype for name, t in [*model.named_parameters(), *model.named_buffers()]}
+
+
+def reduce_partial_sums(context, parts, with_dtype_sent=False):
+    """tpcore's row-parallel reduction of this rank's ``parts[rank]``; with ``with_dtype_sent``, also the
+    dtypes that went into the all-reduce."""
+    from tpcore import layers
+
+    sent, all_reduce = [], layers.all_reduce
+
+    def recording(tensor, group):
+        sent.append(tensor.dtype)
+        return all_reduce(tensor, group)
+
+    layers.all_reduce = recording
+    try:
+        result = layers.reduce_partial_sums(parts[context.rank].clone(), context.group)
+    finally:
+        layers.all_reduce = all_reduce
+    return (result, sent) if with_dtype_sent else result

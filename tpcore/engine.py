@@ -12,6 +12,7 @@ from tpcore import shm
 from tpcore.checkpoint import Checkpoint, is_checkpoint_path
 from tpcore.comm import group_rank
 from tpcore.distributed import bind_device, check_placement, default_backend, device_for, tensor_parallel_group
+from tpcore.precision import cast_model, resolve_dtype
 from tpcore.replacer import TensorReplacer
 from tpcore.skeleton import empty_model
 
@@ -26,7 +27,8 @@ class ParallelEngine:
         backend: ``"nccl"``, ``"gloo"`` or ``None``: NCCL when this node has a CUDA device for each of its
             ranks (``LOCAL_WORLD_SIZE``, else ``num_gpus``), else gloo.
         custom_policies: a Policy class or list of them; ``None`` uses the installed plugins.
-        dtype: convert the model to this dtype after slicing (``fp16=True`` means ``torch.float16``).
+        dtype: cast the model to this dtype after slicing, as ``from_pretrained(dtype=...)`` does
+            (``fp16=True`` means ``torch.float16``; any other dtype with it is refused).
         device: ``"cuda"`` or ``"cpu"``; ``None`` is CUDA for NCCL, the CPU for gloo. The rank's
             ``LOCAL_RANK`` picks its GPU (gloo ranks on ``"cuda"`` share them: ``cuda:(r % devices)``).
         process_group: use this group instead of creating one.
@@ -84,13 +86,14 @@ class ParallelEngine:
 
     def parallelize(self, model: nn.Module | str | os.PathLike, fp16: bool = False, *, model_class=None) -> nn.Module:
         """Validate, bind this rank's device, join the group, slice and replace modules where the model
-        is, then move it to the device.
+        is, cast it, then move it to the device.
 
         ``model`` is a model, or the directory of a saved one: then the model is built without weights
         and this rank reads only its own slices from the files (``model_class`` overrides the class
         ``config.json`` names). Returns this rank's shard of the model (the same object for a model),
         in eval mode and without gradients (tensor parallelism here is for inference).
         """
+        dtype = resolve_dtype(fp16, self.dtype)
         check_placement(self.backend, self._local_world_size(), self.device_type)
         if is_checkpoint_path(model):
             checkpoint = Checkpoint(model)
@@ -112,9 +115,8 @@ class ParallelEngine:
         self._replacer(model, group, fp16).replace_modules()
         if checkpoint is not None:
             checkpoint.load_into(model, reads, group_rank(group), self.num_gpus)
-        dtype = torch.float16 if fp16 else self.dtype
         if dtype is not None:
-            model.to(dtype)
+            cast_model(model, dtype)
         return model.to(device)  # module.to also moves non-persistent buffers
 
     def _replacer(self, model: nn.Module, group, fp16: bool, rank: int | None = None) -> TensorReplacer:

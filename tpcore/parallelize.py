@@ -29,6 +29,7 @@ from torch import nn
 from tpcore.checkpoint import Checkpoint, Read, is_checkpoint_path
 from tpcore.distributed import check_placement, default_backend
 from tpcore.layers import bind_group
+from tpcore.precision import cast_model, resolve_dtype
 from tpcore.process import CALL_TIMEOUT_S, START_TIMEOUT_S, RankContext, RankPool, WorkerDiedError, WorkerError, reraise
 from tpcore.replacer import TensorReplacer
 from tpcore.skeleton import (
@@ -79,7 +80,8 @@ def parallelize(
             only the ranks hold weights, each its own slices read from the files, and the caller
             gets the model with its parameters on the meta device.
         num_gpus: number of ranks: GPUs with NCCL, CPU processes with gloo.
-        fp16: run the ranks in ``torch.float16`` (``dtype`` for any other dtype).
+        fp16: run the ranks in ``torch.float16`` (``dtype`` for any other dtype); the model is cast as
+            ``from_pretrained(dtype=...)`` casts it (modules it keeps in fp32 stay, rotary buffers too).
         backend: ``"nccl"`` or ``"gloo"``; ``None`` is NCCL when there is a CUDA device per rank, else gloo.
         custom_policies: a Policy class or a list; ``None`` uses the installed plugins.
         master_addr, master_port: rendezvous of the ranks; loopback and a free port by default.
@@ -113,9 +115,7 @@ def parallelize(
     verbosity = _verbosity(verbose)
     if init_method not in _START_METHODS:
         raise ValueError(f"init_method is a multiprocessing start method {_START_METHODS[1:]}, got {init_method!r}")
-    if fp16 and dtype not in (None, torch.float16):
-        raise ValueError(f"fp16=True contradicts dtype={dtype}")
-    dtype = torch.float16 if fp16 else dtype
+    dtype = resolve_dtype(fp16, dtype)
     backend = backend or default_backend(num_gpus)
     device = check_placement(backend, num_gpus, device)
     if seed is not None:
@@ -241,7 +241,7 @@ def _keep(context: RankContext, skeleton: nn.Module, dtype) -> int:
     bind_group(skeleton, context.group)
     skeleton.eval().requires_grad_(False)
     if dtype is not None:
-        skeleton.to(dtype)
+        cast_model(skeleton, dtype)
     model = skeleton.to(context.device)
     register_output_recording(model)
     context.store["model"] = model
