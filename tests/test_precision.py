@@ -17,7 +17,7 @@ import transformers
 
 import tpcore
 from tpcore.precision import cast_model
-from tpcore.testing import HALF_PRECISION_RTOL, compare_outputs
+from tpcore.testing import HALF_PRECISION_RTOL, ModelSpec, check_equivalence, compare_outputs
 
 VOCAB = 64
 
@@ -196,3 +196,9 @@ def test_half_precision_partial_sums_of_two_ranks_travel_in_half_precision(rank_
     assert torch.equal(summed_in(parts, torch.float32), summed_in(parts, torch.bfloat16))
     for result, sent in rank_pools.get(2).run(rank_helpers.reduce_partial_sums, parts, with_dtype_sent=True):
         assert torch.equal(result, summed_in(parts, torch.bfloat16)) and sent == [torch.bfloat16]
+
+
+def test_the_equivalence_checker_casts_its_reference_as_the_ranks_cast_theirs(rank_pools):
+    """One rank computes what this process computes, to the bit, only if both cast T5 alike (``wo`` in fp32)."""
+    spec = ModelSpec(type(t5()), t5().config)
+    check_equivalence(spec, inputs_for("t5"), world_sizes=(1,), pools=rank_pools, dtype=torch.float16, rtol=0)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tpcore.precision import cast_model
 from tpcore.process import RankContext, RankPool, WorkerError, reraise
 from tpcore.transfer import to_cpu, to_device
 
@@ -181,7 +182,8 @@ def check_equivalence(
     own_pools = pools is None
     pools = pools or PoolCache()
     device = torch.device("cuda", 0) if pools.backend == "nccl" else torch.device("cpu")
-    model = spec.build().to(device=device, dtype=dtype)
+    model = spec.build()
+    model = (cast_model(model, dtype) if dtype is not None else model).to(device)  # as the ranks cast it
     reference = run_on(model, inputs, device, method, seed)
     full_size = parameter_count(model)
     del model
