@@ -77,18 +77,17 @@ def environment(backend: str) -> dict[str, str]:
 
 
 def choose_backend(requested: str | None, world_size: int) -> str:
-    """``requested``, else tpcore's default (NCCL when CUDA is there, else gloo), except that NCCL
-    needs a GPU per rank: with fewer GPUs than ranks the default falls back to gloo, and says so."""
+    """``requested``, else tpcore's default: NCCL when there is a GPU per rank, else gloo (and it says so
+    when the GPUs are too few)."""
     import torch
 
     from tpcore.distributed import default_backend
 
     if requested:
         return requested
-    backend = default_backend()
-    if backend == "nccl" and torch.cuda.device_count() < world_size:
+    backend = default_backend(world_size)
+    if backend == "gloo" and torch.cuda.is_available():
         print(f"{torch.cuda.device_count()} GPU(s) for {world_size} ranks: using gloo on the CPU instead of NCCL")
-        return "gloo"
     return backend
 
 

@@ -135,3 +135,46 @@ def collectives_of_a_forward(context, spec, input_ids, layer_path):
         model(input_ids=input_ids)
     in_layer = {op: inside["after"].get(op, 0) - inside["before"].get(op, 0) for op in inside["after"]}
     return dict(counts), {op: n for op, n in in_layer.items() if n}
+
+
+def collective_routes(context):
+    """Which tensors of tpcore's collectives reach torch.distributed (recorded by device type, not run),
+    a meta tensor standing in for a CUDA one; and whether shared-memory collectives are attached."""
+    from tpcore import comm, shm
+
+    routed = {"all_reduce": [], "all_gather": []}
+    originals = dist.all_reduce, dist.all_gather
+    dist.all_reduce = lambda tensor, **kwargs: routed["all_reduce"].append(tensor.device.type)
+    dist.all_gather = lambda parts, tensor, **kwargs: routed["all_gather"].append(tensor.device.type)
+    try:
+        for device in ("meta", "cpu"):  # the CPU ones go through shared memory
+            comm.all_reduce(torch.ones(2, device=device), context.group)
+            comm.all_gather(torch.ones(2, device=device), context.group)
+    finally:
+        dist.all_reduce, dist.all_gather = originals
+    return shm.for_group(context.group) is not None, routed
+
+
+def tensor_dtypes(context):
+    """``{name: dtype}`` of every parameter and buffer of the model a ``parallelize()`` rank serves."""
+    model = context.store["model"]
+    return {name: t.dtype for name, t in [*model.named_parameters(), *model.named_buffers()]}
+
+
+def reduce_partial_sums(context, parts, with_dtype_sent=False):
+    """tpcore's row-parallel reduction of this rank's ``parts[rank]``; with ``with_dtype_sent``, also the
+    dtypes that went into the all-reduce."""
+    from tpcore import layers
+
+    sent, all_reduce = [], layers.all_reduce
+
+    def recording(tensor, group):
+        sent.append(tensor.dtype)
+        return all_reduce(tensor, group)
+
+    layers.all_reduce = recording
+    try:
+        result = layers.reduce_partial_sums(parts[context.rank].clone(), context.group)
+    finally:
+        layers.all_reduce = all_reduce
+    return (result, sent) if with_dtype_sent else result

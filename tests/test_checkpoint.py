@@ -153,7 +153,7 @@ def test_parallelize_from_a_checkpoint_equals_the_unsplit_model_and_the_caller_h
     with torch.inference_mode():
         expected = reference(input_ids=inputs)
         tokens = reference.generate(inputs, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
-    model = tpcore.parallelize(gpt2_dir, num_gpus=2)
+    model = tpcore.parallelize(gpt2_dir, num_gpus=2, backend="gloo")
     try:
         assert type(model) is GPT2LMHeadModel and model.config.n_layer == 2
         assert {p.device.type for p in model.parameters()} == {"meta"}
@@ -181,7 +181,7 @@ def test_a_sharded_safetensors_bert_loads_split_over_the_ranks(tmp_path, world_s
     inputs = {"input_ids": ids(vocab=97), "attention_mask": mask}
     with torch.inference_mode():
         expected = reference(**inputs)
-    model = tpcore.parallelize(tmp_path, num_gpus=world_size)
+    model = tpcore.parallelize(tmp_path, num_gpus=world_size, backend="gloo")
     try:
         compare_outputs(expected, model(**inputs))
     finally:
@@ -196,7 +196,7 @@ def test_a_base_model_checkpoint_fills_a_model_with_a_head_through_the_prefix(tm
     inputs = ids()
     with torch.inference_mode():
         expected = reference(input_ids=inputs).logits
-    model = tpcore.parallelize(tmp_path, num_gpus=2, model_class=GPT2LMHeadModel)
+    model = tpcore.parallelize(tmp_path, num_gpus=2, backend="gloo", model_class=GPT2LMHeadModel)
     try:
         compare_outputs(expected, model(input_ids=inputs).logits)
     finally:

@@ -101,8 +101,9 @@ def assert_ended(model, pids: list[int]) -> None:
 
 @pytest.fixture(scope="module")
 def readme_model():
-    """The README's step 2 as written (3 ranks): ``parallelize(model, num_gpus=3, fp16=True, verbose='detail')``."""
-    model, printed = parallelized_printing(num_gpus=3, fp16=True, verbose="detail")
+    """The README's step 2 as written (3 ranks, pinned to gloo: a CPU test on any machine):
+    ``parallelize(model, num_gpus=3, fp16=True, verbose='detail')``."""
+    model, printed = parallelized_printing(num_gpus=3, backend="gloo", fp16=True, verbose="detail")
     yield model, printed
     model.deparallelize()
 
@@ -151,7 +152,7 @@ def fp32_model(tmp_path_factory):
     SPEC.build().save_pretrained(directory)
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        model = parallelize(str(directory), num_gpus=3, fp16=False, master_port=port, verbose=True)
+        model = parallelize(str(directory), num_gpus=3, backend="gloo", fp16=False, master_port=port, verbose=True)
     yield model, port, printed.getvalue()
     model.deparallelize()
 
@@ -202,7 +203,7 @@ def test_three_models_at_once_a_taken_master_port_refused_and_deparallelize_free
     assert spawned == [] and children() <= kids and not hasattr(refused, "_tpcore_handle")
 
     third, third_port = SPEC.build(), free_port()
-    parallelize(third, num_gpus=1, master_port=third_port, verbose=None)
+    parallelize(third, num_gpus=1, backend="gloo", master_port=third_port, verbose=None)
     assert capsys.readouterr().out == ""
     inputs = tokenized(5)
     expected = unsplit_generate(SPEC.build(), inputs, **README_GENERATE)
@@ -298,7 +299,7 @@ def test_every_parameter_of_the_predecessors_signature_keeps_its_meaning_and_cpu
 def test_to_ends_the_parallelization_then_moves_the_callers_model(capsys):
     """One rank is enough here: what ``.to()`` does to the ranks does not depend on how many there are."""
     model = SPEC.build()
-    parallelize(model, num_gpus=1, fp16=False, verbose=False)
+    parallelize(model, num_gpus=1, backend="gloo", fp16=False, verbose=False)
     assert capsys.readouterr().out == ""
     pids = model._tpcore_handle.pool.pids
     assert model.to(torch.float16) is model

@@ -128,7 +128,7 @@ def masked_lm():
     """``(parallelized BertForMaskedLM over 2 ranks, the same model unsplit)``, for the whole module."""
     spec = bert_family_spec("Bert", "ForMaskedLM")
     reference, model = spec.build(), spec.build()
-    assert tpcore.parallelize(model, num_gpus=2) is model
+    assert tpcore.parallelize(model, num_gpus=2, backend="gloo") is model
     yield model, reference
     if getattr(model, "_tpcore_handle", None) is not None:
         model.deparallelize()
@@ -167,7 +167,7 @@ def test_bert_family_through_parallelize_matches_unsplit(arch, head, world_size)
     """Several padded batches (shapes change between calls) on one parallelized model, dict and tuple outputs."""
     spec = bert_family_spec(arch, head)
     reference, model = spec.build(), spec.build()
-    tpcore.parallelize(model, num_gpus=world_size)
+    tpcore.parallelize(model, num_gpus=world_size, backend="gloo")
     try:
         assert_split(model, world_size, min_split=6 * SIZES["layers"])
         choices = 2 if head == "ForMultipleChoice" else None
@@ -208,7 +208,7 @@ def test_a_model_that_already_returned_hidden_states_can_be_parallelized():
     model = tiny_bert()
     inputs = {"input_ids": torch.tensor([[5, 6, 7, 8]])}
     expected = run_unsplit(model, **inputs, output_hidden_states=True)
-    tpcore.parallelize(model, num_gpus=2)
+    tpcore.parallelize(model, num_gpus=2, backend="gloo")
     try:
         compare_outputs(expected.last_hidden_state, model(**inputs).last_hidden_state)
     finally:
@@ -262,7 +262,7 @@ def lm_head():
     special = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
     spec = bert_family_spec("Bert", "LMHeadModel", seed=7, is_decoder=True, **special)
     reference, model = spec.build(), spec.build()
-    tpcore.parallelize(model, num_gpus=2)
+    tpcore.parallelize(model, num_gpus=2, backend="gloo")
     yield model, reference
     model.deparallelize()
 
@@ -435,7 +435,7 @@ def test_a_killed_rank_is_detected_not_waited_out_and_deparallelize_still_works(
     expected = run_unsplit(reference, **inputs)
 
     # a rank killed between calls
-    tpcore.parallelize(model, num_gpus=2)
+    tpcore.parallelize(model, num_gpus=2, backend="gloo")
     compare_outputs(expected, model(**inputs))
     pids = model._tpcore_handle.pool.pids
     started = time.monotonic()
@@ -453,7 +453,7 @@ def test_a_killed_rank_is_detected_not_waited_out_and_deparallelize_still_works(
     compare_outputs(expected, run_unsplit(model, **inputs), rtol=0)
 
     # a rank killed while a call is in flight (the other rank is busy and cannot answer)
-    tpcore.parallelize(model, num_gpus=2)
+    tpcore.parallelize(model, num_gpus=2, backend="gloo")
     compare_outputs(expected, model(**inputs))
     pids = model._tpcore_handle.pool.pids
     killed_at = []
@@ -477,9 +477,9 @@ def test_two_models_parallelized_at_once_use_their_own_ports():
     batch = mlm_batch(8)
     inputs = {"bert": {"input_ids": batch["input_ids"] % 32}, "distilbert": batch}
     expected = {name: run_unsplit(ref, **inputs[name]) for name, ref in references.items()}
-    tpcore.parallelize(models["bert"], num_gpus=2, master_port=port)
+    tpcore.parallelize(models["bert"], num_gpus=2, backend="gloo", master_port=port)
     try:
-        tpcore.parallelize(models["distilbert"], num_gpus=2)
+        tpcore.parallelize(models["distilbert"], num_gpus=2, backend="gloo")
         try:
             ports = {name: m._tpcore_handle.pool.master_port for name, m in models.items()}
             assert ports["bert"] == port and ports["distilbert"] != port, ports
@@ -505,7 +505,7 @@ def test_twenty_cycles_leave_no_process_port_or_shared_memory_behind():
     cycle_times, rank_listeners = [], {}
     for _ in range(20):
         started = time.monotonic()
-        tpcore.parallelize(model, num_gpus=2)
+        tpcore.parallelize(model, num_gpus=2, backend="gloo")
         pids = model._tpcore_handle.pool.pids
         rank_listeners.update(listening_of(pids))
         compare_outputs(expected, model(**inputs))
@@ -544,7 +544,7 @@ CALLER = textwrap.dedent(
 
     if mode.endswith("-call"):
         model.encoder.register_forward_pre_hook(stall)
-    tpcore.parallelize(model, num_gpus=2)
+    tpcore.parallelize(model, num_gpus=2, backend="gloo")
     print(json.dumps(model._tpcore_handle.pool.pids), flush=True)
     ids = torch.tensor([[5, 6, 7]])
     if mode in ("exit", "raise"):
@@ -742,7 +742,7 @@ REPL = textwrap.dedent(
     ids = torch.tensor([[5, 6, 7]])
     with torch.inference_mode():
         expected = model(input_ids=ids).last_hidden_state
-    tpcore.parallelize(model, num_gpus=2)
+    tpcore.parallelize(model, num_gpus=2, backend="gloo")
     pids = model._tpcore_handle.pool.pids
     print(json.dumps(pids), flush=True)
     print("READY", flush=True)
@@ -860,7 +860,7 @@ NOTEBOOK = textwrap.dedent(
         tpcore.parallelize(model, num_gpus=2)
     except tpcore.UnsupportedModelError:
         print("without custom_policies: UnsupportedModelError")
-    tpcore.parallelize(model, num_gpus=2, custom_policies=[InlineBertPolicy])
+    tpcore.parallelize(model, num_gpus=2, backend="gloo", custom_policies=[InlineBertPolicy])
     print("policy consulted for world sizes", consulted)
     got = model(input_ids=ids, attention_mask=mask).logits
     print("query shards", model._tpcore_handle.pool.run(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import fcntl
+import inspect
 import ipaddress
 import os
 import socket
@@ -25,10 +26,14 @@ import torch.distributed as dist
 
 __all__ = [
     "DEFAULT_TIMEOUT",
+    "DEVICE_TYPES",
     "LAUNCHER_VARIABLES",
+    "bind_device",
+    "check_placement",
     "default_backend",
     "destroy_process_group",
     "device_for",
+    "device_type",
     "free_port",
     "init_process_group",
     "interface_of",
@@ -48,21 +53,82 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def default_backend() -> str:
-    """``"nccl"`` when CUDA devices and NCCL are there, else ``"gloo"``."""
-    if torch.cuda.is_available() and dist.is_nccl_available():
+#: what ranks compute on: ``device=`` of RankPool, parallelize() and ParallelEngine (``None``: by the backend)
+DEVICE_TYPES = ("cuda", "cpu")
+
+
+def _visible_gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def default_backend(world_size: int) -> str:
+    """``"nccl"`` when NCCL is there and this node sees a CUDA device for each of its ``world_size``
+    ranks, else ``"gloo"`` (CPU ranks, or gloo ranks that share the GPUs with ``device="cuda"``)."""
+    if dist.is_nccl_available() and _visible_gpus() >= world_size:
         return "nccl"
     return "gloo"
 
 
-def device_for(backend: str, local_rank: int) -> torch.device:
-    """This rank's device: ``cuda:<local_rank>`` (of the visible devices) for NCCL, else the CPU."""
+def device_type(backend: str, device: str | None = None) -> str:
+    """What ranks of ``backend`` compute on: ``device``, or ``None`` for CUDA with NCCL and the CPU otherwise."""
+    if device is None:
+        return "cuda" if backend == "nccl" else "cpu"
+    if device not in DEVICE_TYPES:
+        raise ValueError(f"device must be one of {DEVICE_TYPES} or None, got {device!r}")
+    return device
+
+
+def check_placement(backend: str, local_ranks: int, device: str | None = None) -> str:
+    """Refuse, before any rank starts, ``local_ranks`` ranks of ``backend`` on ``device`` that could not
+    run on this node; return the device type they use.
+
+    NCCL binds one CUDA device per rank and fails at the first collective, after loading, when two
+    ranks share one; so NCCL ranks beyond the visible devices are refused here. gloo ranks may
+    share the GPUs (rank ``r`` on ``cuda:(r % devices)``).
+    """
+    kind = device_type(backend, device)
+    if backend == "nccl" and kind != "cuda":
+        raise ValueError(f"backend 'nccl' moves CUDA tensors only; device={device!r} needs backend='gloo'")
+    if backend == "nccl" and not dist.is_nccl_available():
+        raise RuntimeError("backend 'nccl': this torch build has no NCCL; use backend='gloo'")
+    gpus = _visible_gpus()
+    if kind == "cuda" and gpus == 0:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        note = "" if visible is None else f" (CUDA_VISIBLE_DEVICES={visible!r})"
+        raise RuntimeError(f"device 'cuda' (backend {backend!r}): no CUDA device is visible{note}")
+    if backend == "nccl" and local_ranks > gpus:
+        raise RuntimeError(f"{local_ranks} NCCL ranks on this node need one CUDA device each: {_too_few_gpus(gpus)}")
+    return kind
+
+
+def _too_few_gpus(gpus: int) -> str:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    note = "CUDA_VISIBLE_DEVICES unset" if visible is None else f"CUDA_VISIBLE_DEVICES={visible!r}"
+    return (
+        f"{gpus} {'is' if gpus == 1 else 'are'} visible ({note}), and NCCL cannot share a device between ranks. "
+        "Use fewer ranks, or backend='gloo' (with device='cuda' gloo ranks share the GPUs)"
+    )
+
+
+def device_for(backend: str, local_rank: int, device: str | None = None) -> torch.device:
+    """This rank's device: for NCCL ``cuda:<local_rank>`` (of the visible devices, one per rank), for
+    gloo the CPU, or with ``device="cuda"`` ``cuda:(local_rank % devices)``."""
+    if device_type(backend, device) == "cpu":
+        return torch.device("cpu")
+    count = _visible_gpus()
+    if count == 0:
+        raise RuntimeError(f"backend {backend!r} on device 'cuda': no CUDA device is visible")
     if backend == "nccl":
-        count = torch.cuda.device_count()
-        if count == 0:
-            raise RuntimeError("backend 'nccl' needs CUDA devices, and none is visible")
-        return torch.device("cuda", local_rank % count)
-    return torch.device("cpu")
+        if local_rank >= count:
+            raise RuntimeError(f"NCCL local rank {local_rank} has no CUDA device of its own: {_too_few_gpus(count)}")
+        return torch.device("cuda", local_rank)
+    return torch.device("cuda", local_rank % count)
+
+
+def bind_device(device: torch.device) -> None:
+    """Make ``device`` this process's current CUDA device (before any group exists); nothing for the CPU."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 #: what a launcher (torchrun, SLURM scripts) sets for its own ranks; a worker pool's ranks get their own world
@@ -86,6 +152,8 @@ LAUNCHER_VARIABLES = (
 )
 # torch's libuv store server takes a listening socket from 2.8 on (pytorch/pytorch#150215); before, its older one
 _LIBUV_TAKES_SOCKET = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 8)
+# init_process_group(device_id=) binds a group to its device (and NCCL connects eagerly); torch 2.3 on
+_INIT_TAKES_DEVICE_ID = "device_id" in inspect.signature(dist.init_process_group).parameters
 
 
 def listening_store(host: str, port: int = 0, timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> dist.TCPStore:
@@ -121,10 +189,22 @@ def rendezvous_store(
 
 
 def init_process_group(
-    backend: str, rank: int, world_size: int, store: dist.Store, timeout: datetime.timedelta = DEFAULT_TIMEOUT
+    backend: str,
+    rank: int,
+    world_size: int,
+    store: dist.Store | None = None,
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+    device: torch.device | None = None,
 ) -> None:
-    """Join a world of ``world_size`` ranks that meet in ``store``."""
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    """Join a world of ``world_size`` ranks that meet in ``store`` (``None``: the ``env://`` variables).
+
+    An NCCL group is bound to ``device`` (``device_id=``, where this torch has it); bind the process
+    to it first (:func:`bind_device`).
+    """
+    options = {"store": store, "rank": rank, "world_size": world_size} if store is not None else {}
+    if backend == "nccl" and device is not None and device.type == "cuda" and _INIT_TAKES_DEVICE_ID:
+        options["device_id"] = device
+    dist.init_process_group(backend, timeout=timeout, **options)
 
 
 def interface_of(address: str) -> str | None:
@@ -147,12 +227,14 @@ def interface_of(address: str) -> str | None:
     return None
 
 
-def tensor_parallel_group(num_gpus: int, backend: str | None = None) -> dist.ProcessGroup | None:
+def tensor_parallel_group(
+    num_gpus: int, backend: str | None = None, device: torch.device | None = None
+) -> dist.ProcessGroup | None:
     """The tensor-parallel group of ``num_gpus`` ranks this process belongs to.
 
     Reuses an initialized world (``torchrun`` or a worker pool); otherwise joins one from the
-    ``env://`` variables torchrun sets (and leaves it at exit). A world of ``k * num_gpus`` ranks is cut into ``k``
-    groups of consecutive ranks. With ``num_gpus == 1`` and no world, returns ``None``.
+    ``env://`` variables torchrun sets (and leaves it at exit), bound to ``device``. A world of ``k * num_gpus``
+    ranks is cut into ``k`` groups of consecutive ranks. With ``num_gpus == 1`` and no world, returns ``None``.
     """
     if not dist.is_initialized():
         if num_gpus == 1 and "WORLD_SIZE" not in os.environ:
@@ -162,13 +244,13 @@ def tensor_parallel_group(num_gpus: int, backend: str | None = None) -> dist.Pro
                 f"num_gpus={num_gpus} needs a process group: launch with torchrun "
                 f"(torchrun --nproc-per-node {num_gpus} script.py), or use tpcore.parallelize()"
             )
-        backend = backend or default_backend()
-        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun's agent serves the store
-            dist.init_process_group(backend, timeout=DEFAULT_TIMEOUT)
-        else:
-            rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        backend = backend or default_backend(int(os.environ.get("LOCAL_WORLD_SIZE", num_gpus)))
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        store = None  # torchrun's agent serves the store
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
             address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-            init_process_group(backend, rank, world_size, rendezvous_store(address, port, rank, world_size))
+            store = rendezvous_store(address, port, rank, world_size)
+        init_process_group(backend, rank, world_size, store, device=device)
         atexit.register(destroy_process_group)  # we created it, so we tear it down at exit
     world_size = dist.get_world_size()
     if world_size == num_gpus:

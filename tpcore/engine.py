@@ -5,12 +5,14 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from tpcore import shm
 from tpcore.checkpoint import Checkpoint, is_checkpoint_path
 from tpcore.comm import group_rank
-from tpcore.distributed import default_backend, device_for, tensor_parallel_group
+from tpcore.distributed import bind_device, check_placement, default_backend, device_for, tensor_parallel_group
+from tpcore.precision import cast_model, resolve_dtype
 from tpcore.replacer import TensorReplacer
 from tpcore.skeleton import empty_model
 
@@ -22,9 +24,13 @@ class ParallelEngine:
 
     Args:
         num_gpus: tensor-parallel world size (CPU processes with gloo, GPUs with NCCL).
-        backend: ``"nccl"``, ``"gloo"`` or ``None`` for NCCL when CUDA is there, else gloo.
+        backend: ``"nccl"``, ``"gloo"`` or ``None``: NCCL when this node has a CUDA device for each of its
+            ranks (``LOCAL_WORLD_SIZE``, else ``num_gpus``), else gloo.
         custom_policies: a Policy class or list of them; ``None`` uses the installed plugins.
-        dtype: convert the model to this dtype after slicing (``fp16=True`` means ``torch.float16``).
+        dtype: cast the model to this dtype after slicing, as ``from_pretrained(dtype=...)`` does
+            (``fp16=True`` means ``torch.float16``; any other dtype with it is refused).
+        device: ``"cuda"`` or ``"cpu"``; ``None`` is CUDA for NCCL, the CPU for gloo. The rank's
+            ``LOCAL_RANK`` picks its GPU (gloo ranks on ``"cuda"`` share them: ``cuda:(r % devices)``).
         process_group: use this group instead of creating one.
         vocab_parallel: split the input and output embeddings over the vocabulary too.
         gather_logits: a vocab-parallel LM head returns the whole vocabulary's logits on every
@@ -38,6 +44,7 @@ class ParallelEngine:
         custom_policies=None,
         *,
         dtype=None,
+        device: str | None = None,
         process_group=None,
         vocab_parallel: bool = True,
         gather_logits: bool = True,
@@ -45,32 +52,49 @@ class ParallelEngine:
         if int(num_gpus) < 1:
             raise ValueError(f"num_gpus must be at least 1, got {num_gpus}")
         self.num_gpus = int(num_gpus)
-        self.backend = backend or default_backend()
+        self.backend = backend or default_backend(self._local_world_size())
         self.custom_policies = custom_policies
         self.dtype = dtype
+        self.device_type = device
         self.mp_group = process_group
         self.vocab_parallel = vocab_parallel
         self.gather_logits = gather_logits
 
     def create_process_group(self, backend: str | None = None):
-        """Create (or reuse) the tensor-parallel group; ``None`` for a world of one without torch.distributed."""
+        """Create (or reuse) the tensor-parallel group, bound to this rank's device; ``None`` for a world
+        of one without torch.distributed. More NCCL ranks on this node than GPUs are refused first."""
         if self.mp_group is None:
-            self.mp_group = tensor_parallel_group(self.num_gpus, backend or self.backend)
+            backend = backend or self.backend
+            check_placement(backend, self._local_world_size(), self.device_type)
+            self.mp_group = tensor_parallel_group(self.num_gpus, backend, self.device)
         return self.mp_group
 
     @property
     def device(self) -> torch.device:
-        local_rank = int(os.environ.get("LOCAL_RANK", group_rank(self.mp_group)))
-        return device_for(self.backend, local_rank)
+        """This rank's device: picked by ``LOCAL_RANK``, else by the rank in the group (or ``RANK``)."""
+        if "LOCAL_RANK" in os.environ:
+            local_rank = int(os.environ["LOCAL_RANK"])
+        elif dist.is_available() and dist.is_initialized():
+            local_rank = group_rank(self.mp_group)
+        else:
+            local_rank = int(os.environ.get("RANK", 0))
+        return device_for(self.backend, local_rank, self.device_type)
+
+    def _local_world_size(self) -> int:
+        """Ranks on this node: torchrun's ``LOCAL_WORLD_SIZE``, else the tensor-parallel world."""
+        return int(os.environ.get("LOCAL_WORLD_SIZE", self.num_gpus))
 
     def parallelize(self, model: nn.Module | str | os.PathLike, fp16: bool = False, *, model_class=None) -> nn.Module:
-        """Validate, slice and replace modules where the model is, then move it to this rank's device.
+        """Validate, bind this rank's device, join the group, slice and replace modules where the model
+        is, cast it, then move it to the device.
 
         ``model`` is a model, or the directory of a saved one: then the model is built without weights
         and this rank reads only its own slices from the files (``model_class`` overrides the class
         ``config.json`` names). Returns this rank's shard of the model (the same object for a model),
         in eval mode and without gradients (tensor parallelism here is for inference).
         """
+        dtype = resolve_dtype(fp16, self.dtype)
+        check_placement(self.backend, self._local_world_size(), self.device_type)
         if is_checkpoint_path(model):
             checkpoint = Checkpoint(model)
             model = empty_model(checkpoint.config(), model_class)
@@ -82,19 +106,17 @@ class ParallelEngine:
             reads = checkpoint.reads(model, validator.split_plan())
         else:
             validator.validate()
+        device = self.device
+        bind_device(device)  # before the group: NCCL and CUDA's context on this rank's GPU
         group = self.create_process_group(self.backend)
         if group is not None:
             shm.attach(group)  # gloo ranks of one host: shared-memory collectives
         model.eval().requires_grad_(False)
         self._replacer(model, group, fp16).replace_modules()
-        dtype = torch.float16 if fp16 else self.dtype
         if checkpoint is not None:
-            checkpoint.load_into(model, reads, group_rank(group), self.num_gpus, self.device, dtype)
+            checkpoint.load_into(model, reads, group_rank(group), self.num_gpus, device, dtype)
         if dtype is not None:
-            model.to(dtype)
-        device = self.device
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
+            cast_model(model, dtype)
         return model.to(device)  # module.to also moves non-persistent buffers
 
     def _replacer(self, model: nn.Module, group, fp16: bool, rank: int | None = None) -> TensorReplacer:

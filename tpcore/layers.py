@@ -8,7 +8,9 @@ features, so every rank computes a partial sum that must be all-reduced::
 
 The classes here subclass the original module type and are set on the instance
 (``module.__class__``), so ``.weight`` and ``.bias`` stay where model code reads them; the bias is
-kept whole and added once, after the all-reduce.
+kept whole and added once, after the all-reduce. Over more than two ranks, half-precision partial
+sums are summed in fp32 and rounded once (:func:`reduce_partial_sums`); over two, a half-precision
+sum already rounds once, so they travel as they are.
 
 Vocab-parallel modules hold ``V_r = ceil(V / N)`` rows of a ``(V, H)`` table, rank ``r`` the rows from
 ``vocab_start = r * V_r`` (zero rows pad the last ranks, see :mod:`tpcore.slicer`)::
@@ -23,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tpcore.comm import all_gather, all_reduce, group_rank
+from tpcore.comm import all_gather, all_reduce, group_rank, group_size
 from tpcore.policy import ShardingError
 
 __all__ = [
@@ -34,9 +36,21 @@ __all__ = [
     "bind_group",
     "make_row_parallel",
     "make_vocab_parallel",
+    "reduce_partial_sums",
     "row_parallel_class",
     "set_layer_size",
 ]
+
+
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def reduce_partial_sums(partial: torch.Tensor, group) -> torch.Tensor:
+    """``sum_r partial_r`` over ``group``, rounded once: fp16/bf16 partials of more than two ranks are summed
+    in fp32 (twice the bytes; a sum of two halves is rounded once anyway)."""
+    if partial.dtype in _HALF_DTYPES and group_size(group) > 2:
+        return all_reduce(partial.float(), group).to(partial.dtype)
+    return all_reduce(partial, group)
 
 
 class RowParallelLinear(nn.Linear):
@@ -45,7 +59,7 @@ class RowParallelLinear(nn.Linear):
     tp_group = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = all_reduce(F.linear(x, self.weight), self.tp_group)
+        out = reduce_partial_sums(F.linear(x, self.weight), self.tp_group)
         return out if self.bias is None else out + self.bias
 
 
@@ -131,7 +145,7 @@ if _Conv1D is not None:
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             size_out = x.shape[:-1] + (self.nf,)
-            out = all_reduce(x.reshape(-1, x.shape[-1]) @ self.weight, self.tp_group)
+            out = reduce_partial_sums(x.reshape(-1, x.shape[-1]) @ self.weight, self.tp_group)
             return (out + self.bias).view(size_out)
 
 else:  # pragma: no cover - transformers is a dependency

@@ -31,8 +31,9 @@ import torch
 from torch import nn
 
 from tpcore.checkpoint import Checkpoint, Read, is_checkpoint_path
-from tpcore.distributed import default_backend
+from tpcore.distributed import check_placement, default_backend
 from tpcore.layers import bind_group
+from tpcore.precision import cast_model, resolve_dtype
 from tpcore.process import CALL_TIMEOUT_S, START_TIMEOUT_S, RankContext, RankPool, WorkerDiedError, WorkerError, reraise
 from tpcore.replacer import TensorReplacer
 from tpcore.rng import CallerRandomState, RandomState, device_generator
@@ -74,6 +75,7 @@ def parallelize(
     seed: int | None = None,
     model_class: type[nn.Module] | None = None,
     vocab_parallel: bool = True,
+    device: str | None = None,
 ) -> nn.Module:
     """Split ``model`` over ``num_gpus`` local ranks and serve it from this process.
 
@@ -83,8 +85,9 @@ def parallelize(
             only the ranks hold weights, each its own slices read from the files, and the caller
             gets the model with its parameters on the meta device.
         num_gpus: number of ranks: GPUs with NCCL, CPU processes with gloo.
-        fp16: run the ranks in ``torch.float16`` (``dtype`` for any other dtype).
-        backend: ``"nccl"`` or ``"gloo"``; ``None`` is NCCL when CUDA is there, else gloo.
+        fp16: run the ranks in ``torch.float16`` (``dtype`` for any other dtype); the model is cast as
+            ``from_pretrained(dtype=...)`` casts it (modules it keeps in fp32 stay, rotary buffers too).
+        backend: ``"nccl"`` or ``"gloo"``; ``None`` is NCCL when there is a CUDA device per rank, else gloo.
         custom_policies: a Policy class or a list; ``None`` uses the installed plugins.
         master_addr, master_port: rendezvous of the ranks; loopback and a free port by default.
         timeout: seconds any call may take before the ranks are presumed lost; starting the ranks
@@ -99,6 +102,8 @@ def parallelize(
         seed: seed the caller's torch RNG first (the ranks follow the caller's RNG on every call).
         model_class: the class to build from a checkpoint (default: the one its config names).
         vocab_parallel: split the input and output embeddings over the vocabulary too.
+        device: ``"cuda"`` or ``"cpu"``; ``None`` is CUDA for NCCL, the CPU for gloo. gloo ranks on
+            ``"cuda"`` share the GPUs (rank ``r`` on ``cuda:(r % devices)``); NCCL needs one per rank.
 
     Returns:
         ``model`` itself, whose ``forward``/``__call__``/``generate`` now run on the ranks, with
@@ -107,19 +112,19 @@ def parallelize(
         unsplit from then on; a model started from a checkpoint has no weights here to move, so
         they raise and the ranks serve on (``half()``/``float()`` change only the caller's copy).
         Validation errors (no policy, sizes that do not divide, weights missing from a checkpoint,
-        an unknown ``verbose``, a ``master_port`` already in use) are raised before any process
-        starts.
+        an unknown ``verbose``, a ``master_port`` already in use, more NCCL ranks than GPUs) are
+        raised before any process starts.
     """
     if isinstance(num_gpus, bool):  # parallelformers' positional order is (model, fp16, num_gpus)
         raise TypeError(f"num_gpus must be an int, got {num_gpus!r}: pass fp16= and num_gpus= by keyword")
     verbosity = _verbosity(verbose)
     if init_method not in _START_METHODS:
         raise ValueError(f"init_method is a multiprocessing start method {_START_METHODS[1:]}, got {init_method!r}")
+    dtype = resolve_dtype(fp16, dtype)
+    backend = backend or default_backend(num_gpus)
+    device = check_placement(backend, num_gpus, device)
     if seed is not None:
         torch.manual_seed(seed)
-    if fp16 and dtype not in (None, torch.float16):
-        raise ValueError(f"fp16=True contradicts dtype={dtype}")
-    dtype = torch.float16 if fp16 else dtype
     if getattr(model, "_tpcore_handle", None) is not None:
         raise RuntimeError("this model is already parallelized; call model.deparallelize() first")
     checkpoint = None
@@ -137,11 +142,11 @@ def parallelize(
         skeleton = weightless_copy(model)
     policies = replacer.custom_policies or None
     TensorReplacer(skeleton, None, fp16, num_gpus, policies, rank=0, vocab_parallel=vocab_parallel).replace_modules()
-    backend = backend or default_backend()
     try:
         pool = RankPool(
             num_gpus,
             backend,
+            device=device,
             master_addr=master_addr,
             master_port=master_port,
             threads_per_rank=threads_per_rank,
@@ -242,7 +247,7 @@ def _keep(context: RankContext, skeleton: nn.Module, dtype) -> int:
     bind_group(skeleton, context.group)
     skeleton.eval().requires_grad_(False)
     if dtype is not None:
-        skeleton.to(dtype)
+        cast_model(skeleton, dtype)
     model = skeleton.to(context.device)
     register_output_recording(model)
     context.store["model"] = model
@@ -358,8 +363,7 @@ class ParallelHandle:
 
     def _run_per_device(self, fn) -> dict:
         results = self.pool.run(fn, timeout=self.timeout)
-        device = "cuda" if self.pool.backend == "nccl" else "cpu"
-        return {f"{device}:{rank}": result for rank, result in enumerate(results)}
+        return {f"{self.pool.device}:{rank}": result for rank, result in enumerate(results)}
 
     def _memory(self, kind: str) -> dict[str, int]:
         return {device: figures[kind] for device, figures in self._run_per_device(_memory).items()}

@@ -121,7 +121,9 @@ class RankPool:
 
     Args:
         world_size: number of ranks.
-        backend: ``"gloo"`` or ``"nccl"`` (``None``: NCCL when CUDA is there).
+        backend: ``"gloo"`` or ``"nccl"`` (``None``: NCCL when there is a CUDA device per rank, else gloo).
+        device: ``"cuda"`` or ``"cpu"``; ``None`` is CUDA for NCCL, the CPU for gloo. NCCL rank ``r``
+            uses ``cuda:r``, gloo rank ``r`` with ``"cuda"`` uses ``cuda:(r % devices)`` (ranks may share a GPU).
         master_addr: rendezvous address, loopback by default.
         master_port: rendezvous port; ``None`` picks a free one.
         threads_per_rank: torch intra-op threads per rank; default splits the cores evenly.
@@ -133,17 +135,20 @@ class RankPool:
         world_size: int,
         backend: str | None = None,
         *,
+        device: str | None = None,
         master_addr: str = "127.0.0.1",
         master_port: int | None = None,
         threads_per_rank: int | None = None,
         start_timeout: float = START_TIMEOUT_S,
     ):
-        from tpcore.distributed import default_backend, listening_store
+        from tpcore.distributed import check_placement, default_backend, listening_store
 
         if world_size < 1:
             raise ValueError(f"world_size must be at least 1, got {world_size}")
         self.world_size = world_size
-        self.backend = backend or default_backend()
+        self.backend = backend or default_backend(world_size)
+        #: ``"cuda"`` or ``"cpu"``: what the ranks compute on (refused here, before any rank starts, if impossible)
+        self.device = check_placement(self.backend, world_size, device)
         threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
         deadline = time.monotonic() + start_timeout
         self._lock = threading.Lock()
@@ -157,7 +162,8 @@ class RankPool:
         env[AUTHKEY_ENV] = authkey.hex()
         with ControlListener() as listener:
             for rank in range(world_size):
-                argv = [listener.address, rank, world_size, self.backend, master_addr, self._store.port, threads]
+                argv = [listener.address, rank, world_size, self.backend, self.device]
+                argv += [master_addr, self._store.port, threads]
                 command = [sys.executable, "-c", _WORKER_COMMAND, *map(str, argv)]
                 # Own session: a terminal's Ctrl-C (sent to the foreground process group) spares the ranks.
                 process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
@@ -355,8 +361,8 @@ def synchronize(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _worker_main(address, rank, world_size, backend, master_addr, master_port, threads) -> None:
-    """A rank: connect to the caller, join the group, then serve calls until told to stop."""
+def _worker_main(address, rank, world_size, backend, device_kind, master_addr, master_port, threads) -> None:
+    """A rank: connect to the caller, bind its device, join the group, then serve calls until told to stop."""
     _exit_with_parent(int(os.environ.pop(PARENT_ENV)))
     conn = connect(address, bytes.fromhex(os.environ.pop(AUTHKEY_ENV)), rank)
     try:
@@ -364,13 +370,14 @@ def _worker_main(address, rank, world_size, backend, master_addr, master_port, t
         import torch.distributed as dist
 
         from tpcore import shm
-        from tpcore.distributed import device_for, init_process_group
+        from tpcore.distributed import bind_device, device_for, init_process_group
 
         torch.set_num_threads(threads)
+        device = device_for(backend, rank, device_kind)
+        bind_device(device)  # before the group: NCCL (and CUDA's context) on this rank's GPU, not cuda:0
         store = dist.TCPStore(master_addr, master_port, world_size, False, timeout=datetime.timedelta(minutes=5))
-        init_process_group(backend, rank, world_size, store)
+        init_process_group(backend, rank, world_size, store, device=device)
         shm.attach(dist.group.WORLD)
-        device = device_for(backend, rank)
         context = RankContext(rank, world_size, backend, dist.group.WORLD, device, connection=conn)
         send(conn, ("ok", None))
     except BaseException as error:  # report, do not hang the caller
@@ -403,8 +410,8 @@ def _worker_main(address, rank, world_size, backend, master_addr, master_port, t
 
 def worker_entry(argv: list[str]) -> None:
     """``python -c`` entry point of a rank (see ``_WORKER_COMMAND``)."""
-    address, rank, world_size, backend, master_addr, master_port, threads = argv
-    _worker_main(address, int(rank), int(world_size), backend, master_addr, int(master_port), int(threads))
+    address, rank, world_size, backend, device_kind, master_addr, master_port, threads = argv
+    _worker_main(address, int(rank), int(world_size), backend, device_kind, master_addr, int(master_port), int(threads))
 
 
 _WORKER_COMMAND = "import sys; from tpcore.process import worker_entry; worker_entry(sys.argv[1:])"

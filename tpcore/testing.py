@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tpcore.precision import cast_model
 from tpcore.process import RankContext, RankPool, WorkerError, reraise
 from tpcore.transfer import to_cpu, to_device
 
@@ -71,7 +72,10 @@ def sharded_forward(
     from tpcore.engine import ParallelEngine
 
     model = spec.build()
-    engine = ParallelEngine(context.world_size, context.backend, policies, dtype=dtype, process_group=context.group)
+    device = context.device.type  # gloo ranks may compute on CUDA
+    engine = ParallelEngine(
+        context.world_size, context.backend, policies, dtype=dtype, device=device, process_group=context.group
+    )
     engine.parallelize(model)
     return run_on(model, inputs, context.device, method, seed), parameter_count(model)
 
@@ -178,7 +182,8 @@ def check_equivalence(
     own_pools = pools is None
     pools = pools or PoolCache()
     device = torch.device("cuda", 0) if pools.backend == "nccl" else torch.device("cpu")
-    model = spec.build().to(device=device, dtype=dtype)
+    model = spec.build()
+    model = (cast_model(model, dtype) if dtype is not None else model).to(device)  # as the ranks cast it
     reference = run_on(model, inputs, device, method, seed)
     full_size = parameter_count(model)
     del model

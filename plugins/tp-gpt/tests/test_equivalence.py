@@ -131,7 +131,7 @@ def served_llama():
     """A Llama with 8 query and 2 KV heads served by 4 ranks (KV heads replicated) via parallelize()."""
     spec = model_spec("Llama", "ForCausalLM", heads=8, kv_heads=2, seed=5)
     reference = spec.build()
-    served = tpcore.parallelize(spec.build(), num_gpus=4)
+    served = tpcore.parallelize(spec.build(), num_gpus=4, backend="gloo")
     yield reference, served
     served.deparallelize()
 
@@ -156,7 +156,7 @@ def test_every_architecture_through_parallelize(arch):
     with torch.inference_mode():
         expected_logits = reference(**inputs)
     expected_tokens = reference.generate(**inputs, max_new_tokens=12, do_sample=False)
-    served = tpcore.parallelize(spec.build(), num_gpus=2)
+    served = tpcore.parallelize(spec.build(), num_gpus=2, backend="gloo")
     try:
         compare_outputs(expected_logits, served(**inputs))
         assert torch.equal(served.generate(**inputs, max_new_tokens=12, do_sample=False), expected_tokens)
