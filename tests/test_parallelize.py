@@ -540,7 +540,7 @@ CALLER = textwrap.dedent(
     model = transformers.BertModel(config).eval()
 
     def stall(module, args):
-        time.sleep(120)
+        time.sleep(900)
 
     if mode.endswith("-call"):
         model.encoder.register_forward_pre_hook(stall)
@@ -556,7 +556,7 @@ CALLER = textwrap.dedent(
     else:
         print("READY", flush=True)
         if mode.endswith("-idle"):
-            time.sleep(120)
+            time.sleep(900)
         else:
             model(input_ids=ids)
     """
@@ -661,7 +661,7 @@ def test_the_caller_exiting_in_any_way_leaves_no_orphans(tmp_path, time_to_error
     """
     script = tmp_path / "caller.py"
     script.write_text(CALLER)
-    callers = {mode: Script([sys.executable, str(script), mode], stdin_text="", sigint_ignored=True) for mode in EXITS}
+    callers: dict[str, Script] = {}
     rank_pids: dict[str, list[int]] = {}
     ended_at: dict[str, float] = {}  # caller exit, or the signal sent to it
     gone_at: dict[str, float] = {}  # every rank of that caller gone
@@ -670,7 +670,7 @@ def test_the_caller_exiting_in_any_way_leaves_no_orphans(tmp_path, time_to_error
     def monitor():
         while not stop.is_set():
             now = time.monotonic()
-            for mode, caller in callers.items():
+            for mode, caller in list(callers.items()):
                 if EXITS[mode][0] is None and mode not in ended_at and caller.proc.poll() is not None:
                     ended_at[mode] = now
                 pids = rank_pids.get(mode)
@@ -681,10 +681,11 @@ def test_the_caller_exiting_in_any_way_leaves_no_orphans(tmp_path, time_to_error
     watcher = threading.Thread(target=monitor, daemon=True)
     watcher.start()
     try:
-        for mode, caller in callers.items():
-            rank_pids[mode] = json.loads(caller.next_line(180))
+        for mode in EXITS:  # one at a time: seven callers and their ranks starting at once swamp two cores
+            callers[mode] = Script([sys.executable, str(script), mode], stdin_text="", sigint_ignored=True)
+            rank_pids[mode] = json.loads(callers[mode].next_line(300))
         for caller in callers.values():
-            assert caller.next_line(60) == "READY"
+            assert caller.next_line(120) == "READY"
         time.sleep(1.0)  # the "-call" modes are now inside a call
         for mode, (signum, group) in EXITS.items():
             assert mode not in gone_at, f"{mode}: ranks ended too early"
