@@ -14,7 +14,7 @@ from tpcore.comm import group_rank
 from tpcore.distributed import bind_device, check_placement, default_backend, device_for, tensor_parallel_group
 from tpcore.precision import cast_model, resolve_dtype
 from tpcore.replacer import TensorReplacer
-from tpcore.skeleton import empty_model
+from tpcore.skeleton import empty_model, named_tensors
 
 __all__ = ["ParallelEngine"]
 
@@ -101,18 +101,16 @@ class ParallelEngine:
         else:
             checkpoint = None
         # Fail on bad input (and, from a checkpoint, on missing weights) before joining any process group.
-        validator = self._replacer(model, None, fp16, rank=0)
+        plan = self._replacer(model, None, fp16, rank=0).split_plan()
         if checkpoint is not None:
-            reads = checkpoint.reads(model, validator.split_plan())
-        else:
-            validator.validate()
+            reads = checkpoint.reads(model, {id(t): plan.splits.get(n) for n, t in named_tensors(model).items()})
         device = self.device
         bind_device(device)  # before the group: NCCL and CUDA's context on this rank's GPU
         group = self.create_process_group(self.backend)
         if group is not None:
             shm.attach(group)  # gloo ranks of one host: shared-memory collectives
         model.eval().requires_grad_(False)
-        self._replacer(model, group, fp16).replace_modules()
+        plan.apply(model, group_rank(group), group, gather_logits=self.gather_logits)
         if checkpoint is not None:
             checkpoint.load_into(model, reads, group_rank(group), self.num_gpus, device, dtype)
         if dtype is not None:

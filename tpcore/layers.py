@@ -110,6 +110,14 @@ class VocabParallelLMHead(nn.Linear):
         return all_gather(logits, self.tp_group)[..., : self.vocab_size]
 
 
+def vocab_parallel_class(module: nn.Module) -> type[nn.Module] | None:  # interim: the layers branch replaces it
+    if type(module) is nn.Embedding and module.max_norm is None:
+        return VocabParallelEmbedding
+    if type(module) is nn.Linear:
+        return VocabParallelLMHead
+    return None
+
+
 def make_vocab_parallel(module: nn.Module, group, vocab_start: int, vocab_size: int, gather_output: bool = True):
     """Turn an ``nn.Embedding`` or ``nn.Linear`` (already holding its rows) into its vocab-parallel class."""
     if type(module) is nn.Embedding:

@@ -33,6 +33,7 @@ from torch import nn
 from tpcore.checkpoint import Checkpoint, Read, is_checkpoint_path
 from tpcore.distributed import check_placement, default_backend
 from tpcore.layers import bind_group
+from tpcore.plan import ShardPlan
 from tpcore.precision import cast_model, resolve_dtype
 from tpcore.process import CALL_TIMEOUT_S, START_TIMEOUT_S, RankContext, RankPool, WorkerDiedError, WorkerError, reraise
 from tpcore.replacer import TensorReplacer
@@ -45,7 +46,6 @@ from tpcore.skeleton import (
     register_output_recording,
     weightless_copy,
 )
-from tpcore.slicer import Split, shard, shard_ranges
 from tpcore.transfer import first_device, to_cpu, to_device
 
 __all__ = ["ParallelHandle", "parallelize"]
@@ -134,14 +134,13 @@ def parallelize(
     replacer = TensorReplacer(model, None, fp16, num_gpus, custom_policies, rank=0, vocab_parallel=vocab_parallel)
     plan = replacer.split_plan()  # validates: raises before any process starts
     if checkpoint is not None:
-        reads = checkpoint.reads(model, plan)  # checks the files: a missing or truncated one fails here
+        reads = checkpoint.reads(model, _by_id(model, plan))  # checks the files: a missing or truncated one fails here
         checkpoint.close()  # the caller keeps no file open while the ranks read
         skeleton = copy.deepcopy(model)  # weights on meta already; keeps the constructed buffers
         drop_output_capturing_hooks(skeleton)
     else:
         skeleton = weightless_copy(model)
-    policies = replacer.custom_policies or None
-    TensorReplacer(skeleton, None, fp16, num_gpus, policies, rank=0, vocab_parallel=vocab_parallel).replace_modules()
+    plan.apply(skeleton, 0)  # the split skeleton every rank fills (each binds its own group and rows)
     try:
         pool = RankPool(
             num_gpus,
@@ -188,42 +187,20 @@ def _model_without_weights(checkpoint: Checkpoint, model_class) -> nn.Module:
     return model
 
 
-def _send_shards(pool: RankPool, model: nn.Module, skeleton: nn.Module, plan: dict, dtype, timeout: float) -> None:
+def _by_id(model: nn.Module, plan: ShardPlan) -> dict:
+    return {id(tensor): plan.splits.get(name) for name, tensor in named_tensors(model).items()}
+
+
+def _send_shards(pool: RankPool, model: nn.Module, skeleton: nn.Module, plan: ShardPlan, dtype, timeout: float) -> None:
     """Stream every rank its parts of ``model``'s tensors, straight into the rank's storage."""
-    world_size = pool.world_size
     tensors = named_tensors(model)
-    metas = [
-        (name, _shard_shape(tensor, plan.get(id(tensor)), world_size), tensor.dtype) for name, tensor in tensors.items()
-    ]
+    metas = [(name, plan.shard_shape(name), tensor.dtype) for name, tensor in tensors.items()]
 
     def shares(rank: int):
-        for tensor in tensors.values():  # a model on a GPU: one share at a time goes through the CPU
-            yield _share(tensor, plan.get(id(tensor)), rank, world_size).cpu()
+        for name, tensor in tensors.items():  # a model on a GPU: one share at a time goes through the CPU
+            yield plan.share(name, tensor, rank).cpu()
 
     pool.scatter(_load_shard, lambda rank: (skeleton, metas, dtype), shares, timeout=timeout)
-
-
-def _share(tensor: torch.Tensor, split: Split | None, rank: int, world_size: int) -> torch.Tensor:
-    """Rank ``rank``'s part of ``tensor``: a slice if the plan cuts it, else the whole tensor.
-
-    A slice that is one contiguous block of the tensor (rows of a column split, most vocabularies)
-    is a view, sent without a copy; others are copied out, one at a time.
-    """
-    tensor = tensor.detach()
-    if split is None:
-        return tensor
-    ranges, padding = shard_ranges(tensor.shape[split.dim], rank, world_size, split.n_fused, split.heads, split.pad)
-    if len(ranges) == 1 and not padding:
-        ((start, stop),) = ranges
-        piece = tensor.narrow(split.dim, start, stop - start)
-        if piece.is_contiguous():
-            return piece
-    return shard(tensor, split.dim, rank, world_size, split.n_fused, split.heads, split.pad)
-
-
-def _shard_shape(tensor: torch.Tensor, split: Split | None, world_size: int) -> tuple[int, ...]:
-    """The shape of one rank's part of ``tensor`` (every rank's part has the same shape)."""
-    return tuple(_share(torch.empty_like(tensor, device="meta"), split, 0, world_size).shape)
 
 
 def _load_shard(context: RankContext, skeleton: nn.Module, metas: list, dtype) -> int:

@@ -144,3 +144,19 @@ class Policy:
         """Whether ``module`` is an instance of exactly this policy's layer class."""
         kind = type(module)
         return f"{kind.__module__}.{kind.__qualname__}" == cls.layer_class_name()
+
+
+# -- interim (the layout-words branch replaces this) --
+def _splits(self, style, config):
+    from tpcore.slicer import Split, split_dims
+
+    weight_dim, bias_dim = split_dims(style, self)
+    heads = None
+    if self.heads is not None:
+        heads = getattr(config, self.heads, None)
+        if not isinstance(heads, int):
+            raise ShardingError(f"Layer {self.weight!r} names heads={self.heads!r}, which the config lacks")
+    return Split(weight_dim, self.n_fused, heads), None if bias_dim is None else Split(bias_dim, self.n_fused, heads)
+
+
+Layer.splits = _splits

@@ -140,3 +140,29 @@ class TensorSlicer:
         if bias is not None and bias_dim is not None:
             bias = shard(bias, bias_dim, self.rank, self.world_size, layer.n_fused, heads)
         return weight, bias
+
+
+# -- interim methods (the layout-words branch replaces this block) --
+def _ranges(self, size, rank, world_size):
+    return shard_ranges(size, rank, world_size, self.n_fused, self.heads, self.pad)
+
+
+def _check(self, size, world_size):
+    if self.pad:
+        return
+    check_divisible(size, world_size, self.n_fused, self.heads)
+
+
+def _shard(self, tensor, rank, world_size):
+    return shard(tensor, self.dim % tensor.dim(), rank, world_size, self.n_fused, self.heads, self.pad)
+
+
+def _shard_size(self, size, world_size):
+    ranges, padding = self.ranges(size, 0, world_size)
+    return sum(stop - start for start, stop in ranges) + padding
+
+
+Split.ranges = _ranges
+Split.check = _check
+Split.shard = _shard
+Split.shard_size = _shard_size

@@ -1,0 +1,201 @@
+"""The shard plan: built and validated once, applied to any copy of the model, the same cut everywhere.
+
+Single-process: every rank's shard is built here with an explicit rank, no process group.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from tp_bert.policies import BertPolicy
+from tp_gpt.policies import GPT2Policy
+from transformers import AlbertConfig, AlbertModel, BertConfig, BertModel, GPT2Config, GPT2LMHeadModel
+from transformers.models.albert.modeling_albert import AlbertLayer
+
+from tpcore import Layer, Policy, ShardingError, TensorReplacer, divide
+from tpcore.layers import RowParallelLinear, VocabParallelEmbedding
+from tpcore.plan import ShardPlan, config_of
+from tpcore.skeleton import named_tensors, weightless_copy
+from tpcore.slicer import Split
+
+
+def randomize(model: torch.nn.Module) -> torch.nn.Module:
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
+    return model.eval()
+
+
+def bert(**overrides) -> BertModel:
+    options = dict(vocab_size=50, hidden_size=24, num_hidden_layers=2, num_attention_heads=6, intermediate_size=48)
+    options.update(overrides)
+    return randomize(BertModel(BertConfig(max_position_embeddings=16, **options)))
+
+
+def gpt2(vocab_size: int = 61) -> GPT2LMHeadModel:
+    config = GPT2Config(vocab_size=vocab_size, n_positions=16, n_embd=24, n_layer=2, n_head=6)
+    return randomize(GPT2LMHeadModel(config))
+
+
+def state(model: torch.nn.Module) -> dict:
+    return {name: tensor.clone() for name, tensor in named_tensors(model).items()}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_building_a_plan_changes_nothing_and_applying_it_cuts_what_share_cuts(world):
+    model = gpt2()
+    before = state(model)
+    classes = [type(module) for module in model.modules()]
+    plan = ShardPlan.build(model, [GPT2Policy], world)
+    assert [type(module) for module in model.modules()] == classes
+    assert all(torch.equal(before[name], tensor) for name, tensor in named_tensors(model).items())
+    for rank in range(world):
+        shard = plan.apply(copy.deepcopy(model), rank)
+        for name, tensor in named_tensors(shard).items():
+            expected = plan.share(name, before[name], rank)
+            assert tensor.shape == plan.shard_shape(name)
+            assert torch.equal(tensor, expected), name
+
+
+def test_the_plan_applies_to_a_meta_skeleton_with_the_shapes_of_the_real_shard():
+    model = gpt2()
+    plan = ShardPlan.build(model, [GPT2Policy], 3)
+    skeleton = plan.apply(weightless_copy(model), 1)
+    real = plan.apply(copy.deepcopy(model), 1)
+    assert {n: t.shape for n, t in named_tensors(skeleton).items()} == {
+        n: t.shape for n, t in named_tensors(real).items()
+    }
+    assert [type(m) for m in skeleton.modules()] == [type(m) for m in real.modules()]
+    assert all(t.device.type == "meta" for t in skeleton.parameters())
+
+
+def test_the_seed_api_and_the_plan_give_the_same_shard():
+    model = bert()
+    by_replacer = copy.deepcopy(model)
+    TensorReplacer(by_replacer, None, False, 2, [BertPolicy], rank=1).replace_modules()
+    by_plan = ShardPlan.build(model, [BertPolicy], 2).apply(copy.deepcopy(model), 1)
+    for (name, a), (_, b) in zip(named_tensors(by_replacer).items(), named_tensors(by_plan).items(), strict=True):
+        assert torch.equal(a, b), name
+    assert type(by_plan.encoder.layer[0].output.dense) is RowParallelLinear
+    assert type(by_plan.embeddings.word_embeddings) is VocabParallelEmbedding
+    assert by_plan.encoder.layer[0].attention.self.num_attention_heads == 3
+
+
+def test_a_plan_refuses_a_model_it_was_not_built_for():
+    plan = ShardPlan.build(bert(), [BertPolicy], 2)
+    with pytest.raises(ValueError, match="this plan of BertModel cuts"):
+        plan.apply(bert(hidden_size=12, num_attention_heads=6), 0)
+
+
+class NoDividePolicy(BertPolicy):
+    """Rewrites head counts with ``//`` instead of :func:`divide`: tensors divide, heads do not."""
+
+    @staticmethod
+    def replace_arguments(config, world_size):
+        return {
+            "attention.self.num_attention_heads": config.num_attention_heads // world_size,
+            "attention.self.all_head_size": config.hidden_size // world_size,
+        }
+
+
+def test_heads_that_do_not_stay_whole_are_refused_before_anything_changes():
+    model = bert()  # 6 heads of width 4; 24 features cut in 4 are 6 each: one and a half heads
+    before = state(model)
+    with pytest.raises(
+        ShardingError, match=r"BertModel over 4 ranks.*query.*1.5 heads of width 4.*heads must stay whole"
+    ):
+        TensorReplacer(model, None, False, 4, [NoDividePolicy], rank=0).validate()
+    assert all(torch.equal(before[name], tensor) for name, tensor in named_tensors(model).items())
+    ShardPlan.build(model, [NoDividePolicy], 3)  # 6 heads over 3 ranks: whole heads, accepted
+
+
+class BrokenPolicy(BertPolicy):
+    @staticmethod
+    def replace_arguments(config, world_size):
+        return {"attention.self.num_attention_heads": config.heads_that_do_not_exist}
+
+
+def test_an_exception_from_a_policy_keeps_its_type_and_names_model_policy_and_layer():
+    with pytest.raises(AttributeError) as caught:
+        ShardPlan.build(bert(), [BrokenPolicy], 2)
+    (note,) = caught.value.__notes__
+    assert "BertModel over 2 ranks" in note and "encoder.layer.0" in note and "BrokenPolicy" in note
+
+
+def test_one_tensor_cut_two_ways_is_refused():
+    class CutsTheEmbedding(Policy):
+        layer_class = GPT2LMHeadModel
+
+        @staticmethod
+        def attn_qkv():
+            return [Layer(weight="transformer.wte.weight"), Layer(weight="lm_head.weight", reversed=True)]
+
+    with pytest.raises(ShardingError, match="lm_head.weight.*is cut as"):
+        ShardPlan.build(gpt2(62), [CutsTheEmbedding], 2, vocab_parallel=False)
+
+
+def test_the_report_says_what_is_cut_how_and_the_bytes_per_rank():
+    model = gpt2()
+    report = ShardPlan.build(model, [GPT2Policy], 2).report()
+    assert report.startswith("GPT2LMHeadModel over 2 ranks:")
+    assert "transformer.h.*.attn.c_attn.weight" in report and "x2" in report
+    assert "vocabulary rows" in report and "replicated" in report
+    whole = sum(t.numel() * t.element_size() for t in named_tensors(model).values())
+    assert f"of {whole / 2**20:.1f} MiB" in report
+
+
+class AlbertLayerPolicy(Policy):
+    layer_class = AlbertLayer
+
+    @staticmethod
+    def replace_arguments(config, world_size):
+        heads = divide(config.num_attention_heads, world_size, "num_attention_heads")
+        return {
+            "attention.num_attention_heads": heads,
+            "attention.all_head_size": heads * config.hidden_size // config.num_attention_heads,
+        }
+
+    @staticmethod
+    def attn_qkv():
+        return [
+            Layer(weight=f"attention.{name}.weight", bias=f"attention.{name}.bias")
+            for name in ("query", "key", "value")
+        ]
+
+    @staticmethod
+    def attn_out():
+        return [Layer(weight="attention.dense.weight", bias="attention.dense.bias")]
+
+    @staticmethod
+    def mlp_in():
+        return [Layer(weight="ffn.weight", bias="ffn.bias")]
+
+    @staticmethod
+    def mlp_out():
+        return [Layer(weight="ffn_output.weight", bias="ffn_output.bias")]
+
+
+def test_a_layer_reached_through_several_paths_is_split_once():
+    config = AlbertConfig(vocab_size=40, embedding_size=8, hidden_size=16, num_hidden_layers=3,
+                          num_attention_heads=4, intermediate_size=32, max_position_embeddings=16)  # fmt: skip
+    model = randomize(AlbertModel(config))
+    shared = model.encoder.albert_layer_groups[0].albert_layers[0]
+    model.encoder.albert_layer_groups[0].albert_layers.append(shared)  # a second path to the same layer
+    shards = [ShardPlan.build(model, [AlbertLayerPolicy], 2).apply(copy.deepcopy(model), r) for r in range(2)]
+    for shard in shards:
+        layer = shard.encoder.albert_layer_groups[0].albert_layers[0]
+        assert layer.attention.query.weight.shape == (8, 16) and layer.ffn.weight.shape == (16, 16)
+        assert shard.encoder.albert_layer_groups[0].albert_layers[1] is layer
+
+
+def test_each_layer_reads_the_config_of_its_own_sub_model():
+    model = bert()
+    layer_name = "encoder.layer.1"
+    assert config_of(model, layer_name) is model.config
+    assert config_of(model, "") is model.config
+    assert isinstance(
+        ShardPlan.build(model, [BertPolicy], 2).splits["encoder.layer.1.attention.self.query.weight"], Split
+    )

@@ -1,0 +1,483 @@
+"""ShardPlan: how a model splits over ``world_size`` ranks, resolved and validated once.
+
+A plan is built from a model (real weights, or parameters on the meta device), the policies that
+cover it and a world size. It says, for every tensor of the model, how it is cut (a
+:class:`~tpcore.slicer.Split`) or that it is replicated, and for every module it touches, the
+attributes to set per rank and the class to give it. Tensors are named by their first name in
+:func:`~tpcore.skeleton.named_tensors` and modules by their path, so the same plan applies to any
+copy of the model: the model itself (sliced in place under ``torchrun``), its meta skeleton (sent to
+the ranks of ``parallelize()``), or one built empty from a checkpoint's config::
+
+    plan = ShardPlan.build(model, policies, world_size)   # ShardingError before anything changes
+    plan.splits[name]                                      # Split, or None: replicated
+    plan.share(name, tensor, rank)                         # rank's part of a whole tensor
+    plan.apply(model, rank, tp_group)                      # slice in place, rewrite the modules
+    print(plan.report())                                   # what is cut how, bytes per rank
+
+Nothing of the model is changed by building a plan; every check runs first, and an error names
+the model, the world size, the layer and the tensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from tpcore.layers import make_vocab_parallel, row_parallel_class, set_layer_size, vocab_parallel_class
+from tpcore.policy import Layer, Policy, ShardingError
+from tpcore.skeleton import named_tensors
+from tpcore.slicer import COLUMN, ROW, Split
+
+__all__ = ["ShardPlan", "config_of", "get_path", "set_path"]
+
+_MISSING = object()
+
+#: attributes attention modules keep their per-head width in (BERT, GPT-2/Llama, T5, XLNet, ...)
+_HEAD_DIM_ATTRIBUTES = ("head_dim", "attention_head_size", "head_size", "key_value_proj_dim", "d_head")
+
+
+def get_path(root: Any, path: str) -> Any:
+    """``root.a.b.0.c`` for ``path = "a.b.0.c"``; ``_MISSING`` if any step is absent."""
+    obj = root
+    for name in path.split(".") if path else []:
+        obj = getattr(obj, name, _MISSING)
+        if obj is _MISSING:
+            return _MISSING
+    return obj
+
+
+def set_path(root: Any, path: str, value: Any) -> None:
+    owner_path, _, name = path.rpartition(".")
+    setattr(get_path(root, owner_path), name, value)
+
+
+def join(*paths: str) -> str:
+    return ".".join(path for path in paths if path)
+
+
+def config_of(model: nn.Module, module_name: str) -> Any:
+    """The config of the sub-model that module ``module_name`` of ``model`` belongs to: that of the
+    nearest enclosing module (itself included) holding a transformers config (``text_config`` of a
+    vision-language model's language model, ``vision_config`` of its vision tower, ...)."""
+    parts = module_name.split(".") if module_name else []
+    for depth in range(len(parts), -1, -1):
+        module = get_path(model, ".".join(parts[:depth]))
+        config = getattr(module, "config", None)
+        if _is_config(config):
+            return config
+    return getattr(model, "config", None)
+
+
+def _is_config(value: Any) -> bool:
+    try:
+        from transformers import PretrainedConfig
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return value is not None
+    return isinstance(value, PretrainedConfig)
+
+
+@dataclass(frozen=True)
+class Target:
+    """One layer instance of the model, the policy that applies to it and the config it reads."""
+
+    name: str
+    layer: nn.Module
+    policy: type[Policy]
+    config: Any
+
+    @property
+    def where(self) -> str:
+        return f"{self.name} ({type(self.layer).__name__}, policy {self.policy.policy_name()})"
+
+
+@dataclass
+class ShardPlan:
+    """Every tensor's cut and every module's per-rank rewrite for one model and world size.
+
+    Attributes:
+        model_name: the model's class name (for messages).
+        world_size: the number of ranks.
+        shapes: every tensor's whole shape, by first name.
+        splits: the cut tensors, by first name (a tensor not listed is replicated).
+        attributes: per-rank values of module attributes, by path from the model (``"h.0.attn.num_heads"``).
+        classes: classes to give modules, by module path (row-parallel layers, a policy's replacements).
+        vocab: vocabulary-parallel modules, by path: the whole table's row count.
+        resized: modules whose size attributes follow their sliced weight (``in_features``, ...).
+        policies: the policies that apply.
+    """
+
+    model_name: str
+    world_size: int
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+    splits: dict[str, Split] = field(default_factory=dict)
+    attributes: dict[str, Any] = field(default_factory=dict)
+    classes: dict[str, type[nn.Module]] = field(default_factory=dict)
+    vocab: dict[str, int] = field(default_factory=dict)
+    resized: list[str] = field(default_factory=list)
+    policies: list[type[Policy]] = field(default_factory=list)
+
+    # -- building ------------------------------------------------------------------------------
+
+    @classmethod
+    def build(
+        cls,
+        model: nn.Module,
+        policies: list[type[Policy]],
+        world_size: int,
+        *,
+        vocab_parallel: bool = True,
+        rewrites: bool = True,
+    ) -> ShardPlan:
+        """Resolve and check how ``policies`` split ``model`` over ``world_size`` ranks.
+
+        ``rewrites=False`` leaves out the policies' attribute rewrites and ``replace_modules`` (the
+        seed API's ``replace_orig_to_megatron_modules`` slices only). Raises :class:`ShardingError`
+        naming the model, the world size, the layer and the tensor; an exception a policy raises keeps
+        its type and gains a note naming the model, the policy and the layer.
+        """
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+        plan = cls(type(model).__name__, world_size, policies=list(policies))
+        tensors = named_tensors(model)
+        plan.shapes = {name: tuple(tensor.shape) for name, tensor in tensors.items()}
+        plan.dtypes = {name: tensor.dtype for name, tensor in tensors.items()}
+        first_name = {id(tensor): name for name, tensor in tensors.items()}
+        for target in plan._targets(model):
+            plan._add_layer(model, target, first_name, rewrites)
+        if vocab_parallel:
+            plan._add_vocabulary(model, first_name)
+        plan._check_whole_heads(model, first_name)
+        return plan
+
+    def error(self, where: str, detail: str) -> ShardingError:
+        return ShardingError(f"cannot split {self.model_name} over {self.world_size} ranks: {where}: {detail}")
+
+    def _targets(self, model: nn.Module) -> list[Target]:
+        targets = []
+        claimed: dict[str, type[Policy]] = {}
+        for policy in self.policies:
+            if not (isinstance(policy, type) and issubclass(policy, Policy)):
+                raise TypeError(f"custom_policies must be Policy subclasses, got {policy!r}")
+            other = claimed.setdefault(policy.layer_class_name(), policy)
+            if other is not policy:  # two policies would split the same tensors twice
+                both = f"{other.policy_name()} and {policy.policy_name()}"
+                raise ShardingError(f"policies {both} both apply to {policy.layer_class_name()}")
+            found = [
+                Target(name, module, policy, config_of(model, name))
+                for name, module in model.named_modules()
+                if policy.matches(module)
+            ]
+            if not found:
+                raise ShardingError(
+                    f"policy {policy.policy_name()} applies to {policy.layer_class_name()}, "
+                    f"which {self.model_name} does not contain"
+                )
+            targets.extend(found)
+        return targets
+
+    @contextlib.contextmanager
+    def _calling(self, target: Target) -> Iterator[None]:
+        """Around a policy's own code: a ShardingError is restated for this model and layer; any other
+        exception keeps its type and gains a note naming the model, the policy and the layer."""
+        try:
+            yield
+        except ShardingError as error:
+            raise self.error(target.where, str(error)) from None
+        except Exception as error:
+            error.add_note(f"while splitting {self.model_name} over {self.world_size} ranks: layer {target.where}")
+            raise
+
+    def _add_layer(self, model: nn.Module, target: Target, first_name: dict[int, str], rewrites: bool) -> None:
+        policy, layer = target.policy, target.layer
+        with self._calling(target):
+            arguments = policy.replace_arguments(target.config, self.world_size) if rewrites else {}
+            replaced = policy.replace_modules() if rewrites else {}
+            specs = make_megatron_layer(policy)
+        for path in arguments:
+            if get_path(layer, path) is _MISSING:
+                raise self.error(target.where, f"attribute {path!r} to rewrite does not exist")
+            self.attributes[join(target.name, path)] = arguments[path]
+        for path, new_class in replaced.items():
+            if not isinstance(get_path(layer, path), nn.Module):
+                raise self.error(target.where, f"module {path!r} to replace does not exist")
+            self.classes[join(target.name, path)] = new_class
+        for style, spec in specs:
+            self._add_tensors(target, style, spec, first_name)
+
+    def _add_tensors(self, target: Target, style: str, spec: Layer, first_name: dict[int, str]) -> None:
+        resolved = resolve_layer(target.layer, spec)
+        if resolved is None:
+            raise self.error(
+                target.where, f"policy {target.policy.policy_name()} names {spec.weight!r} or {spec.bias!r}, "
+                "which the layer lacks"
+            )  # fmt: skip
+        if not resolved:  # optional and absent
+            return
+        weight, bias = resolved
+        with self._calling(target):
+            weight_split, bias_split = layer_splits(spec, style, target.config)
+        for path, tensor, split in ((spec.weight, weight, weight_split), (spec.bias, bias, bias_split)):
+            if tensor is None or split is None:
+                continue
+            full_path = join(target.name, path)
+            if not isinstance(tensor, torch.Tensor) or not -tensor.dim() <= split.dim < tensor.dim():
+                raise self.error(full_path, f"not a tensor with a dimension {split.dim} to split")
+            try:
+                split.check(tensor.shape[split.dim], self.world_size)
+            except ShardingError as error:
+                raise self.error(
+                    f"tensor {full_path!r} of shape {tuple(tensor.shape)}, split along dim {split.dim}", str(error)
+                ) from None
+            name = first_name[id(tensor)]
+            earlier = self.splits.setdefault(name, split)
+            if earlier != split:  # one tensor (tied) reached twice, cut two ways
+                raise self.error(f"tensor {full_path!r}", f"is cut as {earlier} and as {split} by its policies")
+        owner_path = join(target.name, spec.module_path)
+        owner = get_path(target.layer, spec.module_path)
+        if owner_path not in self.resized:
+            self.resized.append(owner_path)
+        if style == ROW and spec.replace is None:
+            try:
+                self.classes[owner_path] = row_parallel_class(owner)
+            except ShardingError as error:
+                raise self.error(owner_path, str(error)) from None
+        elif spec.replace is not None:
+            self.classes[owner_path] = spec.replace
+
+    def _add_vocabulary(self, model: nn.Module, first_name: dict[int, str]) -> None:
+        """Split the input and output embeddings over the vocabulary: those whose type has a
+        vocabulary-parallel class and whose tensors no module but them and their parents holds."""
+        paths = {id(module): name for name, module in model.named_modules()}
+        cut_by_policies = set(self.splits)
+        for module in vocabulary_modules(model):
+            if first_name[id(module.weight)] in cut_by_policies:
+                continue
+            for tensor in (module.weight, getattr(module, "bias", None)):
+                if tensor is not None:
+                    self.splits.setdefault(first_name[id(tensor)], Split(0, pad=True))
+            self.vocab[paths[id(module)]] = module.weight.shape[0]
+
+    def _check_whole_heads(self, model: nn.Module, first_name: dict[int, str]) -> None:
+        """Every attention whose projections are cut holds whole heads on every rank.
+
+        An attention module is one with a per-head width attribute (``head_dim``, ...); each cut
+        linear it holds directly must give every rank a multiple of that width per packed part.
+        Policies that split head counts without :func:`~tpcore.policy.divide` are caught here.
+        """
+        for path, module in model.named_modules():
+            head_dim = next(
+                (getattr(module, a) for a in _HEAD_DIM_ATTRIBUTES if isinstance(getattr(module, a, None), int)), None
+            )
+            if not head_dim:
+                continue
+            for child_name, child in module.named_children():
+                weight = getattr(child, "weight", None)
+                split = self.splits.get(first_name.get(id(weight), ""))
+                if split is None or split.pad or not _is_projection(child):
+                    continue
+                for size in piece_sizes(split, weight.shape[split.dim], self.world_size):
+                    if size % head_dim:
+                        raise self.error(
+                            join(path, child_name),
+                            f"each rank would hold {size / head_dim:g} heads of width {head_dim} "
+                            f"({size} of {weight.shape[split.dim]} features): heads must stay whole; "
+                            "the policy's head counts do not divide by the world size",
+                        )
+
+    # -- reading the plan --------------------------------------------------------------------
+
+    def split_of(self, name: str) -> Split | None:
+        return self.splits.get(name)
+
+    def shard_shape(self, name: str) -> tuple[int, ...]:
+        """The shape of every rank's part of tensor ``name``."""
+        shape = list(self.shapes[name])
+        split = self.splits.get(name)
+        if split is not None:
+            dim = split.dim % len(shape)
+            shape[dim] = split.shard_size(shape[dim], self.world_size)
+        return tuple(shape)
+
+    def share(self, name: str, tensor: torch.Tensor, rank: int) -> torch.Tensor:
+        """Rank ``rank``'s part of the whole tensor ``name``: its slice, or the tensor itself when
+        replicated. A slice that is one contiguous block of the tensor is a view (sent without a copy)."""
+        tensor = tensor.detach()
+        split = self.splits.get(name)
+        if split is None:
+            return tensor
+        dim = split.dim % tensor.dim()
+        ranges, padding = split.ranges(tensor.shape[dim], rank, self.world_size)
+        if len(ranges) == 1 and not padding:
+            ((start, stop),) = ranges
+            piece = tensor.narrow(dim, start, stop - start)
+            if piece.is_contiguous():
+                return piece
+        return split.shard(tensor, rank, self.world_size)
+
+    def bytes_per_rank(self) -> int:
+        return sum(math.prod(self.shard_shape(n)) * self.dtypes[n].itemsize for n in self.shapes)
+
+    # -- applying ------------------------------------------------------------------------------
+
+    def apply(self, model: nn.Module, rank: int, tp_group=None, *, gather_logits: bool = True) -> nn.Module:
+        """Make ``model`` (a copy of the one the plan was built from) rank ``rank``'s shard, in place.
+
+        Tensors are sliced (a meta tensor only changes shape; ties stay ties), module attributes set,
+        classes given (a class declaring ``tp_group`` gets ``tp_group``), vocabulary-parallel modules
+        told their rows. Returns ``model``.
+        """
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside a world of {self.world_size}")
+        tensors = named_tensors(model)
+        for name, split in self.splits.items():
+            tensor = tensors.get(name)
+            if tensor is None or tuple(tensor.shape) != self.shapes[name]:
+                found = "missing" if tensor is None else f"of shape {tuple(tensor.shape)}"
+                raise ValueError(
+                    f"this plan of {self.model_name} cuts {name!r} of shape {self.shapes[name]}, "
+                    f"which the model it is applied to has {found}"
+                )
+            with torch.no_grad():
+                tensor.data = split.shard(tensor.data, rank, self.world_size)
+        for path in self.resized:
+            set_layer_size(model.get_submodule(path))
+        for path, value in self.attributes.items():
+            set_path(model, path, value)
+        for path, new_class in self.classes.items():
+            module = model.get_submodule(path)
+            module.__class__ = new_class
+            if hasattr(new_class, "tp_group"):
+                module.tp_group = tp_group
+        for path, vocab_size in self.vocab.items():
+            module = model.get_submodule(path)
+            rows = module.weight.shape[0]
+            make_vocab_parallel(module, tp_group, rank * rows, vocab_size, gather_logits)
+        return model
+
+    # -- showing -------------------------------------------------------------------------------
+
+    def report(self) -> str:
+        """What is cut how, what stays replicated, and the bytes each rank holds (layers folded as ``*``)."""
+        rows: dict[tuple[str, str, tuple, tuple], int] = {}
+        for name, shape in self.shapes.items():
+            split = self.splits.get(name)
+            key = (re.sub(r"\.\d+\.", ".*.", name), describe(split), shape, self.shard_shape(name))
+            rows[key] = rows.get(key, 0) + 1
+        whole = sum(math.prod(s) * self.dtypes[n].itemsize for n, s in self.shapes.items())
+        replicated = sum(math.prod(s) * self.dtypes[n].itemsize for n, s in self.shapes.items() if n not in self.splits)
+        width = max((len(k[0]) for k in rows), default=0)
+        lines = [f"{self.model_name} over {self.world_size} ranks:"]
+        for (name, how, shape, piece), count in rows.items():
+            times = f" x{count}" if count > 1 else ""
+            lines.append(f"    {name:<{width}}  {how:<22} {_shape(shape)} -> {_shape(piece)}{times}")
+        lines.append(
+            f"per rank {_mib(self.bytes_per_rank())} of {_mib(whole)} ({_mib(replicated)} replicated on every rank)"
+        )
+        return "\n".join(lines)
+
+
+def describe(split: Split | None) -> str:
+    if split is None:
+        return "replicated"
+    if split.pad:
+        return "vocabulary rows"
+    words = [f"dim {split.dim}"]
+    if split.n_fused > 1:
+        words.append(f"{split.n_fused} packed")
+    if split.heads is not None:
+        words.append(f"{split.heads} heads")
+    return "cut " + ", ".join(words)
+
+
+def _shape(shape: tuple[int, ...]) -> str:
+    return "(" + ", ".join(map(str, shape)) + ")"
+
+
+def _mib(size: int) -> str:
+    return f"{size / 2**20:.1f} MiB"
+
+
+def piece_sizes(split: Split, size: int, world_size: int) -> set[int]:
+    """The sizes of the contiguous pieces that ranks hold of a dimension of ``size`` (one per packed part)."""
+    return {stop - start for rank in range(world_size) for start, stop in split.ranges(size, rank, world_size)[0]}
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_projection(module: nn.Module) -> bool:
+    """A linear map whose cut feature dimension packs heads (``nn.Linear``, HF ``Conv1D``)."""
+    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
+
+
+def make_megatron_layer(policy: type[Policy]) -> list[tuple[str, Layer]]:
+    """The policy's tensors with their parallel style: column for q/k/v and MLP in, row for the outputs."""
+    return (
+        [(COLUMN, spec) for spec in policy.attn_qkv()]
+        + [(COLUMN, spec) for spec in policy.mlp_in()]
+        + [(ROW, spec) for spec in policy.attn_out()]
+        + [(ROW, spec) for spec in policy.mlp_out()]
+    )
+
+
+def resolve_layer(layer: nn.Module, spec: Layer) -> tuple[Any, Any] | tuple[()] | None:
+    """``(weight, bias)`` that ``spec`` names on ``layer`` (bias ``None`` when it names none); ``()``
+    when an optional weight is absent; ``None`` when a required tensor is absent."""
+    weight = get_path(layer, spec.weight) if spec.weight else _MISSING
+    if weight is _MISSING:
+        return () if spec.ignore_checker else None
+    bias = get_path(layer, spec.bias) if spec.bias else None
+    if bias is _MISSING:
+        if not spec.ignore_checker:
+            return None
+        bias = None
+    return weight, bias
+
+
+def layer_splits(spec: Layer, style: str, config: Any) -> tuple[Split, Split | None]:
+    """The cut of ``spec``'s weight and bias in a ``style`` group (see :meth:`Layer.splits`)."""
+    return spec.splits(style, config)
+
+
+def vocabulary_modules(model: nn.Module) -> list[nn.Module]:
+    """The input and output embeddings to split over the vocabulary.
+
+    A module qualifies when its type has a vocabulary-parallel class (:func:`~tpcore.layers.vocab_parallel_class`)
+    and no module but it and its parents (BERT's head keeps the decoder's bias there) holds its weight or
+    bias: a tensor that some other module reads must stay whole.
+    """
+    found: dict[int, nn.Module] = {}
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        try:
+            module = getattr(model, getter)()
+        except (AttributeError, NotImplementedError):
+            continue
+        if isinstance(module, nn.Module) and vocab_parallel_class(module) is not None:
+            found[id(module)] = module
+    names = {id(module): name for name, module in model.named_modules()}
+    parents = {names[key].rpartition(".")[0] for key in found if key in names}
+    allowed = found.keys() | {id(module) for name, module in model.named_modules() if name in parents}
+    holders: dict[int, set[int]] = {}
+    for module in model.modules():
+        for tensor in module._parameters.values():
+            if tensor is not None:
+                holders.setdefault(id(tensor), set()).add(id(module))
+    return [
+        module
+        for module in found.values()
+        if id(module) in names
+        and all(
+            holders.get(id(tensor), set()) <= allowed
+            for tensor in (module.weight, getattr(module, "bias", None))
+            if tensor is not None
+        )
+    ]
