@@ -82,8 +82,14 @@ def test_plugins_command_shows_which_policy_applies_to_a_model(capsys, monkeypat
     assert main(["plugins", "--model", "LlamaForCausalLM"]) == 0
     out = capsys.readouterr().out
     assert "LlamaPolicy" in out and "(from tp-gpt" in out  # the plugin wins over Llama's tp plan
+    assert "LlamaForCausalLM over 2 ranks:" in out and "model.layers.*.self_attn.q_proj.weight" in out
+    assert "per rank" in out and "replicated" in out
     assert main(["plugins", "--model", "Qwen3ForCausalLM", "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
     assert shown["model"] == "Qwen3ForCausalLM"
     assert shown["policies"][0]["from"] == "config tp plan"
+    q_proj = shown["plan"]["tensors"]["model.layers.0.self_attn.q_proj.weight"]
+    assert q_proj["per_rank"] == [q_proj["shape"][0] // 2, q_proj["shape"][1]] and q_proj["cut"] == "cut dim 0"
+    assert main(["plugins", "--model", "LlamaForCausalLM", "--world-size", "3"]) == 2  # 4 heads over 3 ranks
+    assert "cannot split LlamaForCausalLM over 3 ranks" in capsys.readouterr().out
     assert main(["plugins", "--model", "MixtralForCausalLM"]) == 2

@@ -48,6 +48,8 @@ def _applying(args: argparse.Namespace) -> int:
     """Which policies apply to one model, and where each comes from (a plugin or the tp plan)."""
     from tpcore.auto import AutoPolicy, UnsupportedModelError
     from tpcore.check import resolve
+    from tpcore.plan import ShardPlan
+    from tpcore.policy import ShardingError
 
     model = resolve(args.model).build()
     entries = AutoPolicy().entries_for(model)
@@ -61,14 +63,32 @@ def _applying(args: argparse.Namespace) -> int:
         {"policy": p.policy_name(), "layer_class": p.layer_class_name(), "from": source.get(p, "config tp plan")}
         for p in policies
     ]
+    try:
+        plan = ShardPlan.build(model, policies, args.world_size)
+    except ShardingError as error:
+        plan, problem = None, str(error)
     if args.json:
-        json.dump({"model": type(model).__name__, "policies": rows}, sys.stdout, indent=2)
+        shown = {"model": type(model).__name__, "policies": rows, "world_size": args.world_size}
+        shown["plan"] = plan_json(plan) if plan is not None else {"error": problem}
+        json.dump(shown, sys.stdout, indent=2)
         sys.stdout.write("\n")
-        return 0
+        return 0 if plan is not None else 2
     print(f"{type(model).__name__}:")
     for row in rows:
         print(f"    {row['policy']:<24} {row['layer_class']}  (from {row['from']})")
-    return 0
+    print(plan.report() if plan is not None else problem)
+    return 0 if plan is not None else 2
+
+
+def plan_json(plan) -> dict:
+    """A plan as JSON: every tensor's whole and per-rank shape and how it is cut, and the bytes per rank."""
+    from tpcore.plan import describe
+
+    tensors = {
+        name: {"cut": describe(plan.splits.get(name)), "shape": list(shape), "per_rank": list(plan.shard_shape(name))}
+        for name, shape in plan.shapes.items()
+    }
+    return {"tensors": tensors, "bytes_per_rank": plan.bytes_per_rank()}
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -83,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     plugins = commands.add_parser("plugins", help="list installed plugins and the policies each registers")
     plugins.add_argument("--json", action="store_true", help="print JSON")
     plugins.add_argument("--model", help="show only the policies that apply to this model (directory or class name)")
+    plugins.add_argument(
+        "--world-size", type=int, default=2, metavar="N", help="with --model: show the model's shard plan over N ranks"
+    )
     plugins.set_defaults(run=_plugins)
     check = commands.add_parser("check", help="split a model over gloo ranks and compare it with the unsplit model")
     check.add_argument("model", help="a saved model directory, or a transformers class name (small random config)")
