@@ -199,3 +199,13 @@ def test_each_layer_reads_the_config_of_its_own_sub_model():
     assert isinstance(
         ShardPlan.build(model, [BertPolicy], 2).splits["encoder.layer.1.attention.self.query.weight"], Split
     )
+
+
+def test_a_per_head_parameter_left_whole_while_heads_are_cut_is_refused():
+    from transformers import CohereConfig, CohereForCausalLM
+
+    config = CohereConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                          num_key_value_heads=2, intermediate_size=64, use_qk_norm=True)  # fmt: skip
+    model = CohereForCausalLM(config).eval()
+    with pytest.raises(ShardingError, match=r"self_attn.q_norm.weight.*per-head parameter of shape \(4, 8\)"):
+        TensorReplacer(model, None, False, 2, rank=0).validate()  # the policy derived from its tp plan

@@ -266,18 +266,20 @@ class ShardPlan:
             self.vocab[paths[id(module)]] = module.weight.shape[0]
 
     def _check_whole_heads(self, model: nn.Module, first_name: dict[int, str]) -> None:
-        """Every attention whose projections are cut holds whole heads on every rank.
+        """Every attention whose projections are cut holds whole heads on every rank, and cuts its
+        per-head parameters with them.
 
-        An attention module is one with a per-head width attribute (``head_dim``, ...); each cut
-        linear it holds directly must give every rank a multiple of that width per packed part.
-        Policies that split head counts without :func:`~tpcore.policy.divide` are caught here.
+        An attention module is one with a per-head width attribute (``head_dim``, ...). Each cut
+        linear it holds directly must give every rank a multiple of that width per packed part
+        (policies that split head counts without :func:`~tpcore.policy.divide` are caught here), and
+        a parameter it holds of shape ``(heads, ..., head_dim)`` (Cohere's per-head q/k norms) for one
+        of its projections' head counts must be cut too: whole, it would not match the rank's heads.
         """
         for path, module in model.named_modules():
-            head_dim = next(
-                (getattr(module, a) for a in _HEAD_DIM_ATTRIBUTES if isinstance(getattr(module, a, None), int)), None
-            )
-            if not head_dim:
+            head_dim = next((getattr(module, a) for a in _HEAD_DIM_ATTRIBUTES if _is_int(getattr(module, a, None))), 0)
+            if head_dim < 1:
                 continue
+            head_counts = set()
             for child_name, child in module.named_children():
                 weight = getattr(child, "weight", None)
                 split = self.splits.get(first_name.get(id(weight), ""))
@@ -291,6 +293,16 @@ class ShardPlan:
                             f"({size} of {weight.shape[split.dim]} features): heads must stay whole; "
                             "the policy's head counts do not divide by the world size",
                         )
+                head_counts.update(size // head_dim for size in piece_sizes(split, weight.shape[split.dim], 1))
+            for name, tensor in module.named_parameters():
+                full_name = first_name.get(id(tensor), "")
+                whole = full_name not in self.splits
+                if whole and tensor.dim() >= 2 and tensor.shape[0] in head_counts and tensor.shape[-1] == head_dim:
+                    raise self.error(
+                        join(path, name),
+                        f"a per-head parameter of shape {tuple(tensor.shape)} (one row per head) is left whole "
+                        "while the heads are cut: the policy must cut it with them (Layer(dim=0, heads=...))",
+                    )
 
     # -- reading the plan --------------------------------------------------------------------
 
