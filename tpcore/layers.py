@@ -17,9 +17,23 @@ Vocab-parallel modules hold ``V_r = ceil(V / N)`` rows of a ``(V, H)`` table, ra
 
     embedding:  E[ids] = sum_r  mask_r(ids) * E_r[ids - vocab_start_r]      one all-reduce
     LM head:    x @ W.T = concat_r (x @ W_r.T)[..., :V]                     one all-gather
+
+The layers:
+
+- :class:`RowParallelLinear`, :class:`RowParallelConv1D`: input-feature shards, output all-reduced,
+  bias added once. :func:`row_parallel_class` also gives any other module type that holds no bias
+  (fused MoE experts: every rank holds ``1 / N`` of every expert's intermediate size) a subclass
+  whose output is all-reduced.
+- :class:`VocabParallelEmbedding`, :class:`VocabParallelLMHead`: rows of the vocabulary.
+  :func:`vocab_parallel_class` also splits ``nn.Embedding`` subclasses whose forward is the lookup
+  times a scale (Gemma's, the BART family's scaled word embeddings), keeping their own forward.
+- :class:`ColumnSplitRMSNorm`: an RMSNorm over a column-split activation (OLMo 2's full-width
+  q/k norms), its statistic summed over the ranks by one all-reduce (:func:`column_split_norm_class`).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -29,16 +43,20 @@ from tpcore.comm import all_gather, all_reduce, group_rank, group_size
 from tpcore.policy import ShardingError
 
 __all__ = [
+    "ColumnSplitRMSNorm",
     "RowParallelConv1D",
     "RowParallelLinear",
     "VocabParallelEmbedding",
     "VocabParallelLMHead",
     "bind_group",
+    "column_split_norm_class",
+    "make_column_split_norm",
     "make_row_parallel",
     "make_vocab_parallel",
     "reduce_partial_sums",
     "row_parallel_class",
     "set_layer_size",
+    "vocab_parallel_class",
 ]
 
 
@@ -110,23 +128,114 @@ class VocabParallelLMHead(nn.Linear):
         return all_gather(logits, self.tp_group)[..., : self.vocab_size]
 
 
-def vocab_parallel_class(module: nn.Module) -> type[nn.Module] | None:  # interim: the layers branch replaces it
-    if type(module) is nn.Embedding and module.max_norm is None:
-        return VocabParallelEmbedding
+def vocab_parallel_class(module: nn.Module) -> type[nn.Module] | None:
+    """The vocab-parallel class for ``module``, or ``None`` when it cannot be split over the vocabulary.
+
+    An exact ``nn.Linear`` becomes :class:`VocabParallelLMHead`, an exact ``nn.Embedding`` without
+    ``max_norm`` :class:`VocabParallelEmbedding`. An ``nn.Embedding`` subclass qualifies when its forward
+    is ``super().forward(ids) * scale``, as a probe shows (:func:`_is_scaled_lookup`); it gets a subclass
+    of its own class with the vocab-parallel lookup next in line, so its forward (the scale) is kept::
+
+        VocabParallelBartScaledWordEmbedding -> BartScaledWordEmbedding -> VocabParallelEmbedding -> nn.Embedding
+    """
     if type(module) is nn.Linear:
         return VocabParallelLMHead
-    return None
+    if (
+        not isinstance(module, nn.Embedding)
+        or isinstance(module, VocabParallelEmbedding)
+        or module.max_norm is not None
+    ):
+        return None
+    if type(module) is nn.Embedding:
+        return VocabParallelEmbedding
+    return _vocab_parallel_subclass(type(module)) if _is_scaled_lookup(module) else None
+
+
+@functools.cache
+def _vocab_parallel_subclass(cls: type[nn.Embedding]) -> type[nn.Embedding]:
+    doc = f"``{cls.__qualname__}`` whose lookup is vocab parallel (:class:`VocabParallelEmbedding`)."
+    return type(f"VocabParallel{cls.__name__}", (cls, VocabParallelEmbedding), {"__doc__": doc, "__module__": __name__})
+
+
+class _LookupProbe(nn.Embedding):
+    """Stands where the vocab-parallel lookup would stand in a subclass's MRO: records the ids it is
+    given and answers with rows of its own, unrelated to the module's weight."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        self.probe_calls.append(ids)
+        return self.probe_rows
+
+
+@functools.cache
+def _probe_subclass(cls: type[nn.Embedding]) -> type[nn.Embedding]:
+    return type(f"Probe{cls.__name__}", (cls, _LookupProbe), {"__module__": __name__})
+
+
+def _is_scaled_lookup(module: nn.Embedding) -> bool:
+    """Whether ``type(module).forward(ids)`` is ``super().forward(ids) * s`` for one scalar ``s``.
+
+    Runs the class's forward on a CPU stand-in of ``module`` (its attributes; its buffers and other
+    parameters copied, or random where they are on the meta device; a small random table) whose
+    ``nn.Embedding`` lookup is replaced by :class:`_LookupProbe`, twice, with different tables, ids
+    and rows ``R``: the lookup must be called once with the ids, and the output must be ``R * s`` with
+    the same ``s`` both times. A forward that reads the table itself, adds to the rows, or normalizes
+    them fails.
+    """
+    if module._modules:
+        return False
+    generator = torch.Generator().manual_seed(0)
+    parameters = {name: _stand_in(tensor, generator) for name, tensor in module._parameters.items() if name != "weight"}
+    buffers = {name: _stand_in(tensor, generator) for name, tensor in module._buffers.items()}
+    scales = []
+    for rows, magnitude in ((5, 1.0), (7, 3.0)):
+        probe = _probe_subclass(type(module)).__new__(_probe_subclass(type(module)))
+        probe.__dict__.update(module.__dict__)
+        probe._parameters = {**parameters, "weight": torch.randn(rows, module.embedding_dim, generator=generator)}
+        probe._buffers = buffers
+        probe.num_embeddings = rows
+        ids = torch.randint(0, rows, (2, 3), generator=generator)
+        probe.probe_rows = magnitude * torch.randn(2, 3, module.embedding_dim, generator=generator)
+        probe.probe_calls = []
+        try:
+            with torch.no_grad():
+                out = type(probe).forward(probe, ids)
+        except Exception:  # a forward the stand-in cannot run is not a scaled lookup we can vouch for
+            return False
+        if len(probe.probe_calls) != 1 or not torch.equal(probe.probe_calls[0], ids):
+            return False
+        rows_out = probe.probe_rows
+        if not isinstance(out, torch.Tensor) or out.shape != rows_out.shape or not out.is_floating_point():
+            return False
+        out = out.double()
+        scale = (out * rows_out).sum() / (rows_out * rows_out).sum()
+        if not torch.isfinite(scale) or (out - scale * rows_out).abs().max() > 1e-5 * out.abs().max():
+            return False
+        scales.append(scale)
+    return bool((scales[0] - scales[1]).abs() <= 1e-5 * scales[0].abs())
+
+
+def _stand_in(tensor: torch.Tensor | None, generator: torch.Generator) -> torch.Tensor | None:
+    """A CPU copy of ``tensor``; for one on the meta device (a skeleton), a random one of its shape and dtype."""
+    if tensor is None:
+        return None
+    if tensor.device.type != "meta":
+        return tensor.detach().to("cpu", copy=True)
+    if tensor.is_floating_point():
+        return torch.randn(tensor.shape, generator=generator).to(tensor.dtype)
+    return torch.zeros(tensor.shape, dtype=tensor.dtype)
 
 
 def make_vocab_parallel(module: nn.Module, group, vocab_start: int, vocab_size: int, gather_output: bool = True):
-    """Turn an ``nn.Embedding`` or ``nn.Linear`` (already holding its rows) into its vocab-parallel class."""
-    if type(module) is nn.Embedding:
-        module.__class__ = VocabParallelEmbedding
-    elif type(module) is nn.Linear:
-        module.__class__ = VocabParallelLMHead
+    """Give ``module`` (already holding its rows) its :func:`vocab_parallel_class`, in place."""
+    new_class = vocab_parallel_class(module)
+    if new_class is None:
+        raise ShardingError(
+            f"no vocab-parallel layer for a {type(module).__qualname__}: only nn.Linear, nn.Embedding without "
+            "max_norm and nn.Embedding subclasses whose forward is the lookup times a scale are split"
+        )
+    module.__class__ = new_class
+    if new_class is VocabParallelLMHead:
         module.gather_output = gather_output
-    else:
-        raise ShardingError(f"no vocab-parallel layer for a {type(module).__qualname__}")
     module.tp_group = group
     module.vocab_start = vocab_start
     module.vocab_size = vocab_size
@@ -161,13 +270,45 @@ else:  # pragma: no cover - transformers is a dependency
 
 
 def row_parallel_class(module: nn.Module) -> type[nn.Module]:
+    """The row-parallel class for ``module``: :class:`RowParallelLinear` for an exact ``nn.Linear``,
+    :class:`RowParallelConv1D` for an exact ``Conv1D``, and for any other module type that holds no
+    bias, a subclass of its own class whose forward all-reduces what the original forward returns.
+
+    The latter suits a module whose output is the sum of what its shards compute, such as fused MoE
+    experts (``gate_up_proj (E, 2I, H)`` split along dim 1 in its two halves, ``down_proj (E, H, I)``
+    along dim 2): each rank runs every routed token through its ``I / N`` columns of every expert, and
+    ``sum_r down_r(act(gate_r) * up_r) = down(act(gate) * up)``. A bias (any parameter named ``*bias*``)
+    would be added once per rank, so a module holding one is refused.
+    """
     if type(module) is nn.Linear:
         return RowParallelLinear
     if _Conv1D is not None and type(module) is _Conv1D:
         return RowParallelConv1D
-    raise ShardingError(
-        f"no row-parallel layer for a {type(module).__qualname__}; give the policy's Layer a replace= class"
-    )
+    biases = [name for name, _ in module.named_parameters() if "bias" in name.rpartition(".")[2]]
+    if biases:
+        raise ShardingError(
+            f"no row-parallel layer for a {type(module).__qualname__}: it holds {biases[0]!r}, which every rank "
+            "would add to the all-reduced output; give the policy's Layer a replace= class"
+        )
+    return _row_parallel_subclass(type(module))
+
+
+class _ReducedOutput(nn.Module):
+    """Mixin placed before a module's class: its forward's output, a partial sum, is all-reduced."""
+
+    tp_group = None
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        out = super().forward(*args, **kwargs)
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"{type(self).__qualname__} all-reduces one output tensor, got a {type(out).__qualname__}")
+        return reduce_partial_sums(out, self.tp_group)
+
+
+@functools.cache
+def _row_parallel_subclass(cls: type[nn.Module]) -> type[nn.Module]:
+    doc = f"``{cls.__qualname__}`` holding a shard of its inputs' features; its output all-reduced."
+    return type(f"RowParallel{cls.__name__}", (_ReducedOutput, cls), {"__doc__": doc, "__module__": __name__})
 
 
 def make_row_parallel(module: nn.Module, group, replace: type[nn.Module] | None = None) -> nn.Module:
@@ -175,6 +316,112 @@ def make_row_parallel(module: nn.Module, group, replace: type[nn.Module] | None 
     module.__class__ = replace or row_parallel_class(module)
     module.tp_group = group
     return module
+
+
+class ColumnSplitRMSNorm(nn.Module):
+    """RMSNorm over an activation split along its features (the output of a column-parallel layer):
+    rank ``r`` holds ``x_r [..., F_r]`` and the weight's matching slice ``w_r [F_r]``::
+
+        mean(x^2) = sum_r sum(x_r^2) / sum_r F_r        one all-reduce of [sum(x_r^2), F_r] per row
+        y_r = w_r * x_r / sqrt(mean(x^2) + eps)
+
+    Computed in fp32; the result is cast to the input's dtype before the weight (``w * x_hat.to(dtype)``,
+    Llama, OLMoE, MiniMax-M2) or after it (``weight_before_cast``: ``(w * x_hat).to(dtype)``, OLMo 2/3).
+    Summing the widths ``F_r`` makes uneven splits and equally replicated heads (key/value heads fewer
+    than ranks) right as well. Gemma-style ``x_hat * (1 + w)`` norms and LayerNorms are not covered.
+    Set on a norm instance through :func:`column_split_norm_class`, which puts this class before the
+    norm's own; ``eps`` is read from the attribute ``eps_attribute`` names.
+    """
+
+    tp_group = None
+    weight_before_cast = False
+    eps_attribute = "variance_epsilon"
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        eps = getattr(self, self.eps_attribute)
+        return _rms_norm(hidden_states, self.weight, eps, self.weight_before_cast, self.tp_group)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_before_cast: bool, group) -> torch.Tensor:
+    """:class:`ColumnSplitRMSNorm`'s forward on ``x [..., F_r]``, ``weight [F_r]`` (see there)."""
+    input_dtype = x.dtype
+    x = x.to(torch.float32)
+    width = torch.full_like(x[..., :1], x.shape[-1])
+    sums = all_reduce(torch.cat((x.pow(2).sum(-1, keepdim=True), width), dim=-1), group)
+    x = x * torch.rsqrt(sums[..., :1] / sums[..., 1:] + eps)
+    if weight_before_cast:
+        return (weight * x).to(input_dtype)
+    return weight * x.to(input_dtype)
+
+
+_EPS_ATTRIBUTES = ("variance_epsilon", "eps")
+
+
+def column_split_norm_class(module: nn.Module) -> type[nn.Module]:
+    """A subclass of ``type(module)`` that computes it as :class:`ColumnSplitRMSNorm`, for an RMSNorm
+    (a 1-D ``weight``, no other parameter, ``eps`` or ``variance_epsilon``) whose forward is
+    ``w * x_hat`` in one of its two casts, as a probe on a CPU stand-in shows (fp32: the value,
+    bf16: the cast); :class:`ShardingError` otherwise."""
+    name = type(module).__qualname__
+    weight = module._parameters.get("weight")
+    eps_attribute = next((a for a in _EPS_ATTRIBUTES if isinstance(getattr(module, a, None), float)), None)
+    if weight is None or weight.dim() != 1 or len(module._parameters) != 1 or module._modules or eps_attribute is None:
+        raise ShardingError(f"no column-split norm for a {name}: not an RMSNorm with one 1-D weight and an eps")
+    before_cast = _rms_norm_cast(module, eps_attribute)
+    if before_cast is None:
+        raise ShardingError(f"no column-split norm for a {name}: its forward is not an RMSNorm w * x_hat")
+    return _column_split_subclass(type(module), before_cast, eps_attribute)
+
+
+def make_column_split_norm(module: nn.Module, group) -> nn.Module:
+    """Turn ``module`` (already holding its weight's slice) into its :func:`column_split_norm_class`, in place."""
+    module.__class__ = column_split_norm_class(module)
+    module.tp_group = group
+    return module
+
+
+@functools.cache
+def _column_split_subclass(cls: type[nn.Module], weight_before_cast: bool, eps_attribute: str) -> type[nn.Module]:
+    attributes = {
+        "__doc__": f"``{cls.__qualname__}`` over a column-split activation (:class:`ColumnSplitRMSNorm`).",
+        "__module__": __name__,
+        "weight_before_cast": weight_before_cast,
+        "eps_attribute": eps_attribute,
+    }
+    return type(f"ColumnSplit{cls.__name__}", (ColumnSplitRMSNorm, cls), attributes)
+
+
+def _rms_norm_cast(module: nn.Module, eps_attribute: str) -> bool | None:
+    """Run ``type(module).forward`` on a CPU stand-in (random weight, width 16) against :func:`_rms_norm`
+    on one rank: ``None`` if the fp32 outputs differ, else whether the bf16 output is that of
+    ``weight_before_cast`` (the cast that matches more of its elements)."""
+    generator = torch.Generator().manual_seed(0)
+    stand_in = type(module).__new__(type(module))
+    stand_in.__dict__.update(module.__dict__)
+    stand_in._buffers = {key: _stand_in(tensor, generator) for key, tensor in module._buffers.items()}
+    x = 3 * torch.randn(4, 16, generator=generator)
+    weight = 1 + torch.randn(16, generator=generator)
+    eps = getattr(module, eps_attribute)
+    outputs = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        stand_in._parameters = {"weight": weight.to(dtype)}
+        try:
+            with torch.no_grad():
+                outputs[dtype] = type(module).forward(stand_in, x.to(dtype))
+        except Exception:  # a forward the stand-in cannot run is not an RMSNorm we can vouch for
+            return None
+        if not isinstance(outputs[dtype], torch.Tensor) or outputs[dtype].shape != x.shape:
+            return None
+    expected = _rms_norm(x, weight, eps, False, None)
+    if (outputs[torch.float32].double() - expected).abs().max() > 1e-5 * expected.abs().max():
+        return None
+    matches = {
+        before_cast: (outputs[torch.bfloat16] == _rms_norm(x.bfloat16(), weight.bfloat16(), eps, before_cast, None))
+        .sum()
+        .item()
+        for before_cast in (False, True)
+    }
+    return matches[True] > matches[False]
 
 
 def set_layer_size(module: nn.Module) -> None:
