@@ -3,6 +3,8 @@ still equals the unsplit one (tied weights tied, odd vocabularies padded, logits
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import rank_helpers
 import torch
@@ -52,6 +54,11 @@ def test_untied_embeddings_are_each_split():
     assert model.get_input_embeddings().weight.shape == model.get_output_embeddings().weight.shape == (25, 48)
 
 
+class ShiftedEmbedding(nn.Embedding):
+    def forward(self, ids):
+        return super().forward(ids) + 1.0
+
+
 class ScaledEmbedding(nn.Embedding):
     def forward(self, ids):
         return super().forward(ids) * 2.0
@@ -59,12 +66,28 @@ class ScaledEmbedding(nn.Embedding):
 
 def test_embeddings_that_do_more_than_a_lookup_or_are_read_elsewhere_stay_whole():
     model = gpt2_spec(50, tie=False).build()
-    model.transformer.wte.__class__ = ScaledEmbedding  # a subclass: its forward is not a plain lookup
+    model.transformer.wte.__class__ = ShiftedEmbedding  # its forward is more than a lookup times a scale
     model.extra = nn.Linear(48, 50)
     model.extra.weight = model.lm_head.weight  # another module reads the head's weight
     assert TensorReplacer(model, None, False, 2, rank=0).vocab_modules() == []
     TensorReplacer(model, None, False, 2, rank=0).replace_modules()
     assert model.lm_head.weight.shape == (50, 48) and type(model.lm_head) is nn.Linear
+
+
+def test_an_embedding_whose_forward_is_the_lookup_times_a_scale_is_split_and_keeps_its_scale():
+    model = gpt2_spec(50, tie=False).build()
+    model.transformer.wte.__class__ = ScaledEmbedding
+    ids = torch.tensor([[0, 7, 24, 25, 49]])
+    whole = model.transformer.wte(ids)
+    parts = []
+    for rank in range(2):
+        shard = copy.deepcopy(model)
+        TensorReplacer(shard, None, False, 2, rank=rank).replace_modules()  # no group: each rank's masked rows
+        embedding = shard.transformer.wte
+        assert isinstance(embedding, ScaledEmbedding) and isinstance(embedding, VocabParallelEmbedding)
+        assert embedding.weight.shape == (25, 48)
+        parts.append(embedding(ids))
+    torch.testing.assert_close(parts[0] + parts[1], whole, rtol=0, atol=0)
 
 
 def test_vocab_parallel_off_keeps_the_embeddings_whole():

@@ -244,13 +244,12 @@ class ShardPlan:
         owner = get_path(target.layer, spec.module_path)
         if owner_path not in self.resized:
             self.resized.append(owner_path)
-        if style == ROW and spec.replace is None:
-            try:
-                self.classes[owner_path] = row_parallel_class(owner)
+        replace = spec.replace if spec.replace is not None else row_parallel_class if style == ROW else None
+        if replace is not None:
+            try:  # a class, or a function of the module giving one (layers.column_split_norm_class)
+                self.classes[owner_path] = replace if isinstance(replace, type) else replace(owner)
             except ShardingError as error:
                 raise self.error(owner_path, str(error)) from None
-        elif spec.replace is not None:
-            self.classes[owner_path] = spec.replace
 
     def _add_vocabulary(self, model: nn.Module, first_name: dict[int, str]) -> None:
         """Split the input and output embeddings over the vocabulary: those whose type has a
