@@ -14,7 +14,7 @@ from tpcore.comm import group_rank
 from tpcore.distributed import bind_device, check_placement, default_backend, device_for, tensor_parallel_group
 from tpcore.precision import cast_model, resolve_dtype
 from tpcore.replacer import TensorReplacer
-from tpcore.skeleton import empty_model
+from tpcore.skeleton import empty_model, named_tensors
 
 __all__ = ["ParallelEngine"]
 
@@ -103,7 +103,8 @@ class ParallelEngine:
         # Fail on bad input (and, from a checkpoint, on missing weights) before joining any process group.
         validator = self._replacer(model, None, fp16, rank=0)
         if checkpoint is not None:
-            reads = checkpoint.reads(model, validator.split_plan())
+            plan = validator.split_plan()
+            reads = checkpoint.reads(model, {name: plan.get(id(t)) for name, t in named_tensors(model).items()})
         else:
             validator.validate()
         device = self.device

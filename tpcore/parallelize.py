@@ -134,7 +134,8 @@ def parallelize(
     replacer = TensorReplacer(model, None, fp16, num_gpus, custom_policies, rank=0, vocab_parallel=vocab_parallel)
     plan = replacer.split_plan()  # validates: raises before any process starts
     if checkpoint is not None:
-        reads = checkpoint.reads(model, plan)  # checks the files: a missing or truncated one fails here
+        # checks the files: a missing or truncated one fails here
+        reads = checkpoint.reads(model, {name: plan.get(id(t)) for name, t in named_tensors(model).items()})
         checkpoint.close()  # the caller keeps no file open while the ranks read
         skeleton = copy.deepcopy(model)  # weights on meta already; keeps the constructed buffers
         drop_output_capturing_hooks(skeleton)
