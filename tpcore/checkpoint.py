@@ -116,6 +116,21 @@ class Checkpoint:
         """The tensor keys a weight file holds, from its header (safetensors) or its state dict (pickle)."""
         return _safetensors_header(path) if path.suffix == ".safetensors" else self._handle(path).keys()
 
+    def _shapes_of(self, keys: Iterable[str]) -> dict[str, list[int]]:
+        """The stored shapes of tensors ``keys``, from the files' headers (pickles: their mapped state dicts)."""
+        by_file: dict[Path, list[str]] = {}
+        for key in keys:
+            by_file.setdefault(self.files[key], []).append(key)
+        shapes = {}
+        for path, names in by_file.items():
+            if path.suffix == ".safetensors":
+                header = _safetensors_header(path)
+                shapes.update((name, [int(n) for n in header[name]["shape"]]) for name in names)
+            else:
+                handle = self._handle(path)
+                shapes.update((name, list(handle[name].shape)) for name in names)
+        return shapes
+
     def verify(self, keys: Iterable[str]) -> None:
         """Check that the files holding ``keys`` are there and whole, reading no tensor data.
 
@@ -272,7 +287,28 @@ class Checkpoint:
                 f"{type(model).__name__}: {_listing(missing)}"
             )
         self.verify(key for read in reads for key in read.sources.all_keys)
+        self._check_shapes(model, reads)
         return reads
+
+    def _check_shapes(self, model: nn.Module, reads: list[Read]) -> None:
+        """Raise ``ValueError`` where the stored tensors make a model tensor of another shape than the model's
+        (a merged expert tensor missing an expert, weights of another config), reading headers only."""
+        model_tensors = named_tensors(model)
+        lazy = [read for read in reads if read.sources.converted is None]  # converted ones: checked on the rank
+        stored = self._shapes_of(key for read in lazy for key in read.sources.all_keys)
+        for read in lazy:
+            shapes = [[stored[key] for key in group] for group in read.sources.keys]
+            uneven = any(shape != group[0] for group in shapes for shape in group)  # e.g. one expert of another size
+            shape = None if uneven else combined_shape(read.sources, shapes)
+            wanted = tuple(model_tensors[read.name].shape)
+            if shape != wanted:
+                got = "pieces of different shapes" if uneven else f"the shape {shape}"
+                keys = read.sources.all_keys
+                source = repr(keys[0]) if len(keys) == 1 else f"{keys[0]!r} and {len(keys) - 1} more stored tensors"
+                raise ValueError(
+                    f"the checkpoint in {self.directory.name!r} gives {type(model).__name__}'s {read.name!r} "
+                    f"{got} (from {source}), but config.json makes it {wanted}"
+                )
 
     def load_into(
         self, skeleton: nn.Module, reads: list[Read], rank: int, world_size: int, device=None, dtype=None
