@@ -5,6 +5,7 @@ the pieces of the stored tensors that its slice covers."""
 from __future__ import annotations
 
 import pytest
+import rank_helpers
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -207,6 +208,8 @@ def test_an_operation_not_read_lazily_reads_its_sources_whole_and_cuts_them(tmp_
     directory = saved(tmp_path_factory, Dinov2Model, config)
     assert "encoder.layer.0.mlp.weights_in.weight" in stored_keys(directory)
     _, tensors = reference(directory)
+    if "encoder.layer.0.mlp.gate_proj.weight" not in tensors:
+        pytest.skip("this transformers keeps DINOv2's weights_in as saved: nothing is converted")
     checkpoint = Checkpoint(directory)
     model = empty_model(checkpoint.config())
     splits = {name: Split(0) if ".mlp.gate_proj." in name or ".mlp.up_proj." in name else None for name in tensors}
@@ -273,7 +276,7 @@ class MixtralAttention(LlamaPolicy):
         return []
 
 
-def test_parallelize_a_saved_vit_equals_from_pretrained(vit_dir):
+def test_parallelize_a_saved_vit_equals_from_pretrained(vit_dir, rank_pools):
     reference_model, _ = reference(vit_dir)
     pixels = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
@@ -283,6 +286,11 @@ def test_parallelize_a_saved_vit_equals_from_pretrained(vit_dir):
         compare_outputs(want, model(pixel_values=pixels))
     finally:
         model.deparallelize()
+    ranks = rank_pools.get(2).run(
+        rank_helpers.engine_logits_from_checkpoint, str(vit_dir), [ViTPolicy], {"pixel_values": pixels}
+    )
+    for logits in ranks:  # ParallelEngine(2).parallelize(directory) on each rank
+        compare_outputs(want.logits, logits)
 
 
 def test_parallelize_a_saved_moe_model_equals_from_pretrained(tmp_path_factory):

@@ -31,7 +31,7 @@ from torch import nn
 
 from tpcore.conversion import Sources, TargetShapes, combined_shape, model_sources
 from tpcore.skeleton import install_tensors, named_tensors
-from tpcore.slicer import Split, shard, shard_ranges
+from tpcore.slicer import Split, shard_ranges
 
 __all__ = ["Checkpoint", "Read", "is_checkpoint_path"]
 
@@ -203,12 +203,7 @@ class Checkpoint:
             shape = combined_shape(sources, shapes)
             dim = split.dim % len(shape)
             ranges, padding = _split_ranges(split, shape[dim], rank, world_size)
-            pieces = [_combine(sources, take, dim, start, stop, shapes) for start, stop in ranges]
-            if padding:
-                pad_shape = list(pieces[0].shape)
-                pad_shape[dim] = padding
-                pieces.append(pieces[0].new_zeros(pad_shape))
-            tensor = torch.cat(pieces, dim=dim) if len(pieces) > 1 else pieces[0]
+            tensor = _join([_combine(sources, take, dim, start, stop, shapes) for start, stop in ranges], dim, padding)
         if any(tensor is piece for piece in taken):  # one stored piece as read: may be a view of the file
             tensor = _own(tensor, device)
         return tensor
@@ -217,8 +212,8 @@ class Checkpoint:
         """Stored tensor ``key`` (``dim`` ``None``), or its part ``[start, stop)`` along ``dim``, on ``device``."""
         handle = self._handle(self.files[key], device)
         if isinstance(handle, dict):  # a pickle checkpoint, memory-mapped
-            tensor = handle[key]
-            return tensor if dim is None else tensor.narrow(dim, start, stop - start).to(device)
+            tensor = handle[key] if dim is None else handle[key].narrow(dim, start, stop - start)
+            return tensor if device == CPU else tensor.to(device)
         if dim is None:
             return handle.get_tensor(key)
         return handle.get_slice(key)[(slice(None),) * dim + (slice(start, stop),)].to(device)
@@ -243,8 +238,9 @@ class Checkpoint:
         tensor = outputs[converted.output]
         tensor = tensor[0] if isinstance(tensor, list) else tensor
         if read.split is not None:
-            split = read.split
-            tensor = shard(tensor, split.dim % tensor.dim(), rank, world_size, split.n_fused, split.heads, split.pad)
+            dim = read.split.dim % tensor.dim()
+            ranges, padding = _split_ranges(read.split, tensor.shape[dim], rank, world_size)
+            tensor = _join([tensor.narrow(dim, start, stop - start) for start, stop in ranges], dim, padding)
         return _own(tensor, device)
 
     def _stored_dtype(self, key: str, device: torch.device) -> torch.dtype | None:
@@ -341,6 +337,15 @@ def _split_ranges(split: Split, size: int, rank: int, world_size: int) -> tuple[
     """The ``[start, stop)`` ranges of a dimension of ``size`` that ``split`` gives rank ``rank``, and the zero
     rows after them (the one place a checkpoint read asks the slicer)."""
     return shard_ranges(size, rank, world_size, split.n_fused, split.heads, split.pad)
+
+
+def _join(pieces: list[torch.Tensor], dim: int, padding: int) -> torch.Tensor:
+    """``pieces`` concatenated along ``dim``, followed by ``padding`` rows of zeros."""
+    if padding:
+        shape = list(pieces[0].shape)
+        shape[dim] = padding
+        pieces = [*pieces, pieces[0].new_zeros(shape)]
+    return torch.cat(pieces, dim=dim) if len(pieces) > 1 else pieces[0]
 
 
 def _combine(sources: Sources, take, dim: int | None, start: int, stop: int, shapes=None) -> torch.Tensor:

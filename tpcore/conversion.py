@@ -102,6 +102,8 @@ def model_sources(model: nn.Module, stored: Iterable[str], aliases: Mapping[str,
         keys = tuple(tuple(groups[pattern]) for pattern in patterns)
         targets = [first.replace(converter.target_patterns[0], target, 1) for target in converter.target_patterns]
         lazy = _lazy_layout(converter) if len(targets) == 1 else None
+        if lazy is not None and lazy[0] is None and any(len(group) != 1 for group in keys):
+            lazy = None  # concatenating lists of tensors: not a layout read lazily here
         if lazy is not None and first in aliases:
             sources.setdefault(first, Sources(keys, *lazy))
             continue
