@@ -86,6 +86,16 @@ def engine_from_checkpoint(context, directory, input_ids):
     return logits, devices, sum(p.numel() for p in model.parameters())
 
 
+def engine_logits_from_checkpoint(context, directory, policies, inputs):
+    """ParallelEngine with ``policies`` started from a checkpoint directory on this rank: its logits for ``inputs``."""
+    from tpcore import ParallelEngine
+
+    engine = ParallelEngine(context.world_size, context.backend, policies, process_group=context.group)
+    model = engine.parallelize(directory)
+    with torch.inference_mode():
+        return model(**inputs).logits
+
+
 def shm_against_backend(context, tensors):
     """All-reduce and all-gather each tensor (scaled by rank + 1) through tpcore.comm and through the
     group's backend directly; returns both, and whether shared-memory collectives are attached."""

@@ -8,23 +8,29 @@ on a GPU reads safetensors slices straight to its device.
 Pickle checkpoints (``pytorch_model.bin``, sharded or not) are opened with ``weights_only=True``
 (no code in them runs) and memory-mapped where their format allows.
 
-Which slice a rank reads is the :class:`~tpcore.slicer.Split` the policies give the tensor, so a
-tensor read from a file equals the one :func:`~tpcore.slicer.shard` cuts from the whole tensor.
+Which stored tensors make a model tensor is what ``from_pretrained`` would read for it: transformers'
+own conversion mapping renames legacy keys and merges per-expert tensors (:mod:`tpcore.conversion`).
+Which slice a rank reads is the :class:`~tpcore.slicer.Split` the plan gives the model tensor, so a
+tensor read from the files equals the one :func:`~tpcore.slicer.shard` cuts from the whole tensor; a
+tensor merged from several stored ones is read as the pieces of them that its slice covers.
 """
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import math
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
-from tpcore.skeleton import install_tensors
+from tpcore.conversion import Sources, TargetShapes, combined_shape, model_sources
+from tpcore.skeleton import install_tensors, named_tensors
 from tpcore.slicer import Split, shard_ranges
 
 __all__ = ["Checkpoint", "Read", "is_checkpoint_path"]
@@ -36,8 +42,15 @@ CPU = torch.device("cpu")
 #: the torch dtypes of safetensors' floating dtypes that a cast can shrink
 SAFETENSORS_FLOATS = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
-#: one tensor of a model to fill: its name in the model, its key in the checkpoint, how it is cut
-Read = tuple[str, str, Split | None]
+
+class Read(NamedTuple):
+    """One model tensor to fill: its name (of :func:`~tpcore.skeleton.named_tensors`), the stored tensors
+    that make it, and how it is cut (``None``: whole)."""
+
+    name: str
+    sources: Sources
+    split: Split | None
+
 
 #: bits per element of the safetensors dtypes (a dtype not listed here is not size-checked)
 DTYPE_BITS = {
@@ -103,6 +116,21 @@ class Checkpoint:
         """The tensor keys a weight file holds, from its header (safetensors) or its state dict (pickle)."""
         return _safetensors_header(path) if path.suffix == ".safetensors" else self._handle(path).keys()
 
+    def _shapes_of(self, keys: Iterable[str]) -> dict[str, list[int]]:
+        """The stored shapes of tensors ``keys``, from the files' headers (pickles: their mapped state dicts)."""
+        by_file: dict[Path, list[str]] = {}
+        for key in keys:
+            by_file.setdefault(self.files[key], []).append(key)
+        shapes = {}
+        for path, names in by_file.items():
+            if path.suffix == ".safetensors":
+                header = _safetensors_header(path)
+                shapes.update((name, [int(n) for n in header[name]["shape"]]) for name in names)
+            else:
+                handle = self._handle(path)
+                shapes.update((name, list(handle[name].shape)) for name in names)
+        return shapes
+
     def verify(self, keys: Iterable[str]) -> None:
         """Check that the files holding ``keys`` are there and whole, reading no tensor data.
 
@@ -142,35 +170,78 @@ class Checkpoint:
         return self._handles[key]
 
     def read(self, key: str, split: Split | None, rank: int, world_size: int, device=None, dtype=None) -> torch.Tensor:
-        """Rank ``rank``'s part of tensor ``key`` (the slice ``split`` gives it, or all of it) in memory of its
-        own on ``device`` (the CPU by default).
+        """Rank ``rank``'s part of stored tensor ``key`` (the slice ``split`` gives it, or all of it) in memory of
+        its own on ``device`` (the CPU by default); see :meth:`read_tensor`."""
+        return self.read_tensor(Read(key, Sources(((key,),)), split), rank, world_size, device, dtype)
 
-        Off the CPU, safetensors slices land on the device without a copy in host memory where they are
-        contiguous in the file (rows). A tensor that the model's later cast to ``dtype`` would shrink
-        is read to the CPU instead, so the device never holds its wider copy.
+    def read_tensor(self, read: Read, rank: int, world_size: int, device=None, dtype=None) -> torch.Tensor:
+        """Rank ``rank``'s part of the model tensor ``read`` describes, in memory of its own on ``device``.
+
+        Only the pieces of the stored tensors that the slice covers are read: rows ``[a, b)`` along the
+        split dim of a tensor stacked from per-expert tensors are rows ``[a, b)`` of each of them (see
+        :mod:`tpcore.conversion`). Off the CPU, safetensors slices land on the device without a copy in host
+        memory where they are contiguous in the file (rows). A tensor that the model's later cast to ``dtype``
+        would shrink is read to the CPU instead, so the device never holds its wider copy.
         """
         device = torch.device(device) if device is not None else CPU
-        if device != CPU and dtype is not None and _shrinks(self._stored_dtype(key, device), dtype):
+        sources, split = read.sources, read.split
+        first = sources.keys[0][0]
+        if device != CPU and dtype is not None and _shrinks(self._stored_dtype(first, device), dtype):
             device = CPU
+        if sources.converted is not None:
+            return self._read_converted(read, rank, world_size, device)
+        taken: list[torch.Tensor] = []
+
+        def take(key: str, dim: int | None, start: int = 0, stop: int = 0) -> torch.Tensor:
+            taken.append(self._take(key, dim, start, stop, device))
+            return taken[-1]
+
+        if split is None:
+            tensor = _combine(sources, take, None, 0, 0)
+        else:
+            shapes = [[self._stored_shape(key, device) for key in group] for group in sources.keys]
+            shape = combined_shape(sources, shapes)
+            dim = split.dim % len(shape)
+            ranges, padding = _split_ranges(split, shape[dim], rank, world_size)
+            tensor = _join([_combine(sources, take, dim, start, stop, shapes) for start, stop in ranges], dim, padding)
+        if any(tensor is piece for piece in taken):  # one stored piece as read: may be a view of the file
+            tensor = _own(tensor, device)
+        return tensor
+
+    def _take(self, key: str, dim: int | None, start: int, stop: int, device: torch.device) -> torch.Tensor:
+        """Stored tensor ``key`` (``dim`` ``None``), or its part ``[start, stop)`` along ``dim``, on ``device``."""
         handle = self._handle(self.files[key], device)
         if isinstance(handle, dict):  # a pickle checkpoint, memory-mapped
-            tensor = handle[key]
-            if split is None:
-                return _own(tensor, device)
-            take, size = tensor.__getitem__, tensor.shape[split.dim]
-        else:
-            if split is None:
-                return _own(handle.get_tensor(key), device)
-            view = handle.get_slice(key)
-            take, size = view.__getitem__, view.get_shape()[split.dim]
-        ranges, padding = shard_ranges(size, rank, world_size, split.n_fused, split.heads, split.pad)
-        lead = (slice(None),) * split.dim
-        pieces = [take((*lead, slice(start, stop))).to(device) for start, stop in ranges]
-        if padding:
-            shape = list(pieces[0].shape)
-            shape[split.dim] = padding
-            pieces.append(pieces[0].new_zeros(shape))
-        return torch.cat(pieces, dim=split.dim) if len(pieces) > 1 else _own(pieces[0], device)
+            tensor = handle[key] if dim is None else handle[key].narrow(dim, start, stop - start)
+            return tensor if device == CPU else tensor.to(device)
+        if dim is None:
+            return handle.get_tensor(key)
+        return handle.get_slice(key)[(slice(None),) * dim + (slice(start, stop),)].to(device)
+
+    def _stored_shape(self, key: str, device: torch.device) -> list[int]:
+        handle = self._handle(self.files[key], device)
+        return list(handle[key].shape) if isinstance(handle, dict) else list(handle.get_slice(key).get_shape())
+
+    def _read_converted(self, read: Read, rank: int, world_size: int, device: torch.device) -> torch.Tensor:
+        """FALLBACK for operations tpcore does not read lazily: the stored tensors are read whole, transformers'
+        converter makes the model tensor from them, and this rank's slice is cut from it."""
+        converted = read.sources.converted
+        converter = copy.deepcopy(converted.converter)
+        for pattern, group in zip(converted.patterns, read.sources.keys, strict=True):
+            for key in group:
+                converter.add_tensor(
+                    converted.layer_name, key, pattern, functools.partial(self._take, key, None, 0, 0, device)
+                )
+        outputs = converter.convert(
+            converted.layer_name, model=TargetShapes(converted.target_shapes), config=converted.config
+        )
+        tensor = outputs[converted.output]
+        tensor = tensor[0] if isinstance(tensor, list) else tensor
+        if read.split is not None:
+            dim = read.split.dim % tensor.dim()
+            ranges, padding = _split_ranges(read.split, tensor.shape[dim], rank, world_size)
+            tensor = _join([tensor.narrow(dim, start, stop - start) for start, stop in ranges], dim, padding)
+        return _own(tensor, device)
 
     def _stored_dtype(self, key: str, device: torch.device) -> torch.dtype | None:
         """The dtype of tensor ``key`` in its file, read from the header (``None``: not a float a cast can shrink)."""
@@ -179,51 +250,79 @@ class Checkpoint:
             return handle[key].dtype
         return SAFETENSORS_FLOATS.get(handle.get_slice(key).get_dtype())
 
-    def reads(self, model: nn.Module, plan: dict[int, Split]) -> list[Read]:
-        """What to read to fill ``model``'s tensors, cut by ``plan`` (``{id(tensor): Split}``).
+    def reads(self, model: nn.Module, splits: Mapping[str, Split | None]) -> list[Read]:
+        """What to read to fill ``model``'s tensors, cut by ``splits`` (by the names of
+        :func:`~tpcore.skeleton.named_tensors`; a name not there is read whole).
 
-        A tensor is found under any of its names (tied weights are saved once), with or without the
-        model's ``base_model_prefix``. Raises ``KeyError`` naming the parameters the files lack;
-        a buffer they lack keeps the value the model was built with. The files read are checked
-        first (:meth:`verify`), so a missing or truncated one fails here, not on a rank.
+        The stored tensors of each model tensor are the ones ``from_pretrained`` would convert into it
+        (:func:`tpcore.conversion.model_sources`); a tensor is found under any of its names (tied
+        weights are saved once). Raises ``KeyError`` naming the parameters the files lack; a buffer
+        they lack keeps the value the model was built with. The files read are checked first
+        (:meth:`verify`), so a missing or truncated one fails here, not on a rank.
         """
-        names: dict[int, list[str]] = {}
-        kinds: dict[int, bool] = {}
-        for kind, items in ((True, model.named_parameters(remove_duplicate=False)), (False, model.named_buffers())):
-            for name, tensor in items:
-                names.setdefault(id(tensor), []).append(name)
-                kinds.setdefault(id(tensor), kind)
-        prefix = getattr(model, "base_model_prefix", "") or ""
+        aliases: dict[int, list[str]] = {}
+        by_name: dict[str, torch.Tensor] = {}
+        for name, tensor in [
+            *model.named_parameters(remove_duplicate=False),
+            *model.named_buffers(remove_duplicate=False),
+        ]:
+            aliases.setdefault(id(tensor), []).append(name)
+            by_name[name] = tensor
+        found = model_sources(model, self.files, by_name)
+        parameters = {id(tensor) for tensor in model.parameters()}
         reads, missing = [], []
-        for key, aliases in names.items():
-            found = next((c for name in aliases for c in _candidates(name, prefix) if c in self.files), None)
-            if found is not None:
-                reads.append((aliases[0], found, plan.get(key)))
-            elif kinds[key]:
-                missing.append(aliases[0])
+        for name, tensor in named_tensors(model).items():
+            sources = next((found[alias] for alias in aliases[id(tensor)] if alias in found), None)
+            if sources is not None:
+                reads.append(Read(name, sources, splits.get(name)))
+            elif id(tensor) in parameters:
+                missing.append(name)
         if missing:
             raise KeyError(
                 f"the checkpoint in {self.directory.name!r} lacks {len(missing)} parameters of "
                 f"{type(model).__name__}: {_listing(missing)}"
             )
-        self.verify(key for _, key, _ in reads)
+        self.verify(key for read in reads for key in read.sources.all_keys)
+        self._check_shapes(model, reads)
         return reads
+
+    def _check_shapes(self, model: nn.Module, reads: list[Read]) -> None:
+        """Raise ``ValueError`` where the stored tensors make a model tensor of another shape than the model's
+        (a merged expert tensor missing an expert, weights of another config), reading headers only."""
+        model_tensors = named_tensors(model)
+        lazy = [read for read in reads if read.sources.converted is None]  # converted ones: checked on the rank
+        stored = self._shapes_of(key for read in lazy for key in read.sources.all_keys)
+        for read in lazy:
+            shapes = [[stored[key] for key in group] for group in read.sources.keys]
+            uneven = any(shape != group[0] for group in shapes for shape in group)  # e.g. one expert of another size
+            shape = None if uneven else combined_shape(read.sources, shapes)
+            wanted = tuple(model_tensors[read.name].shape)
+            if shape != wanted:
+                got = "pieces of different shapes" if uneven else f"the shape {shape}"
+                keys = read.sources.all_keys
+                source = repr(keys[0]) if len(keys) == 1 else f"{keys[0]!r} and {len(keys) - 1} more stored tensors"
+                raise ValueError(
+                    f"the checkpoint in {self.directory.name!r} gives {type(model).__name__}'s {read.name!r} "
+                    f"{got} (from {source}), but config.json makes it {wanted}"
+                )
 
     def load_into(
         self, skeleton: nn.Module, reads: list[Read], rank: int, world_size: int, device=None, dtype=None
     ) -> None:
-        """Read this rank's tensors onto ``device`` (see :meth:`read`) and put them into ``skeleton``
+        """Read this rank's tensors onto ``device`` (see :meth:`read_tensor`) and put them into ``skeleton``
         (already split, weights on meta)."""
         expected = {name: tensor.shape for name, tensor in [*skeleton.named_parameters(), *skeleton.named_buffers()]}
         tensors = {}
-        for name, key, split in reads:
-            tensor = self.read(key, split, rank, world_size, device, dtype)
-            if name in expected and tensor.shape != expected[name]:
+        for read in reads:
+            tensor = self.read_tensor(read, rank, world_size, device, dtype)
+            if read.name in expected and tensor.shape != expected[read.name]:
+                keys = read.sources.all_keys
+                stored = repr(keys[0]) if len(keys) == 1 else f"{keys[0]!r} and {len(keys) - 1} more stored tensors"
                 raise ValueError(
-                    f"{key!r} in the checkpoint gives rank {rank} a shape {tuple(tensor.shape)}, but the model's "
-                    f"{name!r} needs {tuple(expected[name])}: the weights do not match config.json"
+                    f"{stored} in the checkpoint give rank {rank} a shape {tuple(tensor.shape)}, but the model's "
+                    f"{read.name!r} needs {tuple(expected[read.name])}: the weights do not match config.json"
                 )
-            tensors[name] = tensor
+            tensors[read.name] = tensor
         install_tensors(skeleton, tensors)
         left = [name for name, tensor in skeleton.named_parameters() if tensor.device.type == "meta"]
         if left:
@@ -232,6 +331,53 @@ class Checkpoint:
 
     def close(self) -> None:
         self._handles.clear()
+
+
+def _split_ranges(split: Split, size: int, rank: int, world_size: int) -> tuple[list[tuple[int, int]], int]:
+    """The ``[start, stop)`` ranges of a dimension of ``size`` that ``split`` gives rank ``rank``, and the zero
+    rows after them (the one place a checkpoint read asks the slicer)."""
+    return shard_ranges(size, rank, world_size, split.n_fused, split.heads, split.pad)
+
+
+def _join(pieces: list[torch.Tensor], dim: int, padding: int) -> torch.Tensor:
+    """``pieces`` concatenated along ``dim``, followed by ``padding`` rows of zeros."""
+    if padding:
+        shape = list(pieces[0].shape)
+        shape[dim] = padding
+        pieces = [*pieces, pieces[0].new_zeros(shape)]
+    return torch.cat(pieces, dim=dim) if len(pieces) > 1 else pieces[0]
+
+
+def _combine(sources: Sources, take, dim: int | None, start: int, stop: int, shapes=None) -> torch.Tensor:
+    """Part ``[start, stop)`` along ``dim`` (``None``: all) of the tensor ``sources`` make, reading each stored
+    tensor's part with ``take(key, dim, start, stop)`` (``dim`` ``None``: the whole stored tensor).
+
+    A concatenation along ``dim`` reads only the groups the range falls in; a stack along ``dim`` reads
+    only the keys it covers, whole; along any other dim every key gives its own rows ``[start, stop)``.
+    """
+    stack, cat = sources.stack_dim, sources.cat_dim
+    parts, offset = [], 0
+    for index, group in enumerate(sources.keys):
+        local = (start, stop)
+        if dim is not None and dim == cat:
+            extent = len(group) if stack == cat else shapes[index][0][cat - (stack is not None and stack < cat)]
+            local = (max(start - offset, 0), min(stop - offset, extent))
+            offset += extent
+            if local[0] >= local[1]:
+                continue
+        parts.append(_group_part(group, stack, dim, *local, take))
+    return torch.cat(parts, dim=cat) if len(parts) > 1 else parts[0]
+
+
+def _group_part(group: tuple[str, ...], stack: int | None, dim: int | None, start: int, stop: int, take):
+    """Part ``[start, stop)`` along ``dim`` of one group of keys, stacked along ``stack`` (``None``: one key)."""
+    if stack is None:
+        (key,) = group
+        return take(key, dim, start, stop)
+    if dim == stack:
+        return torch.stack([take(key, None) for key in group[start:stop]], dim=stack)
+    source_dim = None if dim is None else dim - (dim > stack)
+    return torch.stack([take(key, source_dim, start, stop) for key in group], dim=stack)
 
 
 def _own(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -311,15 +457,6 @@ def _safetensors_header(path: Path) -> dict[str, dict]:
             f"but the file has {size} bytes"
         )
     return header
-
-
-def _candidates(name: str, prefix: str) -> list[str]:
-    """Keys a model tensor may be saved under: as is, without or with the base model's prefix."""
-    if not prefix:
-        return [name]
-    if name.startswith(prefix + "."):
-        return [name, name[len(prefix) + 1 :]]
-    return [name, f"{prefix}.{name}"]
 
 
 def _load_pickle(path: Path) -> dict[str, torch.Tensor]:

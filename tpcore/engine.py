@@ -14,7 +14,7 @@ from tpcore.comm import group_rank
 from tpcore.distributed import bind_device, check_placement, default_backend, device_for, tensor_parallel_group
 from tpcore.precision import cast_model, resolve_dtype
 from tpcore.replacer import TensorReplacer
-from tpcore.skeleton import empty_model, named_tensors
+from tpcore.skeleton import empty_model
 
 __all__ = ["ParallelEngine"]
 
@@ -103,7 +103,7 @@ class ParallelEngine:
         # Fail on bad input (and, from a checkpoint, on missing weights) before joining any process group.
         plan = self._replacer(model, None, fp16, rank=0).split_plan()
         if checkpoint is not None:
-            reads = checkpoint.reads(model, {id(t): plan.splits.get(n) for n, t in named_tensors(model).items()})
+            reads = checkpoint.reads(model, plan.splits)
         device = self.device
         bind_device(device)  # before the group: NCCL and CUDA's context on this rank's GPU
         group = self.create_process_group(self.backend)

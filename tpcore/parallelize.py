@@ -134,7 +134,7 @@ def parallelize(
     replacer = TensorReplacer(model, None, fp16, num_gpus, custom_policies, rank=0, vocab_parallel=vocab_parallel)
     plan = replacer.split_plan()  # validates: raises before any process starts
     if checkpoint is not None:
-        reads = checkpoint.reads(model, _by_id(model, plan))  # checks the files: a missing or truncated one fails here
+        reads = checkpoint.reads(model, plan.splits)  # checks the files: a missing or truncated one fails here
         checkpoint.close()  # the caller keeps no file open while the ranks read
         skeleton = copy.deepcopy(model)  # weights on meta already; keeps the constructed buffers
         drop_output_capturing_hooks(skeleton)
@@ -185,10 +185,6 @@ def _model_without_weights(checkpoint: Checkpoint, model_class) -> nn.Module:
 
         model.generation_config = GenerationConfig.from_pretrained(checkpoint.directory)
     return model
-
-
-def _by_id(model: nn.Module, plan: ShardPlan) -> dict:
-    return {id(tensor): plan.splits.get(name) for name, tensor in named_tensors(model).items()}
 
 
 def _send_shards(pool: RankPool, model: nn.Module, skeleton: nn.Module, plan: ShardPlan, dtype, timeout: float) -> None:
