@@ -120,6 +120,63 @@ def test_fused_moe_experts_cut_on_their_intermediate_dim_sum_to_the_whole_expert
 @FAST
 @given(
     world=worlds,
+    experts=st.integers(1, 3),
+    hidden=st.integers(1, 5),
+    inter_per_rank=st.integers(1, 3),
+    tokens=st.integers(1, 4),
+    seed=seeds,
+)
+def test_element_interleaved_moe_gate_up_with_biases_sums_to_the_whole_experts(
+    world, experts, hidden, inter_per_rank, tokens, seed
+):
+    """GPT-OSS stores ``gate_up_proj (E, H, 2I)`` with gate and up interleaved (``[..., ::2]``, ``[..., 1::2]``)
+    and a bias ``(E, 2I)``: ``interleaved`` with ``heads=I`` of ``n_fused=2`` on dim -1, the bias on dim -1;
+    ``down_proj (E, I, H)`` row parallel on dim 1, its bias ``(E, H)`` whole, added once after the sum."""
+    inter = inter_per_rank * world
+    config = SimpleNamespace(intermediate_size=inter)
+    gate_up, gate_up_bias = randn(experts, hidden, 2 * inter, seed=seed), randn(experts, 2 * inter, seed=seed + 1)
+    down, down_bias = randn(experts, inter, hidden, seed=seed + 2), randn(experts, hidden, seed=seed + 3)
+    x, routing = randn(tokens, hidden, seed=seed + 4), randn(tokens, experts, seed=seed + 5).softmax(-1)
+
+    def experts_forward(gate_up, gate_up_bias, down, down_bias):
+        out = torch.zeros(tokens, hidden)
+        for e in range(experts):
+            both = x @ gate_up[e] + gate_up_bias[e]
+            out += routing[:, e, None] * (
+                (nn.functional.silu(both[..., ::2]) * both[..., 1::2]) @ down[e] + down_bias[e]
+            )
+        return out
+
+    gate_up_layer = Layer(
+        weight="experts.gate_up_proj",
+        bias="experts.gate_up_proj_bias",
+        dim=-1,
+        bias_dim=-1,
+        n_fused=2,
+        interleaved=True,
+        heads="intermediate_size",
+    )
+    gate_up_split, gate_up_bias_split = gate_up_layer.splits(COLUMN, config)
+    down_split, down_bias_split = Layer(weight="experts.down_proj", bias="experts.down_proj_bias", dim=1).splits(
+        ROW, config
+    )
+    assert down_bias_split is None
+    no_bias = torch.zeros_like(down_bias)
+    partial = [
+        experts_forward(
+            gate_up_split.shard(gate_up, rank, world),
+            gate_up_bias_split.shard(gate_up_bias, rank, world),
+            down_split.shard(down, rank, world),
+            no_bias,
+        )
+        for rank in range(world)
+    ]
+    assert_close(sum(partial) + routing @ down_bias, experts_forward(gate_up, gate_up_bias, down, down_bias))
+
+
+@FAST
+@given(
+    world=worlds,
     heads_per_rank=st.integers(1, 2),
     head_dim=st.integers(1, 3),
     d_model=st.integers(1, 5),
