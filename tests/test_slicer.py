@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections import Counter
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tpcore import Layer, ShardingError
-from tpcore.slicer import COLUMN, ROW, TensorSlicer, check_divisible, shard, shard_ranges, split_dims
+from tpcore.slicer import COLUMN, ROW, Split, TensorSlicer, check_divisible, shard, shard_ranges, split_dims
 
 FAST = settings(max_examples=40, deadline=None)
 
@@ -321,3 +322,106 @@ def test_a_padded_split_refuses_fused_tensors_and_heads():
         shard(torch.zeros(6, 2), 0, 0, 2, n_fused=3, pad=True)
     with pytest.raises(ValueError, match="padded"):
         shard_ranges(6, 0, 2, heads=2, pad=True)
+
+
+# -- Split: check, ranges, shard_size for every layout ------------------------------------------
+
+head_numbers = st.integers(1, 6)
+splits = st.one_of(
+    st.builds(lambda n_fused, heads: Split(0, n_fused, heads), st.integers(1, 3), st.none() | head_numbers),
+    st.lists(head_numbers, min_size=2, max_size=3).map(lambda parts: Split(0, parts=tuple(parts))),
+    st.builds(lambda n, heads: Split(0, n, heads, interleaved=True), st.integers(1, 3), head_numbers),
+    st.just(Split(0, pad=True)),
+)
+
+
+def whole_heads(heads: int, world: int) -> bool:
+    return heads % world == 0 if heads >= world else world % heads == 0
+
+
+def accepts(split: Split, size: int, world: int) -> bool:
+    """Whether ``size`` cuts into whole pieces (heads) over ``world`` ranks, restated from the layouts' rules."""
+    if split.pad:
+        return True
+    if split.parts:
+        return size % sum(split.parts) == 0 and all(whole_heads(p, world) for p in split.parts)
+    if split.interleaved:
+        return size % (split.heads * split.n_fused) == 0 and whole_heads(split.heads, world)
+    if split.heads:
+        return size % (split.n_fused * split.heads) == 0 and whole_heads(split.heads, world)
+    return size % (split.n_fused * world) == 0
+
+
+@settings(max_examples=150, deadline=None)
+@given(split=splits, size=st.integers(0, 48), world=worlds)
+def test_what_check_accepts_cuts_into_equal_pieces_and_what_it_refuses_names_the_size(split, size, world):
+    if not accepts(split, size, world):
+        for attempt in (
+            lambda: split.check(size, world),
+            lambda: split.ranges(size, world - 1, world),
+            lambda: split.shard_size(size, world),
+        ):
+            with pytest.raises(ShardingError) as info:
+                attempt()
+            assert mentions(str(info.value), size)
+        return
+    split.check(size, world)
+    tensor = torch.arange(float(size))[:, None].expand(size, 2)
+    piece_size = split.shard_size(size, world)
+    covered = Counter()
+    for rank in range(world):
+        ranges, padding = split.ranges(size, rank, world)
+        assert sum(stop - start for start, stop in ranges) + padding == piece_size
+        assert all(0 <= start <= stop <= size for start, stop in ranges)
+        assert all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:], strict=False))  # in order, disjoint
+        covered.update(i for start, stop in ranges for i in range(start, stop))
+        assert split.shard(tensor, rank, world).shape == (piece_size, 2)
+    assert set(covered) == set(range(size))  # nothing is lost
+    replicated = [h for h in (split.parts or (split.heads,)) if h is not None and h < world]
+    if not replicated:  # then nothing is held twice
+        assert set(covered.values()) <= {1}
+
+
+@pytest.mark.parametrize(
+    ("split", "message"),
+    [
+        (Split(0, parts=(2, 2), heads=2), "take no heads"),
+        (Split(0, n_fused=2, parts=(2, 2, 2)), "take no heads, interleaving or n_fused"),
+        (Split(0, parts=(2, 0)), "must be positive head counts"),
+        (Split(0, n_fused=3, interleaved=True), "interleaved split needs heads"),
+        (Split(0, pad=True, n_fused=2), "padded"),
+        (Split(0, heads=0), "heads"),
+        (Split(0, n_fused=0), "n_fused"),
+    ],
+)
+def test_a_malformed_split_is_a_value_error_not_a_sharding_error(split, message):
+    with pytest.raises(ValueError, match=message) as info:
+        split.check(12, 2)
+    assert not isinstance(info.value, ShardingError)
+
+
+@FAST
+@given(ndim=st.integers(1, 4), world=worlds, data=st.data(), seed=seeds)
+def test_a_negative_dim_counts_from_the_end_of_a_tensor_of_any_rank(ndim, world, data, seed):
+    dim = data.draw(st.integers(-ndim, -1), label="dim")
+    shape = [2] * ndim
+    shape[dim] = 2 * world
+    tensor = randn(*shape, seed=seed)
+    assert Split(dim).resolved(ndim) == Split(dim + ndim)
+    for rank in range(world):
+        assert torch.equal(Split(dim, 2).shard(tensor, rank, world), Split(dim + ndim, 2).shard(tensor, rank, world))
+    with pytest.raises(ShardingError, match=rf"split dim {-ndim - 1} is outside a tensor of {ndim} dimensions"):
+        Split(-ndim - 1).shard(tensor, 0, world)
+
+
+def test_heads_that_divide_the_size_but_not_the_ranks_are_refused():
+    # 6 heads of 4 over 4 ranks: 24 divides by 4, but a rank would hold 1.5 heads
+    with pytest.raises(ShardingError, match="size 24: 6 heads cannot be split evenly over 4 ranks"):
+        Split(0, heads=6).check(24, 4)
+    with pytest.raises(ShardingError, match="size 12: 3 heads can be neither split nor replicated evenly over 4"):
+        Split(0, heads=3).check(12, 4)
+
+
+def test_the_old_functions_are_the_split_methods():
+    assert shard_ranges(12, 1, 2, 3) == Split(0, 3).ranges(12, 1, 2) == ([(2, 4), (6, 8), (10, 12)], 0)
+    assert shard_ranges(8, 3, 4, heads=2) == Split(0, heads=2).ranges(8, 3, 4) == ([(4, 8)], 0)

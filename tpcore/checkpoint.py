@@ -31,7 +31,7 @@ from torch import nn
 
 from tpcore.conversion import Sources, TargetShapes, combined_shape, model_sources
 from tpcore.skeleton import install_tensors, named_tensors
-from tpcore.slicer import Split, shard_ranges
+from tpcore.slicer import Split
 
 __all__ = ["Checkpoint", "Read", "is_checkpoint_path"]
 
@@ -336,7 +336,7 @@ class Checkpoint:
 def _split_ranges(split: Split, size: int, rank: int, world_size: int) -> tuple[list[tuple[int, int]], int]:
     """The ``[start, stop)`` ranges of a dimension of ``size`` that ``split`` gives rank ``rank``, and the zero
     rows after them (the one place a checkpoint read asks the slicer)."""
-    return shard_ranges(size, rank, world_size, split.n_fused, split.heads, split.pad)
+    return split.ranges(size, rank, world_size)
 
 
 def _join(pieces: list[torch.Tensor], dim: int, padding: int) -> torch.Tensor:

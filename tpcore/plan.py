@@ -236,6 +236,7 @@ class ShardPlan:
                 raise self.error(
                     f"tensor {full_path!r} of shape {tuple(tensor.shape)}, split along dim {split.dim}", str(error)
                 ) from None
+            split = split.resolved(tensor.dim())
             name = first_name[id(tensor)]
             earlier = self.splits.setdefault(name, split)
             if earlier != split:  # one tensor (tied) reached twice, cut two ways

@@ -18,12 +18,20 @@ How the split is done lives in :mod:`tpcore.slicer` and :mod:`tpcore.layers`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from torch import nn
 
-__all__ = ["Layer", "Policy", "ShardingError", "divide"]
+if TYPE_CHECKING:
+    from tpcore.slicer import Split
+
+__all__ = ["COLUMN", "ROW", "Layer", "Policy", "ShardingError", "divide"]
+
+#: Parallel styles: column splits a layer's output features, row its input features.
+COLUMN = "column"
+ROW = "row"
 
 
 class ShardingError(ValueError):
@@ -37,6 +45,15 @@ def divide(value: int, world_size: int, what: str) -> int:
     return value // world_size
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_count(value: Any) -> bool:
+    """A head count as a policy gives it: a positive int or the name of a config attribute."""
+    return (_is_int(value) and value >= 1) or (isinstance(value, str) and bool(value))
+
+
 @dataclass(frozen=True)
 class Layer:
     """One parallelizable tensor pair of a layer, named by attribute paths relative to the layer.
@@ -45,33 +62,147 @@ class Layer:
         weight: path of the weight, e.g. ``"attention.self.query.weight"``.
         bias: path of the bias, or ``None``.
         n_fused: how many tensors are packed along the split dimension (3 for a fused q|k|v);
-            each is split separately and rank ``r`` gets the ``r``-th piece of every one.
-        reversed: the weight is stored ``(in, out)`` (HF ``Conv1D``) instead of ``(out, in)``;
-            flips the weight's split dimension for this tensor only.
+            each is split separately and rank ``r`` gets the ``r``-th piece of every one. With
+            ``interleaved``: how many tensors each head packs.
+        reversed: alias of ``transposed``.
         replace: module class to give the module owning ``weight`` (row groups default to the
-            parallel layer that matches the module's type, see :mod:`tpcore.layers`).
-        ignore_checker: a missing ``weight`` is skipped instead of raising.
-        heads: name of the config attribute holding how many heads the tensor packs, for
-            tensors that may hold fewer heads than there are ranks (grouped-query key/value
+            parallel layer that matches the module's type, see :mod:`tpcore.layers`), or a function
+            of that module giving its class (:func:`tpcore.layers.column_split_norm_class`).
+        ignore_checker: alias of ``optional``.
+        heads: how many heads each packed tensor holds, an int or the name of a config attribute,
+            for tensors that may hold fewer heads than there are ranks (grouped-query key/value
             projections): those heads are then replicated so each rank holds whole groups.
+            Also makes the split check that every rank holds whole heads.
+        dim: the weight's split dimension, for tensors of any rank (negative counts from the end);
+            overrides the column/row default (``(E, 2I, H)`` MoE experts: 1; ``(entries, heads)``: -1).
+        bias_dim: the bias's split dimension in a column group (default 0); a row bias stays whole.
+        parts: head counts of unequal packed tensors, each an int or a config attribute name
+            (``("num_attention_heads", "num_key_value_heads", "num_key_value_heads")`` for a
+            grouped-query q|k|v); each part is cut by its own heads, rank ``r`` gets ``[Q_r | K_r | V_r]``.
+        interleaved: the tensor packs whole heads one after another, each holding its ``n_fused``
+            tensors (``[q0 k0 v0 | q1 k1 v1 | ...]``); needs ``heads``.
+        transposed: the weight is stored ``(in, out)`` (HF ``Conv1D``) instead of ``(out, in)``;
+            flips the weight's split dimension for this tensor only.
+        optional: a missing ``weight`` is skipped instead of raising.
+
+    Each alias pair is one attribute under two names: setting either sets both, setting both to
+    different values is a :class:`ValueError` (so ``dataclasses.replace`` must change both).
     """
 
     weight: str | None = None
     bias: str | None = None
     n_fused: int = 1
-    reversed: bool = False
-    replace: type[nn.Module] | None = None
-    ignore_checker: bool = False
-    heads: str | None = None
+    reversed: bool | None = None
+    replace: type[nn.Module] | Callable[[nn.Module], type[nn.Module]] | None = None
+    ignore_checker: bool | None = None
+    heads: str | int | None = None
+    dim: int | None = None
+    bias_dim: int | None = None
+    parts: tuple[str | int, ...] | None = None
+    interleaved: bool = False
+    transposed: bool | None = None
+    optional: bool | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.n_fused, int) or self.n_fused < 1:
+        self._alias("transposed", "reversed")
+        self._alias("optional", "ignore_checker")
+        if isinstance(self.parts, list):
+            object.__setattr__(self, "parts", tuple(self.parts))
+        name = f"Layer({self.weight!r})"
+        for field in ("weight", "bias"):
+            if getattr(self, field) is not None and not isinstance(getattr(self, field), str):
+                raise TypeError(f"{name}.{field} must be an attribute path (str), got {getattr(self, field)!r}")
+        if not _is_int(self.n_fused) or self.n_fused < 1:
             raise ValueError(f"Layer.n_fused must be a positive int, got {self.n_fused!r}")
+        for field in ("dim", "bias_dim"):
+            if getattr(self, field) is not None and not _is_int(getattr(self, field)):
+                raise TypeError(f"{name}.{field} must be an int, got {getattr(self, field)!r}")
+        if self.heads is not None and not _is_count(self.heads):
+            raise TypeError(f"{name}.heads must be a positive int or a config attribute name, got {self.heads!r}")
+        if not isinstance(self.interleaved, bool):
+            raise TypeError(f"{name}.interleaved must be a bool, got {self.interleaved!r}")
+        replace = self.replace
+        if replace is not None and not (
+            isinstance(replace, type) and issubclass(replace, nn.Module) or callable(replace)
+        ):
+            raise TypeError(f"{name}.replace must be an nn.Module subclass or a function giving one, got {replace!r}")
+        if self.parts is not None:
+            if not isinstance(self.parts, tuple) or len(self.parts) < 2 or not all(map(_is_count, self.parts)):
+                raise ValueError(
+                    f"{name}.parts must list the head counts (ints or config attribute names) of at least two "
+                    f"packed tensors, got {self.parts!r}; one tensor's heads go in heads="
+                )
+            if self.heads is not None or self.interleaved:
+                raise ValueError(f"{name}: parts give each packed tensor's heads; drop heads= and interleaved=")
+            if self.n_fused not in (1, len(self.parts)):
+                raise ValueError(f"{name}: n_fused={self.n_fused} disagrees with the {len(self.parts)} parts")
+        if self.interleaved and self.heads is None:
+            raise ValueError(f"{name}: an interleaved pack needs heads= (how many heads it interleaves)")
+        if self.dim is not None and self.transposed:
+            raise ValueError(f"{name}: dim= fixes the split dimension; transposed/reversed would have no effect")
+        if self.bias_dim is not None and self.bias is None:
+            raise ValueError(f"{name}: bias_dim= without a bias")
+
+    def _alias(self, name: str, old: str) -> None:
+        """Make ``name`` and its old spelling ``old`` one bool attribute (``False`` unless set)."""
+        given = {value for value in (getattr(self, name), getattr(self, old)) if value is not None}
+        if len(given) > 1:
+            raise ValueError(
+                f"Layer({self.weight!r}): {name}={getattr(self, name)!r} and its alias {old}="
+                f"{getattr(self, old)!r} disagree"
+            )
+        value = given.pop() if given else False
+        if not isinstance(value, bool):
+            raise TypeError(f"Layer({self.weight!r}).{name} must be a bool, got {value!r}")
+        object.__setattr__(self, name, value)
+        object.__setattr__(self, old, value)
 
     @property
     def module_path(self) -> str:
         """Path of the module that owns ``weight`` (``""`` for the layer itself)."""
         return self.weight.rpartition(".")[0] if self.weight else ""
+
+    def dims(self, style: str) -> tuple[int, int | None]:
+        """Split dimensions ``(weight_dim, bias_dim)`` in a ``style`` group (``None``: the bias stays whole).
+
+        Column parallel splits the output features, row parallel the input features; an ``(out, in)``
+        weight (``nn.Linear``) has them at dims 0 and 1, a ``transposed`` ``(in, out)`` weight (``Conv1D``)
+        at 1 and 0; ``dim`` overrides both. A column bias is split along ``bias_dim`` (default 0);
+        a row bias is not split: it is added once, after the all-reduce.
+        """
+        if style not in (COLUMN, ROW):
+            raise ValueError(f"unknown parallel style {style!r}")
+        out_dim, in_dim = (1, 0) if self.transposed else (0, 1)
+        if style == COLUMN:
+            return (out_dim if self.dim is None else self.dim), (self.bias_dim or 0)
+        if self.bias_dim is not None:
+            raise ValueError(f"Layer({self.weight!r}): a row-parallel bias is added whole; bias_dim does not apply")
+        return (in_dim if self.dim is None else self.dim), None
+
+    def splits(self, style: str, config: Any = None) -> tuple[Split, Split | None]:
+        """The :class:`~tpcore.slicer.Split` of the weight and of the bias (``None``: kept whole) in a
+        ``style`` group, with ``heads`` and ``parts`` names read from ``config``, the config of the
+        sub-model the layer belongs to. The bias follows the weight's layout (fused, heads, parts).
+        """
+        from tpcore.slicer import Split  # the slicer imports this module
+
+        weight_dim, bias_dim = self.dims(style)
+        heads = None if self.heads is None else self._count(self.heads, config, "heads")
+        parts = None if self.parts is None else tuple(self._count(part, config, "parts") for part in self.parts)
+        layout = {"n_fused": self.n_fused, "heads": heads, "parts": parts, "interleaved": self.interleaved}
+        return Split(weight_dim, **layout), (None if bias_dim is None else Split(bias_dim, **layout))
+
+    def _count(self, value: str | int, config: Any, field: str) -> int:
+        """A head count: ``value`` itself, or the config attribute it names."""
+        if _is_int(value):
+            return value
+        count = getattr(config, value, None)
+        if not _is_int(count) or count < 1:
+            found = "lacks it" if count is None else f"holds {count!r}, not a positive int"
+            raise ShardingError(
+                f"Layer {self.weight!r} names {field} {value!r}, but the config {type(config).__name__} {found}"
+            )
+        return count
 
 
 class Policy:
@@ -144,19 +275,3 @@ class Policy:
         """Whether ``module`` is an instance of exactly this policy's layer class."""
         kind = type(module)
         return f"{kind.__module__}.{kind.__qualname__}" == cls.layer_class_name()
-
-
-# -- interim (the layout-words branch replaces this) --
-def _splits(self, style, config):
-    from tpcore.slicer import Split, split_dims
-
-    weight_dim, bias_dim = split_dims(style, self)
-    heads = None
-    if self.heads is not None:
-        heads = getattr(config, self.heads, None)
-        if not isinstance(heads, int):
-            raise ShardingError(f"Layer {self.weight!r} names heads={self.heads!r}, which the config lacks")
-    return Split(weight_dim, self.n_fused, heads), None if bias_dim is None else Split(bias_dim, self.n_fused, heads)
-
-
-Layer.splits = _splits

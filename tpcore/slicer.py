@@ -1,17 +1,28 @@
 """TensorSlicer: pure functions from a whole tensor to one rank's shard. No I/O, no env, no state.
 
-A tensor of size ``S`` along the split dimension that packs ``n_fused`` tensors (q|k|v) is first
-cut into ``n_fused`` blocks of ``S / n_fused``; each block is cut into ``world_size`` pieces and
-rank ``r`` keeps piece ``r`` of every block, concatenated along the same dimension::
+A :class:`Split` says how one dimension of size ``S`` is cut over ``N`` ranks. It sees the dimension
+as consecutive *segments*, each made of equal *units* (heads, or just pieces), and rank ``r`` keeps,
+from every segment, in order, a contiguous run of its units:
 
-    [Q | K | V]  --rank r-->  [Q_r | K_r | V_r]       each of size S / (n_fused * world_size)
+- a segment of ``u >= N`` units (``u % N == 0``) gives rank ``r`` the units ``[r u / N, (r + 1) u / N)``;
+- a segment of ``u < N`` units (``N % u == 0``) is replicated whole-unit-wise: rank ``r`` keeps unit
+  ``r u // N``, so each unit lives on the ``N / u`` consecutive ranks whose query heads use it.
 
-so a rank's fused output still splits into its own q, k and v heads.
+The layouts are ways to name the segments:
 
-A tensor that packs fewer heads than there are ranks (grouped-query attention with 2 key/value
-heads on 4 ranks) is split into its ``heads`` pieces instead, and rank ``r`` keeps piece
-``r * heads // world_size``: each head is replicated on ``world_size / heads`` consecutive ranks,
-exactly the ranks whose query heads use it.
+==========================  ==============================  ===================================
+split                       segments                        units per segment
+==========================  ==============================  ===================================
+plain (``n_fused=1``)       the whole dimension             ``N`` pieces
+``n_fused=k`` (q|k|v)       ``k`` blocks of ``S / k``       ``N`` pieces, or ``heads`` heads
+``parts=(p1, ..., pk)``     ``k`` blocks of ``pi S / sum``  ``pi`` heads (head size ``S / sum``)
+``interleaved`` (``heads``) the whole dimension             ``heads`` groups of ``n_fused`` tensors
+==========================  ==============================  ===================================
+
+So a fused ``[Q | K | V]`` gives rank ``r`` the piece ``[Q_r | K_r | V_r]`` (its fused output still
+splits into its own q, k and v), a multi-query pack ``parts=(32, 1, 1)`` gives every rank its
+query heads and the one key and value head, and a head-interleaved ``[q0 k0 v0 | q1 k1 v1 | ...]``
+gives rank ``r`` its whole heads, each with its q, k and v: one contiguous block.
 
 A vocabulary (embedding rows, LM-head rows) rarely divides by the world size (GPT-2 has 50257
 tokens), so it is ``pad``-ded instead: every rank holds ``ceil(V / N)`` rows, rank ``r`` the rows
@@ -21,63 +32,153 @@ tokens), so it is ``pad``-ded instead: every rank holds ``ceil(V / N)`` rows, ra
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import torch
 
-from tpcore.policy import Layer, ShardingError
+from tpcore.policy import COLUMN, ROW, Layer, ShardingError
 
 __all__ = ["COLUMN", "ROW", "Split", "TensorSlicer", "check_divisible", "shard", "shard_ranges", "split_dims"]
 
-COLUMN = "column"
-ROW = "row"
-
-
-def check_divisible(size: int, world_size: int, n_fused: int = 1, heads: int | None = None) -> None:
-    """Raise :class:`ShardingError` unless ``size`` splits into ``n_fused * world_size`` equal pieces
-    (or, for a tensor of ``heads`` heads with ``world_size % heads == 0``, into ``n_fused * heads``)."""
-    if world_size < 1 or n_fused < 1:
-        raise ValueError(f"world_size ({world_size}) and n_fused ({n_fused}) must be at least 1")
-    if heads is not None and heads < world_size:
-        if world_size % heads:
-            raise ShardingError(f"{heads} heads can be neither split nor replicated evenly over {world_size} ranks")
-        world_size = heads
-    pieces = n_fused * world_size
-    if size % pieces:
-        fused = f" ({n_fused} fused tensors x {world_size} ranks)" if n_fused > 1 else ""
-        raise ShardingError(f"size {size} cannot be split into {pieces} equal pieces{fused}")
-
 
 class Split(NamedTuple):
-    """How one tensor is cut: along ``dim``, packing ``n_fused`` tensors, with ``heads`` (replicated
-    when fewer than the ranks) or ``pad``-ded to equal pieces (vocabularies); see the module docstring."""
+    """How one tensor is cut along ``dim`` (any rank; negative counts from the end), see the module docstring.
+
+    Args:
+        dim: the dimension to cut.
+        n_fused: tensors packed along ``dim`` (3 for q|k|v); with ``interleaved``, tensors per head.
+        heads: heads in each packed tensor (replicated when fewer than the ranks); required by ``interleaved``.
+        pad: pad to ``ceil(S / N)`` per rank instead of requiring ``N`` to divide ``S`` (vocabularies).
+        parts: head counts of unequal packed tensors (``(32, 8, 8)`` for q|k|v with 8 KV heads).
+        interleaved: heads packed one after another, each holding its ``n_fused`` tensors.
+    """
 
     dim: int
     n_fused: int = 1
     heads: int | None = None
     pad: bool = False
+    parts: tuple[int, ...] | None = None
+    interleaved: bool = False
+
+    def ranges(self, size: int, rank: int, world_size: int) -> tuple[list[tuple[int, int]], int]:
+        """Which part of a dimension of ``size`` rank ``rank`` holds: the ``[start, stop)`` ranges to
+        concatenate, in order, and how many zero rows follow them (``pad`` only)."""
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside a world of {world_size}")
+        if self.pad:
+            self._validate(world_size)
+            piece = -(-size // world_size)
+            start = min(rank * piece, size)
+            stop = min(start + piece, size)
+            return [(start, stop)], piece - (stop - start)
+        ranges = []
+        for offset, length, units in self._segments(size, world_size):
+            unit = length // units
+            if units >= world_size:
+                per_rank = units // world_size
+                first, count = rank * per_rank, per_rank
+            else:  # fewer units than ranks: replicate whole units
+                first, count = rank * units // world_size, 1
+            ranges.append((offset + first * unit, offset + (first + count) * unit))
+        return ranges, 0
+
+    def check(self, size: int, world_size: int) -> None:
+        """Raise :class:`ShardingError` (naming ``size``) unless a dimension of ``size`` cuts into equal
+        whole-unit pieces over ``world_size`` ranks; :class:`ValueError` if the split itself is malformed."""
+        if self.pad:
+            self._validate(world_size)
+        else:
+            self._segments(size, world_size)
+
+    def shard_size(self, size: int, world_size: int) -> int:
+        """The size every rank's piece of a dimension of ``size`` has (checked first)."""
+        ranges, padding = self.ranges(size, 0, world_size)
+        return sum(stop - start for start, stop in ranges) + padding
+
+    def shard(self, tensor: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+        """Rank ``rank``'s contiguous shard of ``tensor``; owns its memory (the whole tensor can be freed)."""
+        dim = self.resolved(tensor.dim()).dim
+        ranges, padding = self.ranges(tensor.shape[dim], rank, world_size)
+        pieces = [tensor.narrow(dim, start, stop - start) for start, stop in ranges]
+        if padding:
+            pieces.append(tensor.new_zeros(tensor.shape[:dim] + (padding,) + tensor.shape[dim + 1 :]))
+        # cat copies; a lone piece is a view, cloned so that the whole tensor can be freed
+        if len(pieces) > 1:
+            return torch.cat(pieces, dim=dim)
+        return pieces[0].clone(memory_format=torch.contiguous_format)
+
+    def resolved(self, ndim: int) -> Split:
+        """This split with ``dim`` counted from the front of a tensor of ``ndim`` dimensions."""
+        if not -ndim <= self.dim < ndim:
+            raise ShardingError(f"split dim {self.dim} is outside a tensor of {ndim} dimensions")
+        return self._replace(dim=self.dim % ndim)
+
+    def _validate(self, world_size: int) -> None:
+        """Raise :class:`ValueError` for a malformed split or world, before any size is looked at."""
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size ({world_size}) must be a positive int")
+        if not isinstance(self.n_fused, int) or self.n_fused < 1:
+            raise ValueError(f"n_fused ({self.n_fused}) must be a positive int")
+        if self.heads is not None and (not isinstance(self.heads, int) or self.heads < 1):
+            raise ValueError(f"heads ({self.heads}) must be a positive int")
+        if self.parts is not None:
+            if not self.parts or not all(isinstance(p, int) and p >= 1 for p in self.parts):
+                raise ValueError(f"parts {self.parts} must be positive head counts")
+            if self.heads is not None or self.interleaved or self.n_fused not in (1, len(self.parts)):
+                raise ValueError(
+                    f"parts {self.parts} give the head counts; they take no heads, interleaving or n_fused"
+                )
+        if self.interleaved and self.heads is None:
+            raise ValueError("an interleaved split needs heads (how many heads the tensor interleaves)")
+        if self.pad and (self.n_fused != 1 or self.heads is not None or self.parts or self.interleaved):
+            raise ValueError("a padded split packs one tensor and no heads")
+
+    def _segments(self, size: int, world_size: int) -> list[tuple[int, int, int]]:
+        """``(offset, length, units)`` of each segment of a dimension of ``size`` (module docstring), checked."""
+        self._validate(world_size)
+        if self.parts is not None:
+            counts = list(self.parts)
+            head_size, rest = divmod(size, sum(counts))
+            if rest:
+                raise ShardingError(f"size {size} cannot be split into {sum(counts)} heads (parts {self.parts})")
+            lengths = [count * head_size for count in counts]
+        elif self.interleaved:
+            counts, lengths = [self.heads], [size]
+            if size % (self.heads * self.n_fused):
+                raise ShardingError(
+                    f"size {size} cannot be split into {self.heads} heads of {self.n_fused} interleaved tensors"
+                )
+        else:
+            counts = [self.heads or world_size] * self.n_fused
+            pieces = self.n_fused * counts[0]
+            if size % pieces:
+                what = "heads" if self.heads else "ranks"
+                fused = f" ({self.n_fused} fused tensors x {counts[0]} {what})" if self.n_fused > 1 else ""
+                raise ShardingError(f"size {size} cannot be split into {pieces} equal pieces{fused}")
+            lengths = [size // self.n_fused] * self.n_fused
+        for count in counts:
+            if count >= world_size and count % world_size:
+                raise ShardingError(f"size {size}: {count} heads cannot be split evenly over {world_size} ranks")
+            if count < world_size and world_size % count:
+                raise ShardingError(
+                    f"size {size}: {count} heads can be neither split nor replicated evenly over {world_size} ranks"
+                )
+        offsets = [sum(lengths[:index]) for index in range(len(lengths))]
+        return list(zip(offsets, lengths, counts, strict=True))
+
+
+def check_divisible(size: int, world_size: int, n_fused: int = 1, heads: int | None = None) -> None:
+    """Raise :class:`ShardingError` unless ``size`` splits into ``n_fused * world_size`` equal pieces
+    (or, for a tensor of ``heads`` heads, into ``n_fused * heads`` and the heads over the ranks)."""
+    Split(0, n_fused, heads).check(size, world_size)
 
 
 def shard_ranges(
     size: int, rank: int, world_size: int, n_fused: int = 1, heads: int | None = None, pad: bool = False
 ) -> tuple[list[tuple[int, int]], int]:
-    """Which part of a dimension of ``size`` rank ``rank`` holds: the ``[start, stop)`` ranges to
-    concatenate, in order, and how many zero rows follow them (``pad`` only)."""
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is outside a world of {world_size}")
-    if pad:
-        if n_fused != 1 or heads is not None:
-            raise ValueError("a padded split packs one tensor and no heads")
-        piece = -(-size // world_size)
-        start = min(rank * piece, size)
-        stop = min(start + piece, size)
-        return [(start, stop)], piece - (stop - start)
-    check_divisible(size, world_size, n_fused, heads)
-    if heads is not None and heads < world_size:  # replicate whole heads
-        rank, world_size = rank * heads // world_size, heads
-    block = size // n_fused
-    piece = block // world_size
-    return [(b * block + rank * piece, b * block + (rank + 1) * piece) for b in range(n_fused)], 0
+    """:meth:`Split.ranges` of ``Split(0, n_fused, heads, pad)``."""
+    return Split(0, n_fused, heads, pad).ranges(size, rank, world_size)
 
 
 def shard(
@@ -89,28 +190,13 @@ def shard(
     heads: int | None = None,
     pad: bool = False,
 ) -> torch.Tensor:
-    """Rank ``rank``'s contiguous shard of ``tensor`` along ``dim`` (see module docstring)."""
-    ranges, padding = shard_ranges(tensor.shape[dim], rank, world_size, n_fused, heads, pad)
-    pieces = [tensor.narrow(dim, start, stop - start) for start, stop in ranges]
-    if padding:
-        pieces.append(tensor.new_zeros(tensor.shape[:dim] + (padding,) + tensor.shape[dim + 1 :]))
-    # cat copies; a lone piece is a view, cloned so that the whole tensor can be freed
-    return torch.cat(pieces, dim=dim) if len(pieces) > 1 else pieces[0].clone(memory_format=torch.contiguous_format)
+    """:meth:`Split.shard` of ``Split(dim, n_fused, heads, pad)``."""
+    return Split(dim, n_fused, heads, pad).shard(tensor, rank, world_size)
 
 
 def split_dims(style: str, layer: Layer) -> tuple[int, int | None]:
-    """Split dimensions ``(weight_dim, bias_dim)`` of ``layer`` in a ``style`` group.
-
-    Column parallel splits the output features, row parallel the input features; an ``(out, in)``
-    weight (``nn.Linear``) has them at dims 0 and 1, a ``reversed`` ``(in, out)`` weight (``Conv1D``)
-    at 1 and 0. A column bias is split along its only dim; a row bias is not split (``None``).
-    """
-    if style not in (COLUMN, ROW):
-        raise ValueError(f"unknown parallel style {style!r}")
-    out_dim, in_dim = (1, 0) if layer.reversed else (0, 1)
-    if style == COLUMN:
-        return out_dim, 0
-    return in_dim, None
+    """Split dimensions ``(weight_dim, bias_dim)`` of ``layer`` in a ``style`` group: :meth:`Layer.dims`."""
+    return layer.dims(style)
 
 
 class TensorSlicer:
@@ -123,46 +209,23 @@ class TensorSlicer:
         self.world_size = world_size
 
     def column_slice(
-        self, layer: Layer, weight: torch.Tensor, bias: torch.Tensor | None, heads: int | None = None
+        self, layer: Layer, weight: torch.Tensor, bias: torch.Tensor | None, heads: int | None = None, config=None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Shard ``weight`` and ``bias`` along the output features (``heads``: see module docstring)."""
-        return self._slice(COLUMN, layer, weight, bias, heads)
+        """Shard ``weight`` and ``bias`` along the output features (``heads`` overrides ``layer.heads``;
+        ``config`` resolves the head counts ``layer`` names)."""
+        return self._slice(COLUMN, layer, weight, bias, heads, config)
 
     def row_slice(
-        self, layer: Layer, weight: torch.Tensor, bias: torch.Tensor | None, heads: int | None = None
+        self, layer: Layer, weight: torch.Tensor, bias: torch.Tensor | None, heads: int | None = None, config=None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Shard ``weight`` along the input features; ``bias`` stays whole (added once after the reduce)."""
-        return self._slice(ROW, layer, weight, bias, heads)
+        return self._slice(ROW, layer, weight, bias, heads, config)
 
-    def _slice(self, style, layer, weight, bias, heads):
-        weight_dim, bias_dim = split_dims(style, layer)
-        weight = shard(weight, weight_dim, self.rank, self.world_size, layer.n_fused, heads)
-        if bias is not None and bias_dim is not None:
-            bias = shard(bias, bias_dim, self.rank, self.world_size, layer.n_fused, heads)
+    def _slice(self, style, layer, weight, bias, heads, config):
+        if heads is not None:
+            layer = dataclasses.replace(layer, heads=heads)
+        weight_split, bias_split = layer.splits(style, config)
+        weight = weight_split.shard(weight, self.rank, self.world_size)
+        if bias is not None and bias_split is not None:
+            bias = bias_split.shard(bias, self.rank, self.world_size)
         return weight, bias
-
-
-# -- interim methods (the layout-words branch replaces this block) --
-def _ranges(self, size, rank, world_size):
-    return shard_ranges(size, rank, world_size, self.n_fused, self.heads, self.pad)
-
-
-def _check(self, size, world_size):
-    if self.pad:
-        return
-    check_divisible(size, world_size, self.n_fused, self.heads)
-
-
-def _shard(self, tensor, rank, world_size):
-    return shard(tensor, self.dim % tensor.dim(), rank, world_size, self.n_fused, self.heads, self.pad)
-
-
-def _shard_size(self, size, world_size):
-    ranges, padding = self.ranges(size, 0, world_size)
-    return sum(stop - start for start, stop in ranges) + padding
-
-
-Split.ranges = _ranges
-Split.check = _check
-Split.shard = _shard
-Split.shard_size = _shard_size
