@@ -29,27 +29,28 @@ from tpcore.samples import (
 from tpcore.testing import EquivalenceError, ModelSpec, check_equivalence, flatten_outputs, parameter_count
 
 
-def test_check_a_class_covered_by_a_tp_plan_passes(capsys):
-    assert main(["check", "Qwen3ForCausalLM", "--world-sizes", "1", "2"]) == 0
+def test_check_a_class_covered_by_a_tp_plan_passes(rank_pools, capsys):
+    assert run_check("Qwen3ForCausalLM", [1, 2], pools=rank_pools) == 0
     out = capsys.readouterr().out
     assert "policy Qwen3DecoderLayer (tp plan of qwen3) from the config tp plan" in out
     assert "1 ranks: PASS" in out and "2 ranks: PASS" in out and out.rstrip().endswith("PASS")
 
 
-def test_check_a_saved_model_directory_names_the_plugin(tmp_path, capsys):
+def test_check_a_saved_model_directory_names_the_plugin(rank_pools, tmp_path, capsys):
     config = transformers.BertConfig(
         vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64
     )
     transformers.BertForMaskedLM(config).save_pretrained(tmp_path)
-    assert main(["check", str(tmp_path), "--world-sizes", "2", "3"]) == 1
+    assert run_check(str(tmp_path), [2, 3], pools=rank_pools) == 1
     out = capsys.readouterr().out
     assert "policy BertPolicy from tp-bert" in out
     assert "2 ranks: PASS" in out
     assert "3 ranks: REFUSED cannot split BertForMaskedLM over 3 ranks" in out
 
 
-def test_check_an_uncovered_model_explains_and_fails(capsys):
-    assert main(["check", "MixtralForCausalLM"]) == 2
+def test_check_an_uncovered_model_explains_and_fails(spawned, capsys):
+    assert main(["check", "MixtralForCausalLM", "--world-sizes", "2", "4"]) == 2  # the command line, no rank started
+    assert spawned == []
     assert "'moe_tp_experts', which tpcore does not follow" in capsys.readouterr().out
 
 
