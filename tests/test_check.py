@@ -192,15 +192,20 @@ def test_llava_is_built_small_with_one_image_token_per_image_feature():
 
 @pytest.mark.parametrize("world_sizes", [(2,), (2, 4), (3,), (1, 2, 3, 4)])
 def test_shrunk_head_counts_divide_by_every_world_size(world_sizes):
+    checked = 0
     for name in ("LlamaForCausalLM", "CLIPModel", "BartForConditionalGeneration", "T5Model"):
         for config in _configs(resolve(name, world_sizes).config):
-            heads = getattr(config, "num_attention_heads", None)
-            if heads is None:
-                continue
-            assert config.hidden_size % heads == 0 and config.hidden_size // heads == HEAD_DIM or name == "T5Model"
-            kv_heads = getattr(config, "num_key_value_heads", None) or heads
-            assert heads % kv_heads == 0
-            assert all(heads % n == 0 and kv_heads % n == 0 for n in world_sizes), (name, heads, kv_heads)
+            for field in ("num_attention_heads", "encoder_attention_heads", "decoder_attention_heads"):
+                heads = getattr(config, field, None)
+                if heads is None:
+                    continue
+                kv_heads = getattr(config, "num_key_value_heads", None) or heads
+                assert config.hidden_size == heads * HEAD_DIM and heads % kv_heads == 0, (name, field)
+                assert all(heads % n == 0 and kv_heads % n == 0 for n in world_sizes), (name, field, heads, kv_heads)
+                checked += 1
+            for field in ("intermediate_size", "encoder_ffn_dim", "decoder_ffn_dim", "d_ff"):
+                assert all(getattr(config, field, 0) % n == 0 for n in world_sizes), (name, field)
+    assert checked == 7  # Llama; CLIP's text and vision towers (its top level has none); BART three fields; T5
 
 
 def test_grouped_kv_heads_stay_grouped_and_full_heads_stay_full():
