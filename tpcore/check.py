@@ -1,33 +1,25 @@
 """``tpcore check MODEL``: which policy applies to a model, and is its split equivalent?
 
 MODEL is a saved model directory (its own weights are used) or a transformers class name, which
-is built from its default config shrunk to a few small layers with random weights.
+is built from its default config shrunk to two small layers with random weights, every
+sub-config alike (:func:`tpcore.samples.small_config`). The inputs follow what the model's
+forward accepts: token ids, pixel values, audio features or waveforms, decoder ids
+(:func:`tpcore.samples.sample_inputs`). Everything that can be checked in this process (the
+model builds, the inputs build, a policy applies, the sizes split) is, before a rank starts; a
+rank's exception is reported as its own type.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from tpcore.samples import sample_inputs, small_config
 from tpcore.testing import EquivalenceError, ModelSpec, PoolCache, check_equivalence
-
-#: config attributes set to small values when MODEL is a class name (transformers maps the
-#: usual aliases such as ``n_embd`` or ``d_model`` onto these names)
-SMALL_CONFIG = {
-    "hidden_size": 64,
-    "num_hidden_layers": 2,
-    "num_decoder_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "intermediate_size": 128,
-    "d_ff": 128,
-    "d_kv": 16,
-    "head_dim": 16,
-    "vocab_size": 128,
-}
 
 
 @dataclass(frozen=True)
@@ -44,8 +36,9 @@ class SavedModelSpec:
         return self.model_class.from_pretrained(self.path).eval()
 
 
-def resolve(model: str) -> Any:
-    """A spec every rank can build: a saved directory, or a transformers class with a small config."""
+def resolve(model: str, world_sizes: Sequence[int] = (2,)) -> Any:
+    """A spec every rank can build: a saved directory, or a transformers class with its config
+    shrunk so that every world size in ``world_sizes`` divides its head counts."""
     import transformers
 
     if os.path.isdir(model):
@@ -56,66 +49,75 @@ def resolve(model: str) -> Any:
     model_class = getattr(transformers, model, None)
     if model_class is None or not hasattr(model_class, "config_class"):
         raise SystemExit(f"tpcore check: {model!r} is neither a saved model directory nor a transformers model class")
-    config = model_class.config_class()
-    for name, value in SMALL_CONFIG.items():
-        if hasattr(config, name):
-            setattr(config, name, value)
-    if getattr(config, "pad_token_id", None) is None:
-        config.pad_token_id = 0
-    return ModelSpec(model_class, config, seed=0)
+    return ModelSpec(model_class, small_config(model_class.config_class(), world_sizes), seed=0)
 
 
-def sample_inputs(spec: Any, batch: int = 2, seq: int = 8) -> dict:
-    """Token ids with one padded row (and decoder ids for encoder-decoder models)."""
-    config = spec.build().config
-    vocab = min(getattr(config, "vocab_size", 128) or 128, 128)
-    generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, vocab, (batch, seq), generator=generator)
-    mask = torch.ones(batch, seq, dtype=torch.long)
-    mask[0, seq // 2 :] = 0
-    inputs = {"input_ids": ids * mask, "attention_mask": mask}
-    if getattr(config, "is_encoder_decoder", False):
-        inputs["decoder_input_ids"] = torch.randint(3, vocab, (batch, 4), generator=generator)
-    return inputs
+def _policy_origins(model, policies: list | None) -> dict:
+    """``{policy: where it comes from}``: ``policies`` as given, else the installed plugins' that
+    cover ``model``, else those derived from its tp plan (raises ``UnsupportedModelError``)."""
+    from tpcore.auto import AutoPolicy
+
+    if policies:
+        return dict.fromkeys(policies, "custom_policies")
+    entries = AutoPolicy().entries_for(model)
+    if entries:
+        return {entry.policy: f"{entry.distribution} {entry.version}" for entry in entries}
+    return dict.fromkeys(AutoPolicy().get_policy(model), "the config tp plan")
 
 
-def run_check(model: str, world_sizes: list[int]) -> int:
-    """Print the report; return the process exit code (0: every world size equivalent)."""
-    from tpcore.auto import AutoPolicy, UnsupportedModelError
+def run_check(
+    model: str, world_sizes: Sequence[int], policies: list | None = None, pools: PoolCache | None = None
+) -> int:
+    """Print the report; return the process exit code (0: every world size equivalent, 1: some
+    world size refused or not equivalent, 2: no policy applies or no inputs can be built).
+
+    ``policies`` replaces the installed ones (``custom_policies``); ``pools`` are rank pools to
+    reuse (a fresh :class:`PoolCache`, closed at the end, by default)."""
+    from tpcore.auto import UnsupportedModelError
     from tpcore.policy import ShardingError
     from tpcore.replacer import TensorReplacer
 
-    spec = resolve(model)
+    spec = resolve(model, world_sizes)
     built = spec.build()
     print(f"model: {type(built).__name__} ({sum(p.numel() for p in built.parameters()):,} parameters)")
-    entries = AutoPolicy().entries_for(built)
     try:
-        policies = [entry.policy for entry in entries] or AutoPolicy().get_policy(built)
+        origins = _policy_origins(built, policies)
     except UnsupportedModelError as error:
         print(error)
         print("FAIL")
         return 2
-    source = {e.policy: f"{e.distribution} {e.version}" for e in entries}
-    for policy in policies:
-        print(f"  policy {policy.policy_name()} from {source.get(policy, 'the config tp plan')}")
+    for policy, origin in origins.items():
+        print(f"  policy {policy.policy_name()} from {origin}")
+    try:
+        inputs = sample_inputs(built)
+    except ValueError as error:
+        print(f"inputs: {error}")
+        print("FAIL")
+        return 2
+    print("  inputs: " + ", ".join(f"{name} {tuple(value.shape)}" for name, value in inputs.items()))
     failed = False
-    with PoolCache() as pools:
+    own_pools = pools is None
+    pools = pools or PoolCache()
+    try:
         for world_size in world_sizes:
             try:
-                TensorReplacer(built, None, False, world_size, rank=0).validate()  # before any rank starts
+                TensorReplacer(built, None, False, world_size, policies, rank=0).validate()  # before any rank starts
             except ShardingError as error:
                 failed = True
                 print(f"  {world_size} ranks: REFUSED {error}")
                 continue
             try:
-                diffs = check_equivalence(spec, sample_inputs(spec), world_sizes=(world_size,), pools=pools)
+                diffs = check_equivalence(spec, inputs, world_sizes=(world_size,), policies=policies, pools=pools)
                 worst = max(diffs[world_size].items(), key=lambda item: item[1])
                 print(f"  {world_size} ranks: PASS (largest difference {worst[1]:.2e} in {worst[0]})")
             except EquivalenceError as error:
                 failed = True
                 print(f"  {world_size} ranks: FAIL {error}")
-            except Exception as error:  # a size that does not split, an unsupported model, ...
+            except Exception as error:  # a rank's own exception (check_equivalence re-raises it as its type)
                 failed = True
                 print(f"  {world_size} ranks: ERROR {type(error).__name__}: {str(error).splitlines()[0]}")
+    finally:
+        if own_pools:
+            pools.close()
     print("FAIL" if failed else "PASS")
     return 1 if failed else 0

@@ -177,7 +177,9 @@ def check_equivalence(
 
     The reference runs in this process in ``dtype`` on the pools' device type (``cuda:0`` for
     NCCL pools). Returns ``{world_size: {output name: max abs diff}}``; raises
-    :class:`EquivalenceError` naming the world size, the rank and the output that differ.
+    :class:`EquivalenceError` naming the world size, the rank and the output that differ. An
+    exception raised on a rank is raised here as its own type, its ``__cause__`` the
+    :class:`~tpcore.process.WorkerError` that holds the rank's traceback.
     """
     own_pools = pools is None
     pools = pools or PoolCache()

@@ -1,0 +1,254 @@
+"""Small models and sample inputs for ``tpcore check``, for every modality.
+
+:func:`small_config` shrinks a config and every sub-config it nests (text, vision and audio
+towers, encoder and decoder) to two layers of ``heads x 16`` features, with head counts that
+every checked world size divides; special token ids move into the small vocabulary.
+:func:`sample_inputs` builds a batch for what a model's ``forward`` accepts: token ids with a
+padded row, pixel values, audio features or waveforms, decoder ids, and for vision-language
+models image tokens matching the image features.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["VOCAB", "sample_inputs", "small_config", "special_token_ids"]
+
+HEAD_DIM = 16
+LAYERS = 2
+#: the small vocabulary; its top ``RESERVED_IDS`` ids hold the special tokens, sample text is drawn below
+VOCAB = 128
+RESERVED_IDS = 16
+#: ids below this are left where they are (pad/bos/eos 0, 1, 2 in most configs)
+LOW_IDS = 3
+POSITIONS = 128
+IMAGE_SIZE, PATCH_SIZE = 32, 8
+#: Whisper-like encoders take ``2 * max_source_positions`` feature frames
+AUDIO_POSITIONS = 16
+_IMAGE_TOKEN_FIELDS = ("image_token_id", "image_token_index")
+#: config fields that follow from others and are recomputed when a sub-config is rebuilt
+_DERIVED = {"layer_types", "head_dim", "transformers_version", "model_type", "architectures"}
+
+
+def small_sizes(world_sizes: Sequence[int]) -> dict[str, int]:
+    """Config fields and their small values: ``2k`` heads and ``k`` grouped KV heads of 16
+    features, ``k = lcm(2, *world_sizes)``, so every world size divides both."""
+    kv_heads = math.lcm(2, *world_sizes)
+    heads = 2 * kv_heads
+    hidden = heads * HEAD_DIM
+    sizes = dict.fromkeys(("num_hidden_layers", "num_decoder_layers", "encoder_layers", "decoder_layers"), LAYERS)
+    sizes |= dict.fromkeys(("num_attention_heads", "encoder_attention_heads", "decoder_attention_heads"), heads)
+    sizes |= dict.fromkeys(("intermediate_size", "encoder_ffn_dim", "decoder_ffn_dim", "ffn_dim", "d_ff"), 2 * hidden)
+    sizes |= dict.fromkeys(("conv_dim", "conv_channels"), hidden)  # speech front ends
+    sizes |= {"hidden_size": hidden, "num_key_value_heads": kv_heads, "head_dim": HEAD_DIM, "d_kv": HEAD_DIM}
+    sizes |= {"vocab_size": VOCAB, "max_position_embeddings": POSITIONS, "max_target_positions": POSITIONS}
+    sizes |= {"max_source_positions": AUDIO_POSITIONS, "image_size": IMAGE_SIZE, "patch_size": PATCH_SIZE}
+    return sizes
+
+
+def small_config(config, world_sizes: Sequence[int] = (2,)):
+    """``config`` rebuilt small (see :func:`small_sizes`), its sub-configs alike, special token
+    ids inside the small vocabulary. Only fields the config has are set; a field holding a
+    tuple (``image_size=(224, 224)``) gets the small value in every place; multi-head attention
+    stays multi-head (``num_key_value_heads = num_attention_heads``)."""
+    small = _shrunk(config, small_sizes(world_sizes))
+    _move_special_ids(small)
+    return small
+
+
+def _shrunk(config, sizes: dict[str, int]):
+    defaults = type(config)()
+    kwargs = {
+        key: value
+        for key, value in config.to_dict().items()
+        if key not in _DERIVED and key not in _sub_config_names(config) and value != getattr(defaults, key, None)
+    }
+    for name, value in sizes.items():
+        current = getattr(config, name, None)
+        if isinstance(current, (list, tuple)) and all(isinstance(item, int) for item in current):
+            kwargs[name] = type(current)([value] * len(current))
+        elif isinstance(current, int) and not isinstance(current, bool):
+            kwargs[name] = value
+    if "image_size" in kwargs and "patch_size" not in kwargs:
+        del kwargs["image_size"]  # a patch grid needs both
+    heads, kv_heads = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+    if "num_key_value_heads" in kwargs and (kv_heads is None or kv_heads == heads):
+        kwargs["num_key_value_heads"] = kwargs.get("num_attention_heads", kv_heads)
+    for name in _sub_config_names(config):
+        kwargs[name] = _shrunk(getattr(config, name), sizes)
+    return type(config)(**kwargs)
+
+
+def _sub_config_names(config) -> list[str]:
+    """Names of the nested configs (``text_config``, ``vision_config``, ``encoder``, ...)."""
+    import transformers
+
+    base = getattr(transformers, "PreTrainedConfig", None) or transformers.PretrainedConfig  # renamed in 5.x
+    names = getattr(config, "sub_configs", None) or {}
+    return [name for name in names if isinstance(getattr(config, name, None), base)]
+
+
+def _configs(config) -> Iterator:
+    """``config`` and every config nested in it."""
+    yield config
+    for name in _sub_config_names(config):
+        yield from _configs(getattr(config, name))
+
+
+def _special_id_fields(config) -> Iterator[tuple[Any, str, Any]]:
+    for each in _configs(config):
+        for name, value in vars(each).items():
+            if name.endswith(("_token_id", "_token_index", "_token_ids")) and _ids(value):
+                yield each, name, value
+
+
+def _ids(value) -> list[int]:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return [value]
+    if isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return list(value)
+    return []
+
+
+def special_token_ids(config) -> set[int]:
+    """Every special token id (``pad``/``bos``/``eos``/``decoder_start``/``image``...) of
+    ``config`` and its sub-configs."""
+    return {i for _, _, value in _special_id_fields(config) for i in _ids(value)}
+
+
+def _move_special_ids(config) -> None:
+    """Give each distinct special id from ``LOW_IDS`` up its own id among the top ``RESERVED_IDS``
+    of :data:`VOCAB` (equal ids stay equal, so ``pad == eos`` configs keep their meaning)."""
+    moved = sorted(i for i in special_token_ids(config) if i >= LOW_IDS)
+    if len(moved) > RESERVED_IDS:
+        raise ValueError(f"{type(config).__name__} has {len(moved)} special token ids, more than {RESERVED_IDS}")
+    new_id = {old: VOCAB - 1 - index for index, old in enumerate(moved)}
+    for owner, name, value in list(_special_id_fields(config)):
+        if isinstance(value, int):
+            setattr(owner, name, new_id.get(value, value))
+        else:
+            setattr(owner, name, type(value)(new_id.get(i, i) for i in value))
+
+
+# --- inputs -------------------------------------------------------------------------------------
+
+
+def sample_inputs(model: nn.Module, batch: int = 2, seq: int = 8, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A batch for ``model.forward``, built from its config and the arguments it accepts.
+
+    - ``pixel_values``: ``(batch, num_channels, H, W)`` at the (vision) config's ``image_size``;
+    - ``input_features``: ``(batch, num_mel_bins, 2 * max_source_positions)`` (Whisper-like) or
+      ``(batch, frames, features)`` (``input_feat_per_channel * input_channels`` or ``feature_size``);
+    - ``input_values``: waveforms ``(batch, samples)``, ``samples`` a multiple of the conv strides;
+    - ``input_ids`` ``(batch, seq)`` drawn clear of every special id, row 0 right-padded with the
+      pad id in its second half, with ``attention_mask`` when accepted; with ``pixel_values`` and an
+      ``image_token_id``/``image_token_index``, each row starts with one image token per image feature;
+    - ``decoder_input_ids`` ``(batch, 4)`` for encoder-decoder models.
+    """
+    accepted = forward_parameters(model)
+    generator = torch.Generator().manual_seed(seed)
+    inputs: dict[str, torch.Tensor] = {}
+    for build in (_pixels, _audio_features, _waveforms, _text, _decoder_text):
+        inputs |= build(model, accepted, inputs, batch, seq, generator)
+    if not inputs:
+        raise ValueError(
+            f"cannot build inputs for {type(model).__name__}: its forward takes none of "
+            "input_ids, pixel_values, input_features, input_values"
+        )
+    return inputs
+
+
+def forward_parameters(model: nn.Module) -> set[str]:
+    """Names of the arguments ``model.forward`` takes by name."""
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return {p.name for p in inspect.signature(model.forward).parameters.values() if p.kind in kinds}
+
+
+def _pixels(model, accepted, inputs, batch, seq, generator) -> dict:
+    if "pixel_values" not in accepted:
+        return {}
+    vision = getattr(model.config, "vision_config", None) or model.config
+    height, width = _pair(getattr(vision, "image_size", IMAGE_SIZE))
+    channels = getattr(vision, "num_channels", 3)
+    return {"pixel_values": torch.randn(batch, channels, height, width, generator=generator)}
+
+
+def _audio_features(model, accepted, inputs, batch, seq, generator) -> dict:
+    if "input_features" not in accepted:
+        return {}
+    config = model.config
+    if getattr(config, "num_mel_bins", None) and getattr(config, "max_source_positions", None):
+        shape = (batch, config.num_mel_bins, 2 * config.max_source_positions)
+    elif getattr(config, "input_feat_per_channel", None):
+        shape = (batch, 4 * seq, config.input_feat_per_channel * getattr(config, "input_channels", 1))
+    elif getattr(config, "feature_size", None):
+        shape = (batch, 4 * seq, config.feature_size)
+    else:
+        raise ValueError(f"{type(config).__name__} names no audio feature size (num_mel_bins, feature_size, ...)")
+    return {"input_features": torch.randn(*shape, generator=generator)}
+
+
+def _waveforms(model, accepted, inputs, batch, seq, generator) -> dict:
+    if "input_values" not in accepted:
+        return {}
+    hop = math.prod(getattr(model.config, "conv_stride", None) or (160,))
+    return {"input_values": torch.randn(batch, 2 * seq * hop, generator=generator)}
+
+
+def _text(model, accepted, inputs, batch, seq, generator) -> dict:
+    if "input_ids" not in accepted:
+        return {}
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    ids = _token_ids(config, text, (batch, seq), generator)
+    image_token = next((getattr(config, n) for n in _IMAGE_TOKEN_FIELDS if _has_int(config, n)), None)
+    if image_token is not None and "pixel_values" in inputs:
+        per_row = _image_feature_count(model, inputs["pixel_values"]) // batch
+        ids = torch.cat([torch.full((batch, per_row), image_token), ids], dim=1)
+    mask = torch.ones_like(ids)
+    mask[0, ids.shape[1] - seq // 2 :] = 0  # right padding on row 0, image tokens kept
+    pad = text.pad_token_id if _has_int(text, "pad_token_id") else 0
+    result = {"input_ids": torch.where(mask.bool(), ids, pad)}
+    if "attention_mask" in accepted:
+        result["attention_mask"] = mask
+    return result
+
+
+def _decoder_text(model, accepted, inputs, batch, seq, generator) -> dict:
+    if "decoder_input_ids" not in accepted or not getattr(model.config, "is_encoder_decoder", False):
+        return {}
+    decoder = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else None
+    return {"decoder_input_ids": _token_ids(model.config, decoder or model.config, (batch, 4), generator)}
+
+
+def _token_ids(config, text, shape, generator) -> torch.Tensor:
+    """Ids below ``min(vocab, VOCAB - RESERVED_IDS)``, from ``LOW_IDS`` up, none of them special."""
+    top = min(getattr(text, "vocab_size", None) or VOCAB, VOCAB - RESERVED_IDS)
+    special = special_token_ids(config)
+    allowed = torch.tensor([i for i in range(LOW_IDS, top) if i not in special])
+    return allowed[torch.randint(len(allowed), shape, generator=generator)]
+
+
+def _image_feature_count(model, pixel_values: torch.Tensor) -> int:
+    """How many image features (so image tokens) the model makes of ``pixel_values``, all images together."""
+    with torch.inference_mode():
+        features = model.get_image_features(pixel_values=pixel_values)
+    features = getattr(features, "pooler_output", features)  # transformers >= 5.x returns an output object
+    if isinstance(features, torch.Tensor):
+        return features.shape[:-1].numel()
+    return sum(feature.shape[:-1].numel() for feature in features)
+
+
+def _has_int(config, name: str) -> bool:
+    value = getattr(config, name, None)
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _pair(size) -> tuple[int, int]:
+    return (size, size) if isinstance(size, int) else tuple(size)[-2:]
