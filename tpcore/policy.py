@@ -122,9 +122,8 @@ class Layer:
         if not isinstance(self.interleaved, bool):
             raise TypeError(f"{name}.interleaved must be a bool, got {self.interleaved!r}")
         replace = self.replace
-        if replace is not None and not (
-            isinstance(replace, type) and issubclass(replace, nn.Module) or callable(replace)
-        ):
+        function = callable(replace) and not isinstance(replace, type)
+        if replace is not None and not (function or isinstance(replace, type) and issubclass(replace, nn.Module)):
             raise TypeError(f"{name}.replace must be an nn.Module subclass or a function giving one, got {replace!r}")
         if self.parts is not None:
             if not isinstance(self.parts, tuple) or len(self.parts) < 2 or not all(map(_is_count, self.parts)):
