@@ -45,14 +45,15 @@ def _plugins(args: argparse.Namespace) -> int:
 
 
 def _applying(args: argparse.Namespace) -> int:
-    """Which policies apply to one model, and where each comes from (a plugin or the tp plan)."""
-    from tpcore.auto import AutoPolicy, UnsupportedModelError
+    """Which policies apply to one model, where each comes from (a plugin or the tp plan), and for
+    a composite model which sub-models they split and which stay whole (and why)."""
+    from tpcore.auto import AutoPolicy, UnsupportedModelError, sub_model_coverage
     from tpcore.check import resolve
 
     model = resolve(args.model).build()
     entries = AutoPolicy().entries_for(model)
     try:
-        policies = [entry.policy for entry in entries] or AutoPolicy().get_policy(model)
+        policies = AutoPolicy().get_policy(model)
     except UnsupportedModelError as error:
         print(error)
         return 2
@@ -61,13 +62,28 @@ def _applying(args: argparse.Namespace) -> int:
         {"policy": p.policy_name(), "layer_class": p.layer_class_name(), "from": source.get(p, "config tp plan")}
         for p in policies
     ]
+    parts = sub_model_coverage(model, policies)[1:]  # the model's own sub-models, if it is composite
+    sub_rows = [
+        {
+            "name": part.name,
+            "class": part.module_class,
+            "policies": [p.policy_name() for p in part.policies],
+            "whole": part.whole,
+        }
+        for part in parts
+    ]
     if args.json:
-        json.dump({"model": type(model).__name__, "policies": rows}, sys.stdout, indent=2)
+        json.dump({"model": type(model).__name__, "policies": rows, "sub_models": sub_rows}, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
     print(f"{type(model).__name__}:")
     for row in rows:
         print(f"    {row['policy']:<24} {row['layer_class']}  (from {row['from']})")
+    if sub_rows:
+        print("  sub-models:")
+    for row in sub_rows:
+        status = f"stays whole: {row['whole']}" if row["whole"] else "split by " + ", ".join(row["policies"])
+        print(f"    {row['name']:<24} {row['class']}  {status}")
     return 0
 
 

@@ -22,6 +22,7 @@ from torch import nn
 
 from tpcore.auto import AutoPolicy
 from tpcore.comm import group_rank, group_size
+from tpcore.configs import module_configs
 from tpcore.layers import make_row_parallel, make_vocab_parallel, row_parallel_class, set_layer_size
 from tpcore.policy import Layer, Policy, ShardingError
 from tpcore.slicer import COLUMN, ROW, Split, TensorSlicer, check_divisible, shard, split_dims
@@ -59,11 +60,12 @@ def _as_list(policies) -> list[type[Policy]]:
 
 @dataclass
 class _Target:
-    """One layer instance of the model and the policy that applies to it."""
+    """One layer instance of the model, the policy that applies to it and its sub-model's config."""
 
     name: str
     layer: nn.Module
     policy: type[Policy]
+    config: Any = None
 
 
 class TensorReplacer:
@@ -136,7 +138,7 @@ class TensorReplacer:
         for target in targets:
             for style, spec, weight, bias in self.preprocess(target.layer, target.policy):
                 weight_dim, bias_dim = split_dims(style, spec)
-                heads = self._heads(spec)
+                heads = self._heads(spec, target.config)
                 plan[id(weight)] = Split(weight_dim, spec.n_fused, heads)
                 if bias is not None and bias_dim is not None:
                     plan[id(bias)] = Split(bias_dim, spec.n_fused, heads)
@@ -153,7 +155,7 @@ class TensorReplacer:
         sliced: set[int] = set()
         vocab_modules = self.vocab_modules()
         for target in targets:
-            self._apply(target, sliced, arguments[target.policy])
+            self._apply(target, sliced, arguments[target.policy, id(target.config)])
         self._split_vocab(vocab_modules, sliced)
         return self.model
 
@@ -263,13 +265,18 @@ class TensorReplacer:
     def _targets(self, policies: list[type[Policy]], model: nn.Module | None = None) -> list[_Target]:
         model = self.model if model is None else model
         targets = []
+        configs = module_configs(model)
         claimed: dict[str, type[Policy]] = {}
         for policy in policies:
             other = claimed.setdefault(policy.layer_class_name(), policy)
             if other is not policy:  # two policies would split the same tensors twice
                 both = f"{other.policy_name()} and {policy.policy_name()}"
                 raise ShardingError(f"policies {both} both apply to {policy.layer_class_name()}")
-            found = [_Target(name, module, policy) for name, module in model.named_modules() if policy.matches(module)]
+            found = [
+                _Target(name, module, policy, configs[name])
+                for name, module in model.named_modules()
+                if policy.matches(module)
+            ]
             if not found:
                 raise ShardingError(
                     f"policy {policy.policy_name()} applies to {policy.layer_class_name()}, "
@@ -281,19 +288,19 @@ class TensorReplacer:
     def _error(self, where: str, detail: str) -> ShardingError:
         return ShardingError(f"cannot split {self._model_name} over {self.num_gpus} ranks: {where}: {detail}")
 
-    def _validate(self, targets: list[_Target]) -> dict[type[Policy], dict[str, Any]]:
-        """Check everything the split will touch; return each policy's per-rank attributes."""
-        config = getattr(self.model, "config", None)
+    def _validate(self, targets: list[_Target]) -> dict[tuple[type[Policy], int], dict[str, Any]]:
+        """Check everything the split will touch; return the per-rank attributes of each
+        ``(policy, id(sub-model config))``: a policy reads the config of its layer's sub-model."""
         arguments = {}
         for target in targets:
-            policy = target.policy
-            if policy not in arguments:
+            policy, key = target.policy, (target.policy, id(target.config))
+            if key not in arguments:
                 try:
-                    arguments[policy] = policy.replace_arguments(config, self.num_gpus)
+                    arguments[key] = policy.replace_arguments(target.config, self.num_gpus)
                 except ShardingError as error:
                     raise self._error(f"policy {policy.policy_name()}", str(error)) from None
             where = f"{target.name} ({type(target.layer).__name__}, policy {policy.policy_name()})"
-            for path in arguments[policy]:
+            for path in arguments[key]:
                 if get_path(target.layer, path) is _MISSING:
                     raise self._error(where, f"attribute {path!r} to rewrite does not exist")
             for path in policy.replace_modules():
@@ -312,7 +319,9 @@ class TensorReplacer:
                     if not isinstance(tensor, torch.Tensor) or tensor.dim() <= dim:
                         raise self._error(full_path, f"not a tensor with a dimension {dim} to split")
                     try:
-                        check_divisible(tensor.shape[dim], self.num_gpus, spec.n_fused, self._heads(spec))
+                        check_divisible(
+                            tensor.shape[dim], self.num_gpus, spec.n_fused, self._heads(spec, target.config)
+                        )
                     except ShardingError as error:
                         raise self._error(
                             f"tensor {full_path!r} of shape {tuple(tensor.shape)}, split along dim {dim}", str(error)
@@ -337,11 +346,11 @@ class TensorReplacer:
         if hasattr(new_class, "tp_group"):
             module.tp_group = self.mp_group
 
-    def _heads(self, spec: Layer) -> int | None:
-        """The head count a ``Layer(heads=...)`` names, read from the model's config."""
+    def _heads(self, spec: Layer, config: Any) -> int | None:
+        """The head count a ``Layer(heads=...)`` names, read from the layer's sub-model ``config``."""
         if spec.heads is None:
             return None
-        heads = getattr(getattr(self.model, "config", None), spec.heads, None)
+        heads = getattr(config, spec.heads, None)
         if not isinstance(heads, int):
             raise ShardingError(f"Layer {spec.weight!r} names heads={spec.heads!r}, which the config lacks")
         return heads
@@ -366,7 +375,7 @@ class TensorReplacer:
                 continue
             sliced.update({id(weight), id(bias)} if bias is not None else {id(weight)})
             slice_fn = self.slicer.column_slice if style == COLUMN else self.slicer.row_slice
-            shards = slice_fn(spec, weight.data, None if bias is None else bias.data, self._heads(spec))
+            shards = slice_fn(spec, weight.data, None if bias is None else bias.data, self._heads(spec, target.config))
             self.set_parameters(target.layer, spec, *shards)
             owner = get_path(target.layer, spec.module_path)
             set_layer_size(owner)
