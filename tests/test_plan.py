@@ -15,8 +15,9 @@ from transformers import AlbertConfig, AlbertModel, BertConfig, BertModel, GPT2C
 from transformers.models.albert.modeling_albert import AlbertLayer
 
 from tpcore import Layer, Policy, ShardingError, TensorReplacer, divide
+from tpcore.configs import config_of
 from tpcore.layers import RowParallelLinear, VocabParallelEmbedding
-from tpcore.plan import ShardPlan, config_of
+from tpcore.plan import ShardPlan
 from tpcore.skeleton import named_tensors, weightless_copy
 from tpcore.slicer import Split
 

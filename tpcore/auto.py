@@ -1,14 +1,24 @@
-"""AutoPolicy: find the policies for a model among all registered plugins."""
+"""AutoPolicy: find the policies for a model among all registered plugins, and its tp plans.
+
+The rule, per layer class: a registered plugin policy for the class if there is one; otherwise the
+policy derived from the tp plan of the class's sub-model (:mod:`tpcore.tp_plan`), unless its
+blocks contain, or lie inside, a layer a plugin policy covers (both would split the same tensors).
+LLaVA with tp-gpt installed: tp-gpt's Llama policy splits the language model; its CLIP vision
+tower, which neither a plugin nor a tp plan covers, stays whole on every rank.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from torch import nn
 
+from tpcore.configs import owning_sub_model, sub_models
 from tpcore.plugins import DISABLE_AUTOLOAD_ENV, PolicyEntry, autoload_disabled, plugin_infos, registered_policies
 from tpcore.policy import Policy
-from tpcore.tp_plan import TpPlanError, derive_policies
+from tpcore.tp_plan import TpPlanError, derive_policies, sub_model_plans
 
-__all__ = ["AutoPolicy", "UnsupportedModelError"]
+__all__ = ["AutoPolicy", "SubModelCoverage", "UnsupportedModelError", "sub_model_coverage"]
 
 
 class UnsupportedModelError(LookupError):
@@ -24,19 +34,61 @@ class AutoPolicy:
         return [entry for entry in registered_policies() if entry.policy.layer_class_name() in layer_classes]
 
     def get_policy(self, model: nn.Module) -> list[type[Policy]]:
-        """The policies for ``model``: the plugins' when any covers it, else policies derived
-        from the config's ``base_model_tp_plan``; raise :class:`UnsupportedModelError` if neither."""
-        entries = self.entries_for(model)
-        if entries:
-            return [entry.policy for entry in entries]
+        """The policies for ``model``: the plugins' for the layer classes they cover, then those
+        derived from the sub-models' ``base_model_tp_plan`` for blocks no plugin policy reaches
+        (see the module docstring); raise :class:`UnsupportedModelError` if there are none."""
+        plugin_policies = [entry.policy for entry in self.entries_for(model)]
         try:
-            return derive_policies(model)
+            derived = derive_policies(model)
         except TpPlanError as error:
+            if plugin_policies:
+                return plugin_policies
             raise UnsupportedModelError(unsupported_message(model, f"No policy could be derived: {error}.")) from None
+        return plugin_policies + _not_overlapping(model, derived, plugin_policies)
 
     def available(self) -> list[PolicyEntry]:
         """Every registered policy."""
         return registered_policies()
+
+
+@dataclass(frozen=True)
+class SubModelCoverage:
+    """Which of ``policies`` split layers of one sub-model (``name``: its module path), or why none does."""
+
+    name: str
+    module_class: str
+    policies: tuple[type[Policy], ...]
+    whole: str | None = None
+
+
+def sub_model_coverage(model: nn.Module, policies: list[type[Policy]]) -> list[SubModelCoverage]:
+    """For every sub-model of ``model`` (:func:`tpcore.configs.sub_models`), the policies that split
+    layers of it (those inside a nested sub-model count for the nested one); a sub-model that none
+    splits stays whole on every rank, and ``whole`` says why."""
+    models = sub_models(model)
+    covering: dict[str, dict[type[Policy], None]] = {name: {} for name in models}
+    for name, module in model.named_modules():
+        for policy in policies:
+            if policy.matches(module):
+                covering[owning_sub_model(models, name)][policy] = None
+    reasons = {plan.name: plan.whole for plan in sub_model_plans(model)}
+    result = []
+    for name, module in models.items():
+        found = tuple(covering[name])
+        whole = None if found else f"no plugin policy covers its layers and {reasons[name] or 'its tp plan is unused'}"
+        result.append(SubModelCoverage(name, type(module).__name__, found, whole))
+    return result
+
+
+def _not_overlapping(model: nn.Module, derived: list[type[Policy]], chosen: list[type[Policy]]) -> list[type[Policy]]:
+    """The ``derived`` policies none of whose layers is, contains or lies inside a layer of ``chosen``."""
+    names = {policy: [n for n, m in model.named_modules() if policy.matches(m)] for policy in derived + chosen}
+    taken = [name for policy in chosen for name in names[policy]]
+
+    def nested(a: str, b: str) -> bool:
+        return not a or not b or a == b or a.startswith(b + ".") or b.startswith(a + ".")
+
+    return [p for p in derived if not any(nested(name, other) for name in names[p] for other in taken)]
 
 
 def unsupported_message(model: nn.Module, plan_note: str | None = None) -> str:

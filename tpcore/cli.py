@@ -45,8 +45,9 @@ def _plugins(args: argparse.Namespace) -> int:
 
 
 def _applying(args: argparse.Namespace) -> int:
-    """Which policies apply to one model, and where each comes from (a plugin or the tp plan)."""
-    from tpcore.auto import AutoPolicy, UnsupportedModelError
+    """Which policies apply to one model, where each comes from (a plugin or the tp plan), and for
+    a composite model which sub-models they split and which stay whole (and why)."""
+    from tpcore.auto import AutoPolicy, UnsupportedModelError, sub_model_coverage
     from tpcore.check import resolve
     from tpcore.plan import ShardPlan
     from tpcore.policy import ShardingError
@@ -54,7 +55,7 @@ def _applying(args: argparse.Namespace) -> int:
     model = resolve(args.model).build()
     entries = AutoPolicy().entries_for(model)
     try:
-        policies = [entry.policy for entry in entries] or AutoPolicy().get_policy(model)
+        policies = AutoPolicy().get_policy(model)
     except UnsupportedModelError as error:
         print(error)
         return 2
@@ -63,12 +64,22 @@ def _applying(args: argparse.Namespace) -> int:
         {"policy": p.policy_name(), "layer_class": p.layer_class_name(), "from": source.get(p, "config tp plan")}
         for p in policies
     ]
+    parts = sub_model_coverage(model, policies)[1:]  # the model's own sub-models, if it is composite
+    sub_rows = [
+        {
+            "name": part.name,
+            "class": part.module_class,
+            "policies": [p.policy_name() for p in part.policies],
+            "whole": part.whole,
+        }
+        for part in parts
+    ]
     try:
         plan = ShardPlan.build(model, policies, args.world_size)
     except ShardingError as error:
         plan, problem = None, str(error)
     if args.json:
-        shown = {"model": type(model).__name__, "policies": rows, "world_size": args.world_size}
+        shown = {"model": type(model).__name__, "policies": rows, "sub_models": sub_rows, "world_size": args.world_size}
         shown["plan"] = plan_json(plan) if plan is not None else {"error": problem}
         json.dump(shown, sys.stdout, indent=2)
         sys.stdout.write("\n")
@@ -76,6 +87,11 @@ def _applying(args: argparse.Namespace) -> int:
     print(f"{type(model).__name__}:")
     for row in rows:
         print(f"    {row['policy']:<24} {row['layer_class']}  (from {row['from']})")
+    if sub_rows:
+        print("  sub-models:")
+    for row in sub_rows:
+        status = f"stays whole: {row['whole']}" if row["whole"] else "split by " + ", ".join(row["policies"])
+        print(f"    {row['name']:<24} {row['class']}  {status}")
     print(plan.report() if plan is not None else problem)
     return 0 if plan is not None else 2
 

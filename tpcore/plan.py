@@ -30,12 +30,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from tpcore.configs import module_configs
 from tpcore.layers import make_vocab_parallel, row_parallel_class, set_layer_size, vocab_parallel_class
 from tpcore.policy import Layer, Policy, ShardingError
 from tpcore.skeleton import named_tensors
 from tpcore.slicer import COLUMN, ROW, Split
 
-__all__ = ["ShardPlan", "config_of", "get_path", "set_path"]
+__all__ = ["ShardPlan", "get_path", "set_path"]
 
 _MISSING = object()
 
@@ -60,27 +61,6 @@ def set_path(root: Any, path: str, value: Any) -> None:
 
 def join(*paths: str) -> str:
     return ".".join(path for path in paths if path)
-
-
-def config_of(model: nn.Module, module_name: str) -> Any:
-    """The config of the sub-model that module ``module_name`` of ``model`` belongs to: that of the
-    nearest enclosing module (itself included) holding a transformers config (``text_config`` of a
-    vision-language model's language model, ``vision_config`` of its vision tower, ...)."""
-    parts = module_name.split(".") if module_name else []
-    for depth in range(len(parts), -1, -1):
-        module = get_path(model, ".".join(parts[:depth]))
-        config = getattr(module, "config", None)
-        if _is_config(config):
-            return config
-    return getattr(model, "config", None)
-
-
-def _is_config(value: Any) -> bool:
-    try:
-        from transformers import PretrainedConfig
-    except ImportError:  # pragma: no cover - transformers is a dependency
-        return value is not None
-    return isinstance(value, PretrainedConfig)
 
 
 @dataclass(frozen=True)
@@ -162,6 +142,7 @@ class ShardPlan:
 
     def _targets(self, model: nn.Module) -> list[Target]:
         targets = []
+        configs = module_configs(model)  # each layer reads the config of its own sub-model
         claimed: dict[str, type[Policy]] = {}
         for policy in self.policies:
             if not (isinstance(policy, type) and issubclass(policy, Policy)):
@@ -171,7 +152,7 @@ class ShardPlan:
                 both = f"{other.policy_name()} and {policy.policy_name()}"
                 raise ShardingError(f"policies {both} both apply to {policy.layer_class_name()}")
             found = [
-                Target(name, module, policy, config_of(model, name))
+                Target(name, module, policy, configs[name])
                 for name, module in model.named_modules()
                 if policy.matches(module)
             ]

@@ -15,15 +15,26 @@ linear layer inside the repeated blocks at ``<prefix>``; this module turns those
 Any other style (gathered outputs, experts, MLA) means the plan cannot be followed, and the
 model needs a plugin. Key/value projections narrower than the query projection carry grouped KV
 heads, which are replicated when the ranks outnumber them.
+
+Composite models (LLaVA, CLIP, encoder-decoders with their own sub-configs) carry one plan per
+sub-model (:func:`tpcore.configs.sub_models`): each sub-model's config plan is read relative to
+that sub-model's base model, as transformers applies it. A sub-model whose config has no plan,
+or a plan that cannot be followed, stays whole. Policies are per block class; their
+``replace_arguments`` reads the head counts of the config it is handed (the block's sub-model's),
+so one block class shared by towers of different widths (CLIP's) gets each tower's own counts.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Any
+
 from torch import nn
 
+from tpcore.configs import config_of, module_configs, sub_models
 from tpcore.policy import Layer, Policy, divide
 
-__all__ = ["TpPlanError", "derive_policies"]
+__all__ = ["SubModelPlan", "TpPlanError", "derive_policies", "sub_model_plans"]
 
 _SPLIT = {"colwise": ("column", 1), "rowwise": ("row", 1), "packed_colwise": ("column", 2)}
 _KEPT_WHOLE = {"replicated_with_grad_allreduce", "replicate", "embedding_rowwise", "embedding_colwise"}
@@ -34,12 +45,74 @@ class TpPlanError(LookupError):
     """The model's tp plan is missing or uses a style tpcore cannot follow."""
 
 
+@dataclass(frozen=True)
+class SubModelPlan:
+    """What one sub-model's tp plan gives: its blocks' rules, or why it stays whole.
+
+    ``rules`` maps a block path (relative to the model) to ``{linear path in the block: style}``.
+    """
+
+    name: str
+    config: Any
+    rules: dict[str, dict[str, str]] = field(default_factory=dict)
+    whole: str | None = None
+
+
+def sub_model_plans(model: nn.Module) -> list[SubModelPlan]:
+    """The tp plan of every sub-model of ``model`` (:func:`tpcore.configs.sub_models`), outermost first."""
+    plans = []
+    for name, module in sub_models(model).items():
+        config = config_of(model, name)
+        plan = getattr(config, "base_model_tp_plan", None)
+        if not plan:
+            plans.append(SubModelPlan(name, config, whole=f"{_describe(module, config)} has no base_model_tp_plan"))
+            continue
+        base = getattr(module, "base_model", module)
+        base_name = next(n for n, m in module.named_modules() if m is base)
+        prefix = ".".join(part for part in (name, base_name) if part)
+        try:
+            rules = _block_rules(base, plan)
+        except TpPlanError as error:
+            plans.append(SubModelPlan(name, config, whole=f"{_describe(module, config)}: {error}"))
+            continue
+        rules = {".".join(p for p in (prefix, blocks) if p): paths for blocks, paths in rules.items()}
+        plans.append(SubModelPlan(name, config, rules))
+    return plans
+
+
 def derive_policies(model: nn.Module) -> list[type[Policy]]:
-    """One policy per block class that the model config's ``base_model_tp_plan`` describes."""
-    config = getattr(model, "config", None)
-    plan = getattr(config, "base_model_tp_plan", None)
-    if not plan:
-        raise TpPlanError(f"{type(model).__name__}'s config has no base_model_tp_plan")
+    """One policy per block class that the sub-models' ``base_model_tp_plan`` describe.
+
+    Raises :class:`TpPlanError` when no sub-model's plan gives any (saying why for each).
+    """
+    plans = sub_model_plans(model)
+    rules: dict[str, dict[str, str]] = {}  # block name -> {linear path: style}, merged over the plans
+    for plan in plans:
+        for blocks_name, paths in plan.rules.items():
+            for index, _ in model.get_submodule(blocks_name).named_children():
+                block_rules = rules.setdefault(f"{blocks_name}.{index}", {})
+                for path, style in paths.items():
+                    other = block_rules.setdefault(path, style)
+                    if other != style:
+                        where = f"{blocks_name}.{index}.{path}"
+                        raise TpPlanError(f"tp plans of its sub-models split {where!r} as {other!r} and {style!r}")
+    if not rules:
+        raise TpPlanError("; ".join(plan.whole for plan in plans if plan.whole))
+    by_class: dict[type[nn.Module], list[tuple[str, nn.Module, dict[str, str]]]] = {}
+    for name, paths in rules.items():
+        block = model.get_submodule(name)
+        by_class.setdefault(type(block), []).append((name, block, paths))
+    configs = module_configs(model)
+    return [_policy_for(instances, configs) for instances in by_class.values()]
+
+
+def _describe(module: nn.Module, config: Any) -> str:
+    model_type = getattr(config, "model_type", None)
+    return f"{type(module).__name__}'s config" + (f" ({model_type})" if model_type else "")
+
+
+def _block_rules(base: nn.Module, plan: dict[str, str]) -> dict[str, dict[str, str]]:
+    """``{blocks path in base: {linear path: style}}`` from a plan's split rules (checked)."""
     rules: dict[str, dict[str, str]] = {}
     for pattern, style in plan.items():
         if style in _KEPT_WHOLE:
@@ -49,25 +122,26 @@ def derive_policies(model: nn.Module) -> list[type[Policy]]:
         prefix, star, path = pattern.partition(".*.")
         if not star or "*" in path:
             raise TpPlanError(f"its tp plan rule {pattern!r} is not of the form '<blocks>.*.<linear>'")
-        rules.setdefault(prefix, {})[path] = style
-    base = getattr(model, "base_model", model)
-    policies = []
-    for prefix, paths in rules.items():
         try:
-            blocks = base.get_submodule(prefix)
+            base.get_submodule(prefix)
         except AttributeError:
             raise TpPlanError(f"its tp plan names blocks {prefix!r}, which the model lacks") from None
-        for block_class in dict.fromkeys(type(block) for block in blocks):
-            block = next(b for b in blocks if type(b) is block_class)
-            policies.append(_policy_for(block, paths, config))
-    return policies
+        rules.setdefault(prefix, {})[path] = style
+    return rules
 
 
-def _policy_for(block: nn.Module, paths: dict[str, str], config) -> type[Policy]:
-    """A Policy for the class of ``block``, from the plan's rules that exist in it."""
+def _policy_for(instances: list[tuple[str, nn.Module, dict[str, str]]], configs: dict[str, Any]) -> type[Policy]:
+    """A Policy for the class of the blocks ``(name, block, rules)``, from the rules that exist in them.
+
+    Sub-models whose plans name the same block class must agree on its rules.
+    """
+    name, block, paths = instances[0]
+    for other_name, _, other in instances[1:]:
+        if other != paths:
+            raise TpPlanError(f"the tp plans of {name!r} and {other_name!r} split {type(block).__name__} differently")
+    block_configs = list({id(configs[n]): configs[n] for n, _, _ in instances}.values())
+    grouped_kv = any(_kv_heads(config) != _heads(config) for config in block_configs if _heads(config))
     columns, rows, attention_paths = [], [], set()
-    heads = getattr(config, "num_attention_heads", None)
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
     for path, style in paths.items():
         try:
             linear = block.get_submodule(path)
@@ -76,7 +150,7 @@ def _policy_for(block: nn.Module, paths: dict[str, str], config) -> type[Policy]
         if not isinstance(linear, nn.Linear):
             raise TpPlanError(f"its tp plan splits {path!r}, a {type(linear).__name__}, not a Linear")
         kind, n_fused = _SPLIT[style]
-        grouped = kind == "column" and heads and kv_heads != heads and path.rsplit(".", 1)[-1] in ("k_proj", "v_proj")
+        grouped = kind == "column" and grouped_kv and path.rsplit(".", 1)[-1] in ("k_proj", "v_proj")
         spec = Layer(
             weight=f"{path}.weight",
             bias=f"{path}.bias",
@@ -94,6 +168,8 @@ def _policy_for(block: nn.Module, paths: dict[str, str], config) -> type[Policy]
     }
 
     def replace_arguments(config, world_size):
+        """Per-rank head counts, read from the config of the block's sub-model."""
+        heads, kv_heads = _heads(config), _kv_heads(config)
         if heads is None:
             return {}
         local = divide(heads, world_size, "num_attention_heads")
@@ -108,7 +184,7 @@ def _policy_for(block: nn.Module, paths: dict[str, str], config) -> type[Policy]
         }
         return {path: values[name] for path, name in attributes.items()}
 
-    kind = type(block)
+    kind, config = type(block), block_configs[0]
     return type(
         f"{kind.__name__}PlanPolicy",
         (Policy,),
@@ -116,9 +192,18 @@ def _policy_for(block: nn.Module, paths: dict[str, str], config) -> type[Policy]
             "__doc__": f"Derived from {type(config).__name__}.base_model_tp_plan.",
             "__module__": __name__,
             "layer_class": f"{kind.__module__}.{kind.__qualname__}",
-            "name": f"{kind.__name__} (tp plan of {config.model_type})",
+            "name": f"{kind.__name__} (tp plan of {getattr(config, 'model_type', None)})",
             "replace_arguments": staticmethod(replace_arguments),
             "attn_qkv": staticmethod(lambda: list(columns)),
             "attn_out": staticmethod(lambda: list(rows)),
         },
     )
+
+
+def _heads(config: Any) -> int | None:
+    heads = getattr(config, "num_attention_heads", None)
+    return heads if isinstance(heads, int) else None
+
+
+def _kv_heads(config: Any) -> int | None:
+    return getattr(config, "num_key_value_heads", None) or _heads(config)
