@@ -204,9 +204,25 @@ def test_each_layer_reads_the_config_of_its_own_sub_model():
 
 def test_a_per_head_parameter_left_whole_while_heads_are_cut_is_refused():
     from transformers import CohereConfig, CohereForCausalLM
+    from transformers.models.cohere.modeling_cohere import CohereDecoderLayer
+
+    class ForgetsTheNorms(Policy):
+        layer_class = CohereDecoderLayer
+
+        @staticmethod
+        def attn_qkv():
+            return [Layer(weight=f"self_attn.{name}_proj.weight", heads="num_key_value_heads") for name in "kv"] + [
+                Layer(weight="self_attn.q_proj.weight")
+            ]
+
+        @staticmethod
+        def attn_out():
+            return [Layer(weight="self_attn.o_proj.weight")]
 
     config = CohereConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
                           num_key_value_heads=2, intermediate_size=64, use_qk_norm=True)  # fmt: skip
     model = CohereForCausalLM(config).eval()
     with pytest.raises(ShardingError, match=r"self_attn.q_norm.weight.*per-head parameter of shape \(4, 8\)"):
-        TensorReplacer(model, None, False, 2, rank=0).validate()  # the policy derived from its tp plan
+        ShardPlan.build(model, [ForgetsTheNorms], 2)
+    plan = TensorReplacer(model, None, False, 2, rank=0).split_plan()  # its tp plan, with the norms following the heads
+    assert plan.shard_shape("model.layers.0.self_attn.q_norm.weight") == (2, 8)

@@ -15,6 +15,8 @@ import layer_helpers
 import pytest
 import torch
 from transformers import (
+    CohereConfig,
+    CohereForCausalLM,
     GemmaConfig,
     GemmaForCausalLM,
     MixtralConfig,
@@ -23,6 +25,8 @@ from transformers import (
     Olmo2ForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
 )
 from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer
 from transformers.models.olmo2.modeling_olmo2 import Olmo2DecoderLayer
@@ -164,11 +168,26 @@ def gemma():
     return seeded(GemmaForCausalLM(GemmaConfig(**COMMON, intermediate_size=48, head_dim=8)))
 
 
+def qwen2_moe():
+    sizes = dict(intermediate_size=48, moe_intermediate_size=16, shared_expert_intermediate_size=24)
+    config = Qwen2MoeConfig(**COMMON, **sizes, num_experts=4, num_experts_per_tok=2)
+    config._experts_implementation = "eager"
+    return seeded(Qwen2MoeForCausalLM(config))
+
+
+def cohere():
+    return seeded(CohereForCausalLM(CohereConfig(**COMMON, intermediate_size=48, use_qk_norm=True, pad_token_id=0)))
+
+
 CASES = {
     "mixtral-experts": (mixtral, [MixtralExpertsPolicy]),
     "olmo2-qk-norm": (olmo2, [Olmo2Policy]),
     "phi3-unequal-parts": (phi3, [Phi3Policy]),
     "gemma-scaled-embedding": (gemma, None),  # its tp plan, and the scaled embedding split over the vocabulary
+    # their tp plans: fused experts (packed_colwise / rowwise / moe_tp_experts), Cohere's per-head q/k norms
+    "mixtral-tp-plan": (mixtral, None),
+    "qwen2-moe-tp-plan": (qwen2_moe, None),
+    "cohere-qk-norm-tp-plan": (cohere, None),
 }
 
 

@@ -395,7 +395,7 @@ def _shape(shape: tuple[int, ...]) -> str:
 
 
 def _mib(size: int) -> str:
-    return f"{size / 2**20:.1f} MiB"
+    return f"{size / 2**20:.1f} MiB" if size >= 2**20 else f"{size / 2**10:.1f} KiB"
 
 
 def piece_sizes(split: Split, size: int, world_size: int) -> set[int]:

@@ -38,6 +38,8 @@ __all__ = ["SubModelPlan", "TpPlanError", "derive_policies", "sub_model_plans"]
 
 _SPLIT = {"colwise": ("column", 1), "rowwise": ("row", 1), "packed_colwise": ("column", 2)}
 _KEPT_WHOLE = {"replicated_with_grad_allreduce", "replicate", "embedding_rowwise", "embedding_colwise"}
+#: a fused experts module whose output is all-reduced: what its ``rowwise`` ``down_proj`` already makes it
+_REDUCED_OUTPUT = {"moe_tp_experts"}
 _HEAD_ATTRIBUTES = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_key_value_groups")
 
 
@@ -115,7 +117,7 @@ def _block_rules(base: nn.Module, plan: dict[str, str]) -> dict[str, dict[str, s
     """``{blocks path in base: {linear path: style}}`` from a plan's split rules (checked)."""
     rules: dict[str, dict[str, str]] = {}
     for pattern, style in plan.items():
-        if style in _KEPT_WHOLE:
+        if style in _KEPT_WHOLE or style in _REDUCED_OUTPUT:
             continue
         if style not in _SPLIT:
             raise TpPlanError(f"its tp plan splits {pattern!r} as {style!r}, which tpcore does not follow")
@@ -141,15 +143,25 @@ def _policy_for(instances: list[tuple[str, nn.Module, dict[str, str]]], configs:
             raise TpPlanError(f"the tp plans of {name!r} and {other_name!r} split {type(block).__name__} differently")
     block_configs = list({id(configs[n]): configs[n] for n, _, _ in instances}.values())
     grouped_kv = any(_kv_heads(config) != _heads(config) for config in block_configs if _heads(config))
-    columns, rows, attention_paths = [], [], set()
+    columns, rows, attention_paths, intermediates = [], [], set(), {}
     for path, style in paths.items():
+        kind, n_fused = _SPLIT[style]
         try:
             linear = block.get_submodule(path)
         except AttributeError:
-            continue  # blocks of this class lack it (hybrid stacks)
+            parameter = _parameter(block, path)
+            if parameter is None:
+                continue  # blocks of this class lack it (hybrid stacks)
+            # a fused experts tensor: (E, 2I, H) cut along its out features, (E, H, I) along its in features
+            spec = Layer(weight=path, dim=-2 if kind == "column" else -1, n_fused=n_fused)
+            (columns if kind == "column" else rows).append(spec)
+            owner_path = path.rpartition(".")[0]
+            size = getattr(block.get_submodule(owner_path), "intermediate_dim", None)
+            if isinstance(size, int):
+                intermediates[f"{owner_path}.intermediate_dim"] = size
+            continue
         if not isinstance(linear, nn.Linear):
             raise TpPlanError(f"its tp plan splits {path!r}, a {type(linear).__name__}, not a Linear")
-        kind, n_fused = _SPLIT[style]
         grouped = kind == "column" and grouped_kv and path.rsplit(".", 1)[-1] in ("k_proj", "v_proj")
         spec = Layer(
             weight=f"{path}.weight",
@@ -160,6 +172,7 @@ def _policy_for(instances: list[tuple[str, nn.Module, dict[str, str]]], configs:
         (columns if kind == "column" else rows).append(spec)
         if "attn" in path or "attention" in path:
             attention_paths.add(path.rpartition(".")[0])
+    columns.extend(_per_head_parameters(block, attention_paths, block_configs[0]))
     attributes = {
         f"{owner}.{name}" if owner else name: name
         for owner in attention_paths
@@ -171,7 +184,7 @@ def _policy_for(instances: list[tuple[str, nn.Module, dict[str, str]]], configs:
         """Per-rank head counts, read from the config of the block's sub-model."""
         heads, kv_heads = _heads(config), _kv_heads(config)
         if heads is None:
-            return {}
+            return {path: divide(size, world_size, path) for path, size in intermediates.items()}
         local = divide(heads, world_size, "num_attention_heads")
         if kv_heads % world_size and world_size % kv_heads:
             divide(kv_heads, world_size, "num_key_value_heads")  # raises, naming the attribute
@@ -182,7 +195,8 @@ def _policy_for(instances: list[tuple[str, nn.Module, dict[str, str]]], configs:
             "num_key_value_heads": local_kv,
             "num_key_value_groups": local // local_kv,
         }
-        return {path: values[name] for path, name in attributes.items()}
+        local_sizes = {path: divide(size, world_size, path) for path, size in intermediates.items()}
+        return {**{path: values[name] for path, name in attributes.items()}, **local_sizes}
 
     kind, config = type(block), block_configs[0]
     return type(
@@ -198,6 +212,38 @@ def _policy_for(instances: list[tuple[str, nn.Module, dict[str, str]]], configs:
             "attn_out": staticmethod(lambda: list(rows)),
         },
     )
+
+
+def _parameter(block: nn.Module, path: str) -> nn.Parameter | None:
+    """The parameter at ``path`` in ``block`` (a plan rule on a fused experts tensor), if there is one."""
+    owner_path, _, name = path.rpartition(".")
+    try:
+        owner = block.get_submodule(owner_path)
+    except AttributeError:
+        return None
+    parameter = owner._parameters.get(name)
+    return parameter if parameter is not None and parameter.dim() == 3 else None
+
+
+def _per_head_parameters(block: nn.Module, attention_paths: set[str], config: Any) -> list[Layer]:
+    """Per-head parameters the plan leaves out that must follow the heads: norm weights of shape
+    ``(heads, head_dim)`` inside a split attention (Cohere's q/k norms), cut along their heads."""
+    heads, kv_heads = _heads(config), _kv_heads(config)
+    found = []
+    for owner_path in sorted(attention_paths):
+        owner = block.get_submodule(owner_path) if owner_path else block
+        head_dim = getattr(owner, "head_dim", None)
+        for child_name, child in owner.named_children():
+            weight = getattr(child, "weight", None)
+            if isinstance(child, nn.Linear) or not isinstance(weight, nn.Parameter) or weight.dim() != 2:
+                continue
+            if weight.shape[1] != head_dim or weight.shape[0] not in (heads, kv_heads):
+                continue
+            count = "num_attention_heads" if weight.shape[0] == heads else "num_key_value_heads"
+            path = f"{owner_path}.{child_name}" if owner_path else child_name
+            bias = f"{path}.bias" if isinstance(getattr(child, "bias", None), nn.Parameter) else None
+            found.append(Layer(weight=f"{path}.weight", bias=bias, dim=0, heads=count))
+    return found
 
 
 def _heads(config: Any) -> int | None:
