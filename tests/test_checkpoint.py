@@ -167,6 +167,7 @@ def test_parallelize_from_a_checkpoint_equals_the_unsplit_model_and_the_caller_h
         model.deparallelize()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_a_sharded_safetensors_bert_loads_split_over_the_ranks(tmp_path, world_size):
     config = BertConfig(
@@ -188,6 +189,7 @@ def test_a_sharded_safetensors_bert_loads_split_over_the_ranks(tmp_path, world_s
         model.deparallelize()
 
 
+@pytest.mark.slow
 def test_a_base_model_checkpoint_fills_a_model_with_a_head_through_the_prefix(tmp_path):
     base = gpt2(seed=4, model_class=GPT2Model)
     base.save_pretrained(tmp_path)

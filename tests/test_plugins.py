@@ -28,14 +28,7 @@ BERT_POLICIES = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def fresh_plugins(monkeypatch):
-    """Every test starts and ends with an unloaded registry and no tpcore env switches."""
-    monkeypatch.delenv(tp_plugins.DISABLE_AUTOLOAD_ENV, raising=False)
-    monkeypatch.delenv(tp_plugins.ONLY_PLUGINS_ENV, raising=False)
-    reset_plugins()
-    yield
-    reset_plugins()
+pytestmark = pytest.mark.usefixtures("fresh_plugins")  # tests/conftest.py
 
 
 # -- fake entry points ---------------------------------------------------------------------------

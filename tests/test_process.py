@@ -28,6 +28,8 @@ from tpcore import process, wire
 from tpcore.distributed import free_port, interface_of
 from tpcore.process import RankPool, WorkerDiedError, WorkerError
 
+pytestmark = pytest.mark.slow  # fault injection: nearly every test starts (and breaks) worlds of its own
+
 
 @pytest.fixture
 def pool():
