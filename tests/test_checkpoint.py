@@ -34,6 +34,7 @@ def gpt2(seed: int = 0, model_class=GPT2LMHeadModel):
 
 @pytest.fixture(scope="module")
 def gpt2_dir(tmp_path_factory):
+    """A small GPT-2 saved with ``save_pretrained`` (safetensors, one file), for the module."""
     directory = tmp_path_factory.mktemp("gpt2")
     gpt2().save_pretrained(directory)
     return directory

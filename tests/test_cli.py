@@ -27,11 +27,13 @@ pytestmark = pytest.mark.usefixtures("fresh_plugins")  # tests/conftest.py
 
 @pytest.fixture(scope="module")
 def bert_version() -> str:
+    """The installed tp-bert's version."""
     return importlib.metadata.version("tp-bert")
 
 
 @pytest.fixture(scope="module")
 def bert_policies() -> list[type[Policy]]:
+    """The policies tp-bert registers."""
     from tp_bert.policies import POLICIES
 
     return list(POLICIES)

@@ -260,6 +260,7 @@ def test_memory_queries_report_every_rank(masked_lm):
 
 @pytest.fixture(scope="module")
 def lm_head():
+    """``(parallelized BertLMHeadModel decoder over 2 ranks, the same model unsplit)``, for generate()."""
     special = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
     spec = bert_family_spec("Bert", "LMHeadModel", seed=7, is_decoder=True, **special)
     reference, model = spec.build(), spec.build()

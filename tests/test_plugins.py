@@ -110,6 +110,7 @@ def fake_entry_points(monkeypatch):
 
 @pytest.fixture
 def good_and_broken(fake_entry_points):
+    """Two fake entry points: one that fails to import (listed first), and a good one with two policies."""
     broken = FakeEntryPoint("broken", ImportError("boom: no module named tp_missing"), FakeDist("tp-broken", "9.9.9"))
     good = FakeEntryPoint("fake", plugin_module("tp_fake", FakePolicy, OtherFakePolicy), FakeDist("tp-fake", "1.2.3"))
     fake_entry_points.points.extend([broken, good])  # the broken one first: it must not stop the good one

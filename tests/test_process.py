@@ -33,6 +33,7 @@ pytestmark = pytest.mark.slow  # fault injection: nearly every test starts (and 
 
 @pytest.fixture
 def pool():
+    """A fresh 2-rank gloo pool per test (fault injection breaks it), closed after."""
     with RankPool(2, "gloo") as pool:
         yield pool
 
