@@ -168,6 +168,7 @@ def served_llama():
     served.deparallelize()
 
 
+@pytest.mark.slow  # a 4-rank world of its own (GPT-2 through parallelize() stays in the quick core)
 @pytest.mark.parametrize("mode", list(GENERATION))
 def test_generate_tokens_match_through_parallelize(served_llama, mode):
     reference, served = served_llama
