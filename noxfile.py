@@ -1,8 +1,9 @@
 """Developer and CI sessions for tpcore and its plugins.
 
-    nox                        # = nox -s tests: the whole CPU suite (gloo ranks), the README's test command
-    nox -s tests -- -k slicer  # pytest arguments go after "--"
-    nox -s lint                # ruff check + ruff format --check
+    nox                        # = nox -s tests: the whole CPU suite (gloo ranks), the README's test command and CI's
+    nox -s quick               # the suite without the tests marked slow: the edit-test loop (minutes)
+    nox -s tests -- -k slicer  # pytest arguments go after "--" (for quick too)
+    nox -s lint                # ruff check + ruff format --check + mypy over tpcore/
     nox -s demo                # real all-MiniLM-L6-v2 weights, split across CPU ranks
     nox -s bench               # bench/: proxy overhead and memory of parallelize(), tpcore against its peers
     nox -s gpu_equivalence     # on the offline GPU machine: bench/gpu.sh (CUDA/NCCL tests and probes), system torch
@@ -22,6 +23,7 @@ import nox
 ROOT = Path(__file__).resolve().parent
 CONSTRAINTS = ("-c", "constraints.txt")  # nox runs sessions from this file's directory
 RUFF = "ruff==0.17.6"  # pinned: ruff's formatter output changes between releases
+MYPY = "mypy==2.4.1"  # pinned: new releases find new errors
 #: the plugin distributions in plugins/, installed beside tpcore by every session
 PLUGINS = sorted(f"plugins/{path.parent.name}" for path in ROOT.glob("plugins/*/pyproject.toml"))
 LINT_PATHS = [p for p in ("tpcore", "plugins", "examples", "tests", "bench", "noxfile.py") if (ROOT / p).exists()]
@@ -49,22 +51,36 @@ def install(session: nox.Session, *args: str) -> None:
     session.install(*CONSTRAINTS, *args)
 
 
-@nox.session(reuse_venv=True)
-def tests(session: nox.Session) -> None:
-    """The CPU test suite (tests/ and plugins/*/tests, see [tool.pytest.ini_options])."""
+def install_for_tests(session: nox.Session) -> None:
     if not os.environ.get("UV_FIND_LINKS"):
         session.warn("No PIP_FIND_LINKS/UV_FIND_LINKS: torch==2.13.0 will come from PyPI (on Linux the CUDA build).")
     # uv itself is for tests/test_packaging.py, which builds wheels and a fresh venv with it.
     install(session, *editable_project("test"), "uv")
+
+
+@nox.session(reuse_venv=True)
+def tests(session: nox.Session) -> None:
+    """The CPU test suite (tests/ and plugins/*/tests, see [tool.pytest.ini_options]): under 40 minutes on 2 cores."""
+    install_for_tests(session)
     session.run("pytest", *session.posargs)
 
 
 @nox.session(reuse_venv=True)
+def quick(session: nox.Session) -> None:
+    """The suite without the tests marked ``slow``, for the edit-test loop: under 5 minutes on 2 cores."""
+    install_for_tests(session)
+    session.run("pytest", "-m", "not slow", *session.posargs)
+
+
+@nox.session(reuse_venv=True)
 def lint(session: nox.Session) -> None:
-    """ruff check and ruff format --check (settings in pyproject.toml)."""
+    """ruff check and ruff format --check, then mypy over tpcore/ against torch and transformers (settings
+    in pyproject.toml)."""
     install(session, RUFF)
     session.run("ruff", "check", *LINT_PATHS)
     session.run("ruff", "format", "--check", *LINT_PATHS)
+    install(session, "-e", ".[test]", MYPY)  # typed: torch, transformers, pytest, hypothesis
+    session.run("mypy")
 
 
 @nox.session(reuse_venv=True)

@@ -1,8 +1,21 @@
-"""Fixtures shared by the core tests: the processes a test starts, and a record of fault-injection timings.
+"""Every fixture the tests use, in one place.
+
+From tpcore's pytest plugin (``tpcore/pytest_plugin.py``, loaded through the ``pytest11`` entry point,
+so ``tests/`` and every ``plugins/*/tests`` share them, as a third-party plugin's tests would):
+
+- ``rank_pools``: the session's gloo worlds by size (:class:`tpcore.testing.PoolCache`), started on
+  first use and shared by every test that checks equivalence, core or plugin;
+- ``nccl_rank_pools``: the same on CUDA devices (tests marked ``gpu``);
+- ``tp_check``: :func:`tpcore.testing.check_model` on ``rank_pools``.
+
+Defined here, for the core tests: ``spawned``, ``time_to_error``, ``fresh_plugins``. Fixtures that build
+one module's models stay in that module (``masked_lm`` in test_parallelize.py, ``gpt2_dir`` in
+test_checkpoint.py, ...). ``pytest --fixtures`` lists them all with their docs.
 
 Fault-injection tests prove a failure is *detected* (its error type, its message) rather than waited
 out; how long detection took is measured, never asserted (a loaded machine would break a bound),
-and listed in the terminal summary.
+and listed in the terminal summary. Tests that start many worlds or run long are marked ``slow``
+(``nox -s quick`` leaves them out).
 """
 
 from __future__ import annotations
@@ -10,6 +23,8 @@ from __future__ import annotations
 import subprocess
 
 import pytest
+
+from tpcore.plugins import DISABLE_AUTOLOAD_ENV, ONLY_PLUGINS_ENV, reset_plugins
 
 _TIMES_TO_ERROR: dict[str, float] = {}
 
@@ -35,6 +50,17 @@ def time_to_error(request):
         _TIMES_TO_ERROR[f"{request.node.name}: {case}"] = seconds
 
     return record
+
+
+@pytest.fixture
+def fresh_plugins(monkeypatch):
+    """The test starts and ends with an unloaded plugin registry and no tpcore env switches set
+    (``TPCORE_DISABLE_PLUGIN_AUTOLOAD``, ``TPCORE_PLUGINS``)."""
+    monkeypatch.delenv(DISABLE_AUTOLOAD_ENV, raising=False)
+    monkeypatch.delenv(ONLY_PLUGINS_ENV, raising=False)
+    reset_plugins()
+    yield
+    reset_plugins()
 
 
 def pytest_terminal_summary(terminalreporter):

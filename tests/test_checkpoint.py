@@ -34,6 +34,7 @@ def gpt2(seed: int = 0, model_class=GPT2LMHeadModel):
 
 @pytest.fixture(scope="module")
 def gpt2_dir(tmp_path_factory):
+    """A small GPT-2 saved with ``save_pretrained`` (safetensors, one file), for the module."""
     directory = tmp_path_factory.mktemp("gpt2")
     gpt2().save_pretrained(directory)
     return directory
@@ -167,6 +168,7 @@ def test_parallelize_from_a_checkpoint_equals_the_unsplit_model_and_the_caller_h
         model.deparallelize()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_a_sharded_safetensors_bert_loads_split_over_the_ranks(tmp_path, world_size):
     config = BertConfig(
@@ -188,6 +190,7 @@ def test_a_sharded_safetensors_bert_loads_split_over_the_ranks(tmp_path, world_s
         model.deparallelize()
 
 
+@pytest.mark.slow
 def test_a_base_model_checkpoint_fills_a_model_with_a_head_through_the_prefix(tmp_path):
     base = gpt2(seed=4, model_class=GPT2Model)
     base.save_pretrained(tmp_path)

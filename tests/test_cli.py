@@ -22,22 +22,18 @@ BERT_LAYER = "transformers.models.bert.modeling_bert.BertLayer"
 DISTILBERT_LAYER = "transformers.models.distilbert.modeling_distilbert.TransformerBlock"
 
 
-@pytest.fixture(autouse=True)
-def fresh_plugins(monkeypatch):
-    monkeypatch.delenv("TPCORE_DISABLE_PLUGIN_AUTOLOAD", raising=False)
-    monkeypatch.delenv("TPCORE_PLUGINS", raising=False)
-    reset_plugins()
-    yield
-    reset_plugins()
+pytestmark = pytest.mark.usefixtures("fresh_plugins")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
 def bert_version() -> str:
+    """The installed tp-bert's version."""
     return importlib.metadata.version("tp-bert")
 
 
 @pytest.fixture(scope="module")
 def bert_policies() -> list[type[Policy]]:
+    """The policies tp-bert registers."""
     from tp_bert.policies import POLICIES
 
     return list(POLICIES)

@@ -52,6 +52,7 @@ def cpu_report(tmp_path_factory):
     return done, report
 
 
+@pytest.mark.slow
 def test_cpu_run_records_every_probe_and_exits_0(cpu_report):
     done, report = cpu_report
     assert done.returncode == 0, done.stdout + done.stderr
@@ -64,6 +65,7 @@ def test_cpu_run_records_every_probe_and_exits_0(cpu_report):
     assert all(record["status"] == "pass" for name, record in probes.items() if name not in CUDA_ONLY)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["parallelize_llama", "parallelize_gpt2", "parallelize_t5"])
 def test_cpu_parallelize_probes_match_the_unsplit_model(cpu_report, name):
     record = cpu_report[1]["probes"][name]
@@ -74,6 +76,7 @@ def test_cpu_parallelize_probes_match_the_unsplit_model(cpu_report, name):
     assert set(record["memory"]["memory_allocated"]) == {"cpu:0"}
 
 
+@pytest.mark.slow
 def test_cpu_collectives_and_shard_on_load_are_exact(cpu_report):
     probes = cpu_report[1]["probes"]
     ranks = probes["collectives"]["ranks"]
@@ -87,6 +90,7 @@ def test_cpu_collectives_and_shard_on_load_are_exact(cpu_report):
     assert loaded["checks"]["beam_identical"] and loaded["forward"]["max_abs_diff"] <= DEFAULT_RTOL
 
 
+@pytest.mark.slow
 def test_a_failing_probe_is_recorded_and_the_others_still_run(tmp_path):
     def raises(mode, record):
         record["checks"]["reached"] = True

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.packaging
+pytestmark = [pytest.mark.packaging, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[1]
 PLUGIN = ROOT / "plugins" / "tp-bert"
@@ -181,6 +181,7 @@ class FreshVenv:
 
 @pytest.fixture(scope="module")
 def wheels(tmp_path_factory) -> dict[str, Path]:
+    """Wheels of tpcore and tp-bert built with ``uv build`` (skips without uv), by distribution."""
     uv = _uv()
     if uv is None:
         pytest.skip("uv is not installed: run `nox -s tests` (it installs uv) or `pip install uv`")

@@ -108,6 +108,7 @@ def readme_model():
     model.deparallelize()
 
 
+@pytest.mark.slow
 def test_readme_generate_gives_the_unsplit_fp16_tokens(readme_model):
     model, _ = readme_model
     reference = SPEC.build().half()
@@ -121,6 +122,7 @@ def test_readme_generate_gives_the_unsplit_fp16_tokens(readme_model):
     assert next(model.parameters()).dtype == torch.float32  # unlike parallelformers, the caller's copy stays as it was
 
 
+@pytest.mark.slow
 def test_verbose_detail_prints_each_ranks_resident_peak_and_tensor_memory(readme_model):
     model, printed = readme_model
     allocated = model.memory_allocated()
@@ -130,6 +132,7 @@ def test_verbose_detail_prints_each_ranks_resident_peak_and_tensor_memory(readme
         assert 0 < tensors < resident <= peak
 
 
+@pytest.mark.slow
 def test_memory_methods_as_the_readme_calls_them(readme_model):
     model, _ = readme_model
     unsplit = SPEC.build()
@@ -157,6 +160,7 @@ def fp32_model(tmp_path_factory):
     model.deparallelize()
 
 
+@pytest.mark.slow
 def test_fp32_beam_search_with_ngram_blocking_matches_the_unsplit_model(fp32_model):
     model, _, _ = fp32_model
     reference = SPEC.build()
@@ -167,6 +171,7 @@ def test_fp32_beam_search_with_ngram_blocking_matches_the_unsplit_model(fp32_mod
         compare_outputs(expected.sequences_scores, got.sequences_scores)
 
 
+@pytest.mark.slow
 def test_verbose_true_prints_one_line_per_rank_with_the_memory_methods_figures(fp32_model):
     model, _, printed = fp32_model
     allocated = model.memory_allocated()
@@ -175,6 +180,7 @@ def test_verbose_true_prints_one_line_per_rank_with_the_memory_methods_figures(f
         assert float(line[3]) > max(float(line[2]), 10.0)  # a rank's resident memory: an interpreter with torch
 
 
+@pytest.mark.slow
 def test_a_model_started_from_a_checkpoint_refuses_to_move_and_serves_on(fp32_model):
     model, _, _ = fp32_model
     for move in (lambda: model.to("cpu"), model.cpu, model.cuda):
@@ -185,6 +191,7 @@ def test_a_model_started_from_a_checkpoint_refuses_to_move_and_serves_on(fp32_mo
     assert torch.equal(model.generate(**inputs, **README_GENERATE), expected)
 
 
+@pytest.mark.slow
 def test_three_models_at_once_a_taken_master_port_refused_and_deparallelize_frees_its_port(
     readme_model, fp32_model, spawned, capsys
 ):
@@ -252,6 +259,7 @@ def test_invalid_arguments_fail_before_any_rank_starts(spawned, args, kwargs, er
     assert spawned == [] and children() <= kids and "forward" not in vars(model)
 
 
+@pytest.mark.slow
 def test_every_parameter_of_the_predecessors_signature_keeps_its_meaning_and_cpu_ends_it(capsys):
     """``parallelize(model, fp16, num_gpus, custom_policies, master_addr, master_port, backend, verbose,
     init_method, daemon, seed)``, then README step 6: ``model.cpu()`` ends the parallelization."""

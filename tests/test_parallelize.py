@@ -162,6 +162,7 @@ def labels_for(head: str, inputs: dict, seed: int) -> dict:
     return {}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("arch", "head", "world_size"), EQUIVALENCE, ids=[f"{a}{h}-{w}" for a, h, w in EQUIVALENCE])
 def test_bert_family_through_parallelize_matches_unsplit(arch, head, world_size):
     """Several padded batches (shapes change between calls) on one parallelized model, dict and tuple outputs."""
@@ -259,6 +260,7 @@ def test_memory_queries_report_every_rank(masked_lm):
 
 @pytest.fixture(scope="module")
 def lm_head():
+    """``(parallelized BertLMHeadModel decoder over 2 ranks, the same model unsplit)``, for generate()."""
     special = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
     spec = bert_family_spec("Bert", "LMHeadModel", seed=7, is_decoder=True, **special)
     reference, model = spec.build(), spec.build()
@@ -426,6 +428,7 @@ def stall_on_batch_of_three(module, args):
         time.sleep(30)
 
 
+@pytest.mark.slow
 def test_a_killed_rank_is_detected_not_waited_out_and_deparallelize_still_works(time_to_error):
     """Detected means a :class:`WorkerDiedError` naming the rank, where a wait would end in ``TimeoutError``."""
     reference, model = tiny_bert(seed=3), tiny_bert(seed=3)
@@ -470,6 +473,7 @@ def test_a_killed_rank_is_detected_not_waited_out_and_deparallelize_still_works(
 # -- 6. lifecycle --------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_two_models_parallelized_at_once_use_their_own_ports():
     port = free_port()
     models = {"bert": tiny_bert(seed=1), "distilbert": bert_family_spec("DistilBert", "Model").build()}
@@ -496,6 +500,7 @@ def test_two_models_parallelized_at_once_use_their_own_ports():
         models["bert"].deparallelize()
 
 
+@pytest.mark.slow
 def test_twenty_cycles_leave_no_process_port_or_shared_memory_behind():
     model = tiny_bert(seed=2)
     inputs = {"input_ids": torch.tensor([[5, 6, 7, 8]])}
@@ -652,6 +657,7 @@ EXITS = {
 CALLER_END_S, RANKS_GONE_S = 120, 30
 
 
+@pytest.mark.slow
 def test_the_caller_exiting_in_any_way_leaves_no_orphans(tmp_path, time_to_error):
     """Every way a caller ends, run side by side: normal exit, uncaught exception, SIGINT (to the caller
     only, or to its process group like Ctrl-C in a terminal) while idle or mid-call, SIGKILL.
@@ -759,6 +765,7 @@ REPL = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_ctrl_c_at_an_idle_prompt_spares_the_ranks(tmp_path):
     """A terminal's Ctrl-C goes to the whole foreground process group; the REPL catches it and carries on,
     and so must its model: the ranks run in their own session and never see it."""
@@ -873,6 +880,7 @@ NOTEBOOK = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_a_policy_defined_in_main_works_from_a_script_and_from_stdin(tmp_path):
     """No ``if __name__ == "__main__"`` guard, plugins off: only the ``__main__`` policy can split BERT."""
     script = tmp_path / "notebook.py"

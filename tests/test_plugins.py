@@ -28,14 +28,7 @@ BERT_POLICIES = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def fresh_plugins(monkeypatch):
-    """Every test starts and ends with an unloaded registry and no tpcore env switches."""
-    monkeypatch.delenv(tp_plugins.DISABLE_AUTOLOAD_ENV, raising=False)
-    monkeypatch.delenv(tp_plugins.ONLY_PLUGINS_ENV, raising=False)
-    reset_plugins()
-    yield
-    reset_plugins()
+pytestmark = pytest.mark.usefixtures("fresh_plugins")  # tests/conftest.py
 
 
 # -- fake entry points ---------------------------------------------------------------------------
@@ -117,6 +110,7 @@ def fake_entry_points(monkeypatch):
 
 @pytest.fixture
 def good_and_broken(fake_entry_points):
+    """Two fake entry points: one that fails to import (listed first), and a good one with two policies."""
     broken = FakeEntryPoint("broken", ImportError("boom: no module named tp_missing"), FakeDist("tp-broken", "9.9.9"))
     good = FakeEntryPoint("fake", plugin_module("tp_fake", FakePolicy, OtherFakePolicy), FakeDist("tp-fake", "1.2.3"))
     fake_entry_points.points.extend([broken, good])  # the broken one first: it must not stop the good one

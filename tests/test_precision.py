@@ -126,6 +126,7 @@ def test_strict_fp32_modules_stay_fp32_in_bf16_too(monkeypatch):
     assert cast["model.layers.1.mlp.up_proj.weight"] == torch.bfloat16
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "dtype"), [("t5", torch.float16), ("llama", torch.bfloat16)])
 def test_parallelize_casts_the_ranks_models_as_from_pretrained(loaded, name, dtype):
     """On the ranks: T5's ``wo`` stays fp32 in fp16, Llama's rotary ``inv_freq`` in bf16; outputs match the

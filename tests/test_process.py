@@ -28,9 +28,12 @@ from tpcore import process, wire
 from tpcore.distributed import free_port, interface_of
 from tpcore.process import RankPool, WorkerDiedError, WorkerError
 
+pytestmark = pytest.mark.slow  # fault injection: nearly every test starts (and breaks) worlds of its own
+
 
 @pytest.fixture
 def pool():
+    """A fresh 2-rank gloo pool per test (fault injection breaks it), closed after."""
     with RankPool(2, "gloo") as pool:
         yield pool
 

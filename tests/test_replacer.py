@@ -59,6 +59,7 @@ def make_gpt2() -> GPT2Model:
 
 @pytest.fixture(scope="module")
 def bert() -> BertModel:
+    """A small BertModel, built once for the module."""
     return make_bert()
 
 
@@ -507,6 +508,7 @@ class GPT2TestPolicy(Policy):
 
 @pytest.fixture(scope="module")
 def gpt2() -> GPT2Model:
+    """A small GPT2Model, built once for the module."""
     return make_gpt2()
 
 

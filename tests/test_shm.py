@@ -62,6 +62,7 @@ def test_a_rank_that_never_arrives_is_a_timeout_not_a_hang(tmp_path):
         alone.all_reduce(torch.ones(4))
 
 
+@pytest.mark.slow
 def test_tpcore_shm_0_keeps_gloo_and_no_segment_is_left_behind(monkeypatch):
     before = set(shm.SHM_DIR.iterdir())
     with RankPool(2, "gloo") as pool:

@@ -111,6 +111,7 @@ def derived_cases(draw):
     return arch, world_size, heads, kv_heads, head_dim, intermediate, lengths, seq, draw(st.integers(0, 2**16))
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=derived_cases())
 def test_random_configs_of_derived_architectures_match_unsplit(rank_pools, case):

@@ -201,7 +201,7 @@ def init_process_group(
     An NCCL group is bound to ``device`` (``device_id=``, where this torch has it); bind the process
     to it first (:func:`bind_device`).
     """
-    options = {"store": store, "rank": rank, "world_size": world_size} if store is not None else {}
+    options: dict = {"store": store, "rank": rank, "world_size": world_size} if store is not None else {}
     if backend == "nccl" and device is not None and device.type == "cuda" and _INIT_TAKES_DEVICE_ID:
         options["device_id"] = device
     dist.init_process_group(backend, timeout=timeout, **options)

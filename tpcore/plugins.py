@@ -176,7 +176,7 @@ def plugin_infos() -> list[PluginInfo]:
 def registered_policies() -> list[PolicyEntry]:
     """All policies of all loaded plugins, with the plugin each came from."""
     manager = get_plugin_manager()
-    entries = []
+    entries: list[PolicyEntry] = []
     for name, plugin in manager.list_name_plugin():
         info = next((i for i in _infos if i.name == name), None)
         dist, version = (info.distribution, info.version) if info else (name, "?")

@@ -12,10 +12,20 @@ Every rank builds the same seeded model, parallelizes it and runs the inputs; ev
 of every rank must be within ``rtol * max|reference|`` of the unsplit model's, and with more than
 one rank each rank must hold fewer parameters than the whole model (a policy that matched
 nothing would otherwise pass trivially).
+
+Hypothesis strategies for a plugin's property tests (they need hypothesis, the ``test`` extra):
+:func:`split_sizes` draws config sizes that split over a drawn world size, :func:`padded_batches`
+draws padded batches of token ids, :func:`seeds` the init seed::
+
+    @given(sizes=split_sizes(), inputs=padded_batches(vocab_size=64), seed=seeds())
+    def test_my_family(rank_pools, sizes, inputs, seed):
+        config = MyConfig(hidden_size=sizes.hidden, num_heads=sizes.heads, num_layers=sizes.layers, ...)
+        check_equivalence(ModelSpec(MyModel, config, seed), inputs, (sizes.world_size,), pools=rank_pools)
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,10 +43,16 @@ __all__ = [
     "EquivalenceError",
     "ModelSpec",
     "PoolCache",
+    "SplitSizes",
     "check_equivalence",
     "compare_outputs",
     "flatten_outputs",
+    "padded_batch",
+    "padded_batches",
+    "seeds",
     "sharded_forward",
+    "split_sizes",
+    "with_choices",
 ]
 
 #: fp32 tolerance relative to the reference output's scale: max|a - b| <= rtol * max|a|.
@@ -98,6 +114,7 @@ def flatten_outputs(value, prefix: str = "output") -> dict[str, torch.Tensor]:
     """Every tensor inside a model output, keyed by where it sits (``logits``, ``hidden_states.2``)."""
     if isinstance(value, torch.Tensor):
         return {prefix: value}
+    items: Iterable[tuple[Any, Any]]
     if isinstance(value, dict):
         items = value.items()
     elif isinstance(value, (list, tuple)):
@@ -225,32 +242,15 @@ def check_model(
     decoder ids for encoder-decoder models). Raises :class:`EquivalenceError` on the first
     difference, naming the output, the world size, the rank and the amount."""
     from hypothesis import given, settings
-    from hypothesis import strategies as st
 
     spec = ModelSpec(model_class, config)
     vocab = min(int(getattr(config, "vocab_size", 64) or 64), 512)
+    decoder = (1, 12) if getattr(config, "is_encoder_decoder", False) else None
     own_pools = pools is None
     pools = pools or PoolCache()
 
-    @st.composite
-    def batches(draw):
-        batch, seq = draw(st.integers(1, 3)), draw(st.integers(1, 12))
-        ids = torch.tensor(
-            draw(
-                st.lists(
-                    st.lists(st.integers(3, vocab - 1), min_size=seq, max_size=seq), min_size=batch, max_size=batch
-                )
-            )
-        )
-        lengths = torch.tensor(draw(st.lists(st.integers(1, seq), min_size=batch, max_size=batch)))
-        mask = (torch.arange(seq)[None, :] < lengths[:, None]).long()
-        inputs = {"input_ids": ids * mask, "attention_mask": mask}
-        if getattr(config, "is_encoder_decoder", False):
-            inputs["decoder_input_ids"] = ids[:, : draw(st.integers(1, seq))]
-        return inputs
-
     @settings(max_examples=max_examples, deadline=None, database=None)
-    @given(inputs=batches())
+    @given(inputs=padded_batches(vocab, batch=(1, 3), seq=(1, 12), decoder_seq=decoder))
     def holds(inputs):
         check_equivalence(spec, inputs, world_sizes, policies=policies, pools=pools, rtol=rtol)
 
@@ -259,3 +259,122 @@ def check_model(
     finally:
         if own_pools:
             pools.close()
+
+
+# -- hypothesis strategies for property tests -----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SplitSizes:
+    """Sizes of a small config that split evenly over ``world_size`` ranks (``hidden = heads * head_dim``)."""
+
+    world_size: int
+    heads: int
+    head_dim: int
+    intermediate: int
+    layers: int
+    #: key/value heads: ``heads`` unless drawn with ``grouped_kv=True``
+    kv_heads: int
+
+    @property
+    def hidden(self) -> int:
+        return self.heads * self.head_dim
+
+
+def split_sizes(
+    world_sizes=(1, 2, 3, 4),
+    *,
+    heads_per_rank=(1, 3),
+    head_dims=(2, 4, 8),
+    intermediate_per_rank=(1, 24),
+    layers=(1, 2),
+    grouped_kv: bool = False,
+):
+    """Strategy of :class:`SplitSizes`: a world size from ``world_sizes``, then heads and the MLP's
+    intermediate size as multiples of it (``heads_per_rank``, ``intermediate_per_rank``: inclusive
+    ranges per rank), a head size from ``head_dims`` and a layer count from ``layers``. With
+    ``grouped_kv``, the key/value heads divide the heads and either split over the ranks or are
+    replicated (they divide the world size): the counts a grouped-query policy accepts."""
+    from hypothesis import strategies as st
+
+    @st.composite
+    def draw_sizes(draw) -> SplitSizes:
+        world_size = draw(st.sampled_from(world_sizes))
+        heads = world_size * draw(st.integers(*heads_per_rank))
+        kv_heads = heads
+        if grouped_kv:
+            splittable = [
+                d for d in range(1, heads + 1) if heads % d == 0 and (d % world_size == 0 or world_size % d == 0)
+            ]
+            kv_heads = draw(st.sampled_from(splittable))
+        return SplitSizes(
+            world_size=world_size,
+            heads=heads,
+            head_dim=draw(st.sampled_from(head_dims)),
+            intermediate=world_size * draw(st.integers(*intermediate_per_rank)),
+            layers=draw(st.integers(*layers)),
+            kv_heads=kv_heads,
+        )
+
+    return draw_sizes()
+
+
+def padded_batch(
+    lengths,
+    seq: int,
+    vocab_size: int,
+    seed: int = 0,
+    *,
+    padding: str = "right",
+    pad_token_id: int = 0,
+    min_token_id: int = 3,
+) -> dict:
+    """``{"input_ids", "attention_mask"}``, both ``(len(lengths), seq)``: row ``i`` holds ``lengths[i]``
+    real tokens, seeded random ids in ``[min_token_id, vocab_size)`` (below it: the special tokens),
+    padded on the ``"right"`` (encoders) or the ``"left"`` (generation) with ``pad_token_id``."""
+    if padding not in ("right", "left"):
+        raise ValueError(f"padding must be 'right' or 'left', not {padding!r}")
+    if vocab_size <= min_token_id:
+        raise ValueError(f"vocab_size {vocab_size} leaves no token id at or above min_token_id {min_token_id}")
+    if not all(1 <= n <= seq for n in lengths):
+        raise ValueError(f"every row needs 1 to seq={seq} real tokens, not {list(lengths)}")
+    ids = torch.randint(min_token_id, vocab_size, (len(lengths), seq), generator=torch.Generator().manual_seed(seed))
+    real, positions = torch.tensor(list(lengths))[:, None], torch.arange(seq)[None, :]
+    mask = positions < real if padding == "right" else positions >= seq - real
+    return {"input_ids": ids.masked_fill(~mask, pad_token_id), "attention_mask": mask.long()}
+
+
+def padded_batches(vocab_size: int, *, batch=(1, 3), seq=(1, 9), decoder_seq=None, **options):
+    """Strategy of :func:`padded_batch` inputs: ``batch`` rows of ``seq`` tokens (inclusive ranges),
+    each row's real length and the ids' seed drawn; ``options`` go to :func:`padded_batch`.
+    ``decoder_seq`` (an inclusive range) adds ``decoder_input_ids`` ``(batch, m)`` for encoder-decoders."""
+    from hypothesis import strategies as st
+
+    @st.composite
+    def draw_batch(draw) -> dict:
+        rows, length = draw(st.integers(*batch)), draw(st.integers(*seq))
+        lengths = draw(st.lists(st.integers(1, length), min_size=rows, max_size=rows))
+        inputs = padded_batch(lengths, length, vocab_size, draw(seeds()), **options)
+        if decoder_seq is not None:
+            decoder = draw(st.integers(*decoder_seq))
+            inputs["decoder_input_ids"] = padded_batch([decoder] * rows, decoder, vocab_size, draw(seeds()))[
+                "input_ids"
+            ]
+        return inputs
+
+    return draw_batch()
+
+
+def seeds():
+    """Strategy of model init seeds (:attr:`ModelSpec.seed`)."""
+    from hypothesis import strategies as st
+
+    return st.integers(0, 2**16)
+
+
+def with_choices(inputs: dict, choices: int = 2) -> dict:
+    """``inputs`` for a multiple-choice head: every ``(batch, seq)`` tensor repeated as ``(batch, choices, seq)``."""
+    return {
+        key: value[:, None].expand(-1, choices, -1).contiguous() if isinstance(value, torch.Tensor) else value
+        for key, value in inputs.items()
+    }

@@ -1,8 +1,10 @@
 """A BERT-family model split over 1-4 gloo ranks gives the unsplit model's outputs.
 
 Every architecture tp-bert claims is listed in ``ARCHITECTURES`` with every head transformers
-ships for it. ``test_every_head`` runs each head once at world sizes 1-4; the hypothesis property
-draws random small configs, world sizes, batches and padding masks.
+ships for it. ``test_every_head`` runs each architecture's first head at world sizes 1-4 (the quick
+core) and every other head over 2 and 3 ranks (an even split and a padded vocabulary; the heads
+themselves are replicated); the hypothesis property draws random small configs, world sizes 2-4,
+batches and padding masks from the strategies in ``tpcore.testing``.
 """
 
 from __future__ import annotations
@@ -15,7 +17,16 @@ import transformers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tpcore.testing import HALF_PRECISION_RTOL, ModelSpec, check_equivalence
+from tpcore.testing import (
+    HALF_PRECISION_RTOL,
+    ModelSpec,
+    check_equivalence,
+    padded_batch,
+    padded_batches,
+    seeds,
+    split_sizes,
+    with_choices,
+)
 
 
 @dataclass(frozen=True)
@@ -102,24 +113,30 @@ def model_spec(arch: str, head: str, hidden: int, heads: int, layers: int, inter
     return ModelSpec(getattr(transformers, arch.removesuffix("Rotary") + head), config, seed)
 
 
-def make_inputs(head: str, lengths: list[int], seq: int, seed: int, choices: int = 2) -> dict:
-    """Token ids with right padding: row ``i`` has ``lengths[i]`` real tokens."""
-    generator = torch.Generator().manual_seed(seed)
-    batch = len(lengths)
-    ids = torch.randint(3, VOCAB, (batch, seq), generator=generator)
-    mask = (torch.arange(seq)[None, :] < torch.tensor(lengths)[:, None]).long()
+def make_inputs(head: str, inputs: dict) -> dict:
+    """``inputs`` (a :func:`tpcore.testing.padded_batch`) shaped for ``head``, with hidden states."""
     if head == "ForMultipleChoice":
-        ids, mask = (t[:, None, :].expand(batch, choices, seq).contiguous() for t in (ids, mask))
-    return {"input_ids": ids, "attention_mask": mask, "output_hidden_states": True}
+        inputs = with_choices(inputs)
+    return {**inputs, "output_hidden_states": True}
 
 
-@pytest.mark.parametrize(("arch", "head"), CASES, ids=[a + h for a, h in CASES])
-def test_every_head(rank_pools, arch, head):
-    """12 heads split over 1, 2, 3 and 4 ranks; batch of 3 with padding."""
+def every_head_cases():
+    """``(arch, head, world sizes)``: the first head of each architecture over 1-4 ranks, the others
+    (slow) over 2 and 3."""
+    for arch, architecture in ARCHITECTURES.items():
+        first, *others = architecture.heads
+        yield pytest.param(arch, first, (1, 2, 3, 4), id=arch + first)
+        for head in others:
+            yield pytest.param(arch, head, (2, 3), id=arch + head, marks=pytest.mark.slow)
+
+
+@pytest.mark.parametrize(("arch", "head", "world_sizes"), list(every_head_cases()))
+def test_every_head(rank_pools, arch, head, world_sizes):
+    """12 heads split over each world size; batch of 3 with padding."""
     spec = model_spec(arch, head, hidden=48, heads=12, layers=2, intermediate=96, seed=1)
-    inputs = make_inputs(head, lengths=[7, 3, 5], seq=7, seed=2)
-    report = check_equivalence(spec, inputs, world_sizes=(1, 2, 3, 4), pools=rank_pools)
-    assert sorted(report) == [1, 2, 3, 4]
+    inputs = make_inputs(head, padded_batch([7, 3, 5], 7, VOCAB, seed=2))
+    report = check_equivalence(spec, inputs, world_sizes=world_sizes, pools=rank_pools)
+    assert sorted(report) == list(world_sizes)
     assert all("hidden_states.0" in diffs for diffs in report.values())
 
 
@@ -132,12 +149,18 @@ CROSS_ATTENTION = [
 ]
 
 
-@pytest.mark.parametrize(("arch", "head"), CROSS_ATTENTION, ids=[a + h for a, h in CROSS_ATTENTION])
+@pytest.mark.parametrize(
+    ("arch", "head"),
+    [
+        pytest.param(*case, id="".join(case), marks=[pytest.mark.slow] if i else [])
+        for i, case in enumerate(CROSS_ATTENTION)
+    ],
+)
 def test_cross_attention_decoders(rank_pools, arch, head):
     """Decoders with cross-attention over encoder states: both attentions are split."""
     spec = model_spec(arch, head, hidden=48, heads=12, layers=2, intermediate=96, seed=3)
     spec.config.add_cross_attention = True
-    inputs = make_inputs(head, lengths=[6, 2], seq=6, seed=4)
+    inputs = make_inputs(head, padded_batch([6, 2], 6, VOCAB, seed=4))
     # MegatronBert reshapes cross-attention keys with the decoder's length: keep both equal.
     encoder_length = 6
     inputs["encoder_hidden_states"] = torch.randn(2, encoder_length, 48, generator=torch.Generator().manual_seed(5))
@@ -146,29 +169,20 @@ def test_cross_attention_decoders(rank_pools, arch, head):
     assert sorted(report) == [2, 3, 4]
 
 
-@st.composite
-def cases(draw):
-    arch, head = draw(st.sampled_from(CASES))
-    world_size = draw(st.sampled_from([1, 2, 3, 4]))
-    heads = world_size * draw(st.integers(1, 3))
-    head_dim = draw(st.sampled_from([2, 4, 8]))
-    intermediate = world_size * draw(st.integers(1, 24))
-    batch = draw(st.integers(1, 3))
-    seq = draw(st.integers(1, 9))
-    lengths = draw(st.lists(st.integers(1, seq), min_size=batch, max_size=batch))
-    layers = draw(st.integers(1, 2))
-    seed = draw(st.integers(0, 2**16))
-    return arch, head, world_size, heads, head_dim, intermediate, layers, lengths, seq, seed
-
-
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(case=cases())
-def test_random_configs_match_unsplit(rank_pools, case):
-    arch, head, world_size, heads, head_dim, intermediate, layers, lengths, seq, seed = case
-    spec = model_spec(arch, head, heads * head_dim, heads, layers, intermediate, seed)
-    inputs = make_inputs(head, lengths, seq, seed + 1)
-    report = check_equivalence(spec, inputs, world_sizes=(world_size,), pools=rank_pools)
-    assert report[world_size]
+@pytest.mark.slow
+@settings(max_examples=225, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    case=st.sampled_from(CASES),
+    sizes=split_sizes(world_sizes=(2, 3, 4)),
+    inputs=padded_batches(VOCAB, batch=(1, 3), seq=(1, 9)),
+    seed=seeds(),
+)
+def test_random_configs_match_unsplit(rank_pools, case, sizes, inputs, seed):
+    """Random configs over 2-4 ranks (world size 1 is ``test_every_head``'s)."""
+    arch, head = case
+    spec = model_spec(arch, head, sizes.hidden, sizes.heads, sizes.layers, sizes.intermediate, seed)
+    report = check_equivalence(spec, make_inputs(head, inputs), world_sizes=(sizes.world_size,), pools=rank_pools)
+    assert report[sizes.world_size]
 
 
 @pytest.mark.gpu
@@ -181,7 +195,7 @@ def test_cuda_nccl_matches_unsplit(nccl_rank_pools, arch, head, world_size, dtyp
     if visible < world_size:
         pytest.skip(f"world size {world_size} needs {world_size} GPUs; this machine has {visible}")
     spec = model_spec(arch, head, hidden=48, heads=12, layers=2, intermediate=96, seed=1)
-    inputs = make_inputs(head, lengths=[7, 3, 5], seq=7, seed=2)
+    inputs = make_inputs(head, padded_batch([7, 3, 5], 7, VOCAB, seed=2))
     report = check_equivalence(
         spec, inputs, world_sizes=(world_size,), pools=nccl_rank_pools, rtol=HALF_PRECISION_RTOL[dtype], dtype=dtype
     )
@@ -191,12 +205,14 @@ def test_cuda_nccl_matches_unsplit(nccl_rank_pools, arch, head, world_size, dtyp
 LUKE_ENTITY_HEADS = ["Model", "ForEntityClassification", "ForEntityPairClassification", "ForEntitySpanClassification"]
 
 
-@pytest.mark.parametrize("head", LUKE_ENTITY_HEADS)
+@pytest.mark.parametrize(
+    "head", [LUKE_ENTITY_HEADS[0], *(pytest.param(h, marks=pytest.mark.slow) for h in LUKE_ENTITY_HEADS[1:])]
+)
 def test_luke_entity_aware_attention(rank_pools, head):
     """LUKE with entity inputs, so the word-to-entity, entity-to-word and entity-to-entity queries run."""
     spec = model_spec("Luke", head, hidden=48, heads=12, layers=2, intermediate=96, seed=6)
     spec.config.use_entity_aware_attention = True
-    inputs = make_inputs("Model", lengths=[6, 4], seq=6, seed=7)
+    inputs = make_inputs("Model", padded_batch([6, 4], 6, VOCAB, seed=7))
     entities = 2
     inputs["entity_ids"] = torch.tensor([[3, 5], [7, 2]])
     inputs["entity_attention_mask"] = torch.ones(2, entities, dtype=torch.long)

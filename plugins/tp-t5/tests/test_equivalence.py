@@ -1,6 +1,10 @@
 """A T5-family model split over 1-4 gloo ranks gives the unsplit model's outputs and tokens.
 
-Configs are built fresh per model: some T5 classes change the config they are given.
+``test_every_head`` runs the first head of each family and MLP at world sizes 1-4 (the quick core)
+and every other head over 2 and 3 ranks; generation (greedy and beam) runs each family with the
+gated MLP (the MLPs differ in the forward only, which ``test_every_head`` covers); the hypothesis
+property draws random small configs (strategies of ``tpcore.testing``). Configs are built fresh
+per model: some T5 classes change the config they are given.
 """
 
 from __future__ import annotations
@@ -12,7 +16,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tpcore
-from tpcore.testing import HALF_PRECISION_RTOL, ModelSpec, check_equivalence
+from tpcore.testing import (
+    HALF_PRECISION_RTOL,
+    ModelSpec,
+    check_equivalence,
+    padded_batch,
+    padded_batches,
+    seeds,
+    split_sizes,
+)
 
 VOCAB = 64
 FAMILIES = ("T5", "MT5", "UMT5")
@@ -48,35 +60,49 @@ def model_spec(family, mlp, head, heads=12, d_kv=4, layers=2, d_ff=96, seed=1) -
 
 def padded(lengths: list[int], seq: int, seed: int) -> dict:
     """Encoder ids with right padding: row ``i`` has ``lengths[i]`` real tokens."""
-    generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, VOCAB, (len(lengths), seq), generator=generator)
-    mask = (torch.arange(seq)[None, :] < torch.tensor(lengths)[:, None]).long()
-    return {"input_ids": ids * mask, "attention_mask": mask}
+    return padded_batch(lengths, seq, VOCAB, seed)
 
 
-def forward_inputs(head: str, lengths: list[int], seq: int, seed: int, decoder_seq: int = 4) -> dict:
-    inputs = padded(lengths, seq, seed)
-    if head in ("Model", "ForConditionalGeneration"):
-        generator = torch.Generator().manual_seed(seed + 1)
-        inputs["decoder_input_ids"] = torch.randint(3, VOCAB, (len(lengths), decoder_seq), generator=generator)
+def forward_inputs(head: str, inputs: dict) -> dict:
+    """``inputs`` (a padded batch with ``decoder_input_ids``) as ``head`` takes them, with hidden states."""
+    inputs = dict(inputs)
+    if head not in ("Model", "ForConditionalGeneration"):
+        del inputs["decoder_input_ids"]
     if head == "ForSequenceClassification":  # pools the hidden state at each row's last eos token
-        rows = torch.arange(len(lengths))
-        inputs["input_ids"][rows, torch.tensor(lengths) - 1] = 1
+        ids = inputs["input_ids"] = inputs["input_ids"].clone()
+        ids[torch.arange(len(ids)), inputs["attention_mask"].sum(1) - 1] = 1
     return {**inputs, "output_hidden_states": True}
 
 
-@pytest.mark.parametrize(("family", "mlp", "head"), CASES, ids=["-".join(case) for case in CASES])
-def test_every_head(rank_pools, family, mlp, head):
-    """Encoder outputs and decoder logits over 1, 2, 3 and 4 ranks; padded batch of 3."""
+def fixed_inputs(head: str, lengths: list[int], seq: int, seed: int, decoder_seq: int = 4) -> dict:
+    decoder = padded_batch([decoder_seq] * len(lengths), decoder_seq, VOCAB, seed + 1)["input_ids"]
+    return forward_inputs(head, {**padded(lengths, seq, seed), "decoder_input_ids": decoder})
+
+
+def every_head_cases():
+    """``(family, mlp, head, world sizes)``: the first head over 1-4 ranks, the others (slow) over 2 and 3."""
+    for family, mlp, head in CASES:
+        name = f"{family}-{mlp}-{head}"
+        if head == HEADS[0]:
+            yield pytest.param(family, mlp, head, (1, 2, 3, 4), id=name)
+        else:
+            yield pytest.param(family, mlp, head, (2, 3), id=name, marks=pytest.mark.slow)
+
+
+@pytest.mark.parametrize(("family", "mlp", "head", "world_sizes"), list(every_head_cases()))
+def test_every_head(rank_pools, family, mlp, head, world_sizes):
+    """Encoder outputs and decoder logits over each world size; padded batch of 3."""
     spec = model_spec(family, mlp, head)
     report = check_equivalence(
-        spec, forward_inputs(head, [7, 3, 5], 7, seed=2), world_sizes=(1, 2, 3, 4), pools=rank_pools
+        spec, fixed_inputs(head, [7, 3, 5], 7, seed=2), world_sizes=world_sizes, pools=rank_pools
     )
-    assert sorted(report) == [1, 2, 3, 4]
+    assert sorted(report) == list(world_sizes)
 
 
-@pytest.mark.parametrize("num_beams", [1, 3], ids=["greedy", "beam"])
-@pytest.mark.parametrize(("family", "mlp"), [(f, m) for f in FAMILIES for m in MLPS])
+@pytest.mark.parametrize("num_beams", [1, pytest.param(3, marks=pytest.mark.slow)], ids=["greedy", "beam"])
+@pytest.mark.parametrize(
+    ("family", "mlp"), [pytest.param(f, "gated-gelu", marks=[] if f == "T5" else [pytest.mark.slow]) for f in FAMILIES]
+)
 def test_generate_tokens_match(rank_pools, family, mlp, num_beams):
     """32 new tokens for a padded batch, identical to the unsplit model's on every rank."""
     spec = model_spec(family, mlp, "ForConditionalGeneration", heads=4, seed=3)
@@ -85,6 +111,7 @@ def test_generate_tokens_match(rank_pools, family, mlp, num_beams):
     assert all(diff == 0 for diffs in report.values() for diff in diffs.values())
 
 
+@pytest.mark.slow  # a world of its own (tp-gpt runs the one-liner in the quick suite)
 def test_generate_through_parallelize():
     spec = model_spec("T5", "gated-gelu", "ForConditionalGeneration", heads=4, seed=5)
     reference = spec.build()
@@ -105,29 +132,20 @@ def test_heads_that_do_not_divide_are_refused():
         tpcore.TensorReplacer(spec.build(), None, False, 4, rank=0).validate()
 
 
-@st.composite
-def cases(draw):
-    family, mlp, head = draw(st.sampled_from(CASES))
-    world_size = draw(st.sampled_from([1, 2, 3, 4]))
-    heads = world_size * draw(st.integers(1, 3))
-    d_kv = draw(st.sampled_from([2, 4, 8]))
-    d_ff = world_size * draw(st.integers(1, 24))
-    batch = draw(st.integers(1, 3))
-    seq = draw(st.integers(2, 9))
-    lengths = draw(st.lists(st.integers(1, seq), min_size=batch, max_size=batch))
-    layers = draw(st.integers(1, 2))
-    seed = draw(st.integers(0, 2**16))
-    return family, mlp, head, world_size, heads, d_kv, d_ff, layers, lengths, seq, seed
-
-
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(case=cases())
-def test_random_configs_match_unsplit(rank_pools, case):
-    family, mlp, head, world_size, heads, d_kv, d_ff, layers, lengths, seq, seed = case
-    spec = model_spec(family, mlp, head, heads, d_kv, layers, d_ff, seed)
-    inputs = forward_inputs(head, lengths, seq, seed + 1, decoder_seq=1 + seed % 5)
-    report = check_equivalence(spec, inputs, world_sizes=(world_size,), pools=rank_pools)
-    assert report[world_size]
+@pytest.mark.slow
+@settings(max_examples=75, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    case=st.sampled_from(CASES),
+    sizes=split_sizes(world_sizes=(2, 3, 4)),
+    inputs=padded_batches(VOCAB, batch=(1, 3), seq=(2, 9), decoder_seq=(1, 5)),
+    seed=seeds(),
+)
+def test_random_configs_match_unsplit(rank_pools, case, sizes, inputs, seed):
+    """Random configs over 2-4 ranks (world size 1 is ``test_every_head``'s)."""
+    family, mlp, head = case
+    spec = model_spec(family, mlp, head, sizes.heads, sizes.head_dim, sizes.layers, sizes.intermediate, seed)
+    report = check_equivalence(spec, forward_inputs(head, inputs), world_sizes=(sizes.world_size,), pools=rank_pools)
+    assert report[sizes.world_size]
 
 
 @pytest.mark.gpu
@@ -140,7 +158,7 @@ def test_cuda_nccl_matches_unsplit(nccl_rank_pools, family, world_size, dtype):
     if visible < world_size:
         pytest.skip(f"world size {world_size} needs {world_size} GPUs; this machine has {visible}")
     spec = model_spec(family, "gated-gelu", "ForConditionalGeneration")
-    inputs = forward_inputs("ForConditionalGeneration", [7, 3, 5], 7, seed=2)
+    inputs = fixed_inputs("ForConditionalGeneration", [7, 3, 5], 7, seed=2)
     report = check_equivalence(
         spec, inputs, world_sizes=(world_size,), pools=nccl_rank_pools, rtol=HALF_PRECISION_RTOL[dtype], dtype=dtype
     )
