@@ -191,8 +191,17 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("case", list(CASES))
+QUICK = {("mixtral-experts", 2), ("olmo2-qk-norm", 2)}  # the rest is the slow matrix
+
+
+@pytest.mark.parametrize(
+    ("case", "world_size"),
+    [
+        pytest.param(case, world_size, marks=() if (case, world_size) in QUICK else pytest.mark.slow)
+        for case in CASES
+        for world_size in (2, 4)
+    ],
+)
 def test_the_plan_splits_the_layout_and_every_rank_gives_the_whole_models_logits(rank_pools, case, world_size):
     build, policies = CASES[case]
     model = build()

@@ -173,7 +173,7 @@ class ShardPlan:
         except ShardingError as error:
             raise self.error(target.where, str(error)) from None
         except Exception as error:
-            error.add_note(f"while splitting {self.model_name} over {self.world_size} ranks: layer {target.where}")
+            add_note(error, f"while splitting {self.model_name} over {self.world_size} ranks: layer {target.where}")
             raise
 
     def _add_layer(self, model: nn.Module, target: Target, first_name: dict[int, str], rewrites: bool) -> None:
@@ -208,7 +208,7 @@ class ShardPlan:
         for path, tensor, split in ((spec.weight, weight, weight_split), (spec.bias, bias, bias_split)):
             if tensor is None or split is None:
                 continue
-            full_path = join(target.name, path)
+            full_path = join(target.name, path or "")
             if not isinstance(tensor, torch.Tensor) or not -tensor.dim() <= split.dim < tensor.dim():
                 raise self.error(full_path, f"not a tensor with a dimension {split.dim} to split")
             try:
@@ -244,7 +244,7 @@ class ShardPlan:
             for tensor in (module.weight, getattr(module, "bias", None)):
                 if tensor is not None:
                     self.splits.setdefault(first_name[id(tensor)], Split(0, pad=True))
-            self.vocab[paths[id(module)]] = module.weight.shape[0]
+            self.vocab[paths[id(module)]] = int(module.weight.shape[0])  # type: ignore[index]
 
     def _check_whole_heads(self, model: nn.Module, first_name: dict[int, str]) -> None:
         """Every attention whose projections are cut holds whole heads on every rank, and cuts its
@@ -260,11 +260,11 @@ class ShardPlan:
             head_dim = next((getattr(module, a) for a in _HEAD_DIM_ATTRIBUTES if _is_int(getattr(module, a, None))), 0)
             if head_dim < 1:
                 continue
-            head_counts = set()
+            head_counts: set[int] = set()
             for child_name, child in module.named_children():
                 weight = getattr(child, "weight", None)
                 split = self.splits.get(first_name.get(id(weight), ""))
-                if split is None or split.pad or not _is_projection(child):
+                if weight is None or split is None or split.pad or not _is_projection(child):
                     continue
                 for size in piece_sizes(split, weight.shape[split.dim], self.world_size):
                     if size % head_dim:
@@ -351,7 +351,7 @@ class ShardPlan:
                 module.tp_group = tp_group
         for path, vocab_size in self.vocab.items():
             module = model.get_submodule(path)
-            rows = module.weight.shape[0]
+            rows = int(module.weight.shape[0])  # type: ignore[index]
             make_vocab_parallel(module, tp_group, rank * rows, vocab_size, gather_logits)
         return model
 
@@ -375,6 +375,14 @@ class ShardPlan:
             f"per rank {_mib(self.bytes_per_rank())} of {_mib(whole)} ({_mib(replicated)} replicated on every rank)"
         )
         return "\n".join(lines)
+
+
+def add_note(error: BaseException, note: str) -> None:
+    """``error.add_note(note)`` (Python 3.11+); on 3.10 the note joins the message, the type unchanged."""
+    if hasattr(error, "add_note"):
+        error.add_note(note)
+    elif error.args and isinstance(error.args[0], str):
+        error.args = (f"{error.args[0]} ({note})", *error.args[1:])
 
 
 def describe(split: Split | None) -> str:
