@@ -49,9 +49,9 @@ def test_check_a_saved_model_directory_names_the_plugin(rank_pools, tmp_path, ca
 
 
 def test_check_an_uncovered_model_explains_and_fails(spawned, capsys):
-    assert main(["check", "MixtralForCausalLM", "--world-sizes", "2", "4"]) == 2  # the command line, no rank started
+    assert main(["check", "OlmoeForCausalLM", "--world-sizes", "2", "4"]) == 2  # the command line, no rank started
     assert spawned == []
-    assert "'moe_tp_experts', which tpcore does not follow" in capsys.readouterr().out
+    assert "'colwise_gather_output', which tpcore does not follow" in capsys.readouterr().out
 
 
 def test_check_rejects_what_is_neither_a_directory_nor_a_class():
@@ -107,7 +107,7 @@ def test_plugins_command_shows_which_policy_applies_to_a_model(capsys, monkeypat
     assert q_proj["per_rank"] == [q_proj["shape"][0] // 2, q_proj["shape"][1]] and q_proj["cut"] == "cut dim 0"
     assert main(["plugins", "--model", "LlamaForCausalLM", "--world-size", "3"]) == 2  # 4 heads over 3 ranks
     assert "cannot split LlamaForCausalLM over 3 ranks" in capsys.readouterr().out
-    assert main(["plugins", "--model", "MixtralForCausalLM"]) == 2
+    assert main(["plugins", "--model", "OlmoeForCausalLM"]) == 2
 
 
 # --- tpcore check for every modality: small configs, inputs, rank exceptions -----------------------

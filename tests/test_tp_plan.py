@@ -65,7 +65,7 @@ def test_a_model_with_a_tp_plan_splits_without_a_plugin(rank_pools, arch):
     [
         ("Olmo2Config", "Olmo2ForCausalLM", "colwise_gather_output"),
         ("Phi3Config", "Phi3ForCausalLM", "colwise_gather_output"),
-        ("MixtralConfig", "MixtralForCausalLM", "moe_tp_experts"),
+        ("OlmoeConfig", "OlmoeForCausalLM", "colwise_gather_output"),
     ],
 )
 def test_a_plan_with_styles_tpcore_cannot_follow_is_refused_clearly(config_class, model_class, style):
