@@ -10,11 +10,17 @@ linear layer inside the repeated blocks at ``<prefix>``; this module turns those
 ``packed_colwise``                          column parallel of two packed halves (gate|up)
 ``replicated_with_grad_allreduce``,         left whole on every rank (norms, embeddings)
 ``replicate``, ``embedding_*``
+``moe_tp_experts``                          the experts module's output is all-reduced: its
+                                            fused ``gate_up_proj (E, 2I, H)`` (``packed_colwise``)
+                                            and ``down_proj (E, H, I)`` (``rowwise``) are cut along
+                                            ``I``, ``intermediate_dim`` rewritten per rank
 ==========================================  ===================================================
 
-Any other style (gathered outputs, experts, MLA) means the plan cannot be followed, and the
-model needs a plugin. Key/value projections narrower than the query projection carry grouped KV
-heads, which are replicated when the ranks outnumber them.
+Any other style (gathered outputs, MLA) means the plan cannot be followed, and the model needs a
+plugin. Key/value projections narrower than the query projection carry grouped KV heads, which
+are replicated when the ranks outnumber them. Per-head parameters the plan leaves out but that
+must follow the heads (Cohere's ``q_norm``/``k_norm`` weights of shape ``(heads, head_dim)``) are
+cut with them.
 
 Composite models (LLaVA, CLIP, encoder-decoders with their own sub-configs) carry one plan per
 sub-model (:func:`tpcore.configs.sub_models`): each sub-model's config plan is read relative to
