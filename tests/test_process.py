@@ -169,6 +169,11 @@ def test_a_rank_reads_the_arguments_its_command_line_was_given(monkeypatch):
     assert received == [("/tmp/socket", 1, 2, "gloo", "cpu", "127.0.0.1", 29500, 3)]
 
 
+def test_a_rank_s_context_calls_its_group_tp_group_and_keeps_the_earlier_name():
+    context = worker.RankContext(0, 1, "gloo", "the group", "cpu")
+    assert context.tp_group == context.group == "the group"
+
+
 def test_the_names_callers_import_from_tpcore_process_are_the_rank_side_s_own():
     from tpcore import worker_errors
 

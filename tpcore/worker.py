@@ -42,11 +42,17 @@ class RankContext:
     rank: int
     world_size: int
     backend: str
-    group: Any
+    #: the tensor-parallel group: every rank of the pool
+    tp_group: Any
     device: Any
     #: per-rank storage that lives as long as the worker (models kept between calls)
     store: dict = field(default_factory=dict)
     connection: Any = field(default=None, repr=False)
+
+    @property
+    def group(self) -> Any:
+        """The earlier name of :attr:`tp_group`."""
+        return self.tp_group
 
     def receive_tensors(self, metas: list[tuple[tuple[int, ...], Any]]) -> list:
         """The raw tensors :meth:`RankPool.scatter` streams after this call: ``(shape, dtype)``
