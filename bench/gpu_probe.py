@@ -381,7 +381,7 @@ def counting_rank_starts() -> Iterator[list]:
 
     class Watched(original):
         def __init__(self, args, *rest, **kwargs):
-            if any("tpcore.process" in str(arg) for arg in args):
+            if any("tpcore.worker" in str(arg) for arg in args):
                 started.append(args)
             super().__init__(args, *rest, **kwargs)
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import transformers
 
 import tpcore
-from tpcore import distributed, engine, process
+from tpcore import distributed, engine, process, worker
 
 
 @pytest.fixture
@@ -244,16 +244,16 @@ def test_a_rank_binds_its_gpu_before_it_joins_the_group_and_names_it_to_nccl(fak
         calls.append(("join", backend, rank, device))
         raise Joined
 
-    monkeypatch.setattr(process, "_exit_with_parent", lambda parent: None)
-    monkeypatch.setattr(process, "connect", lambda *args: "connection")
-    monkeypatch.setattr(process, "send", lambda conn, message: replies.append(message))
+    monkeypatch.setattr(worker, "_exit_with_parent", lambda parent: None)
+    monkeypatch.setattr(worker, "connect", lambda *args: "connection")
+    monkeypatch.setattr(worker, "send", lambda conn, message: replies.append(message))
     monkeypatch.setattr(dist, "TCPStore", lambda *args, **kwargs: "store")
     monkeypatch.setattr(distributed, "bind_device", lambda device: calls.append(("bind", device)))
     monkeypatch.setattr(distributed, "init_process_group", join)
-    monkeypatch.setenv(process.PARENT_ENV, "1")
-    monkeypatch.setenv(process.AUTHKEY_ENV, "00")
+    monkeypatch.setenv(worker.PARENT_ENV, "1")
+    monkeypatch.setenv(worker.AUTHKEY_ENV, "00")
     threads = torch.get_num_threads()
-    process._worker_main("address", 1, 2, "nccl", "cuda", "127.0.0.1", 1, threads)
+    worker._worker_main("address", 1, 2, "nccl", "cuda", "127.0.0.1", 1, threads)
     assert calls == [("bind", torch.device("cuda", 1)), ("join", "nccl", 1, torch.device("cuda", 1))]
     assert replies[0][0] == "error" and replies[0][1][0].endswith("Joined")  # reported to the caller
 

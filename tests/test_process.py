@@ -24,7 +24,7 @@ import torch
 from process_probes import children, gone, is_loopback, listening_of
 
 import tpcore
-from tpcore import process, wire
+from tpcore import process, wire, worker
 from tpcore.distributed import free_port, interface_of
 from tpcore.process import RankPool, WorkerDiedError, WorkerError
 
@@ -157,9 +157,33 @@ def test_only_cpu_tensors_have_a_byte_view_and_a_cuda_rank_waits_for_its_kernels
         wire.byte_view(torch.ones(3, device="meta"))
     waited = []
     monkeypatch.setattr(torch.cuda, "synchronize", waited.append)
-    process.synchronize(torch.device("cpu"))
-    process.synchronize(torch.device("cuda", 1))
+    worker.synchronize(torch.device("cpu"))
+    worker.synchronize(torch.device("cuda", 1))
     assert waited == [torch.device("cuda", 1)]
+
+
+def test_a_rank_reads_the_arguments_its_command_line_was_given(monkeypatch):
+    """The caller's side (:func:`worker_command`) and the rank's (:func:`worker_entry`) agree on the argv."""
+    received = []
+    monkeypatch.setattr(worker, "_worker_main", lambda *args: received.append(args))
+    command = worker.worker_command("/tmp/socket", 1, 2, "gloo", "cpu", "127.0.0.1", 29500, 3)
+    assert command[:3] == [sys.executable, "-c", worker.WORKER_CODE]
+    worker.worker_entry(command[3:])
+    assert received == [("/tmp/socket", 1, 2, "gloo", "cpu", "127.0.0.1", 29500, 3)]
+
+
+def test_a_rank_s_context_calls_its_group_tp_group_and_keeps_the_earlier_name():
+    context = worker.RankContext(0, 1, "gloo", "the group", "cpu")
+    assert context.tp_group == context.group == "the group"
+
+
+def test_the_names_callers_import_from_tpcore_process_are_the_rank_side_s_own():
+    from tpcore import worker_errors
+
+    assert process.RankContext is worker.RankContext
+    assert process.WorkerError is worker_errors.WorkerError and process.WorkerDiedError is worker_errors.WorkerDiedError
+    assert process.reraise is worker_errors.reraise
+    assert set(process.__all__) == {"RankContext", "RankPool", "WorkerDiedError", "WorkerError", "reraise"}
 
 
 # -- where the ranks listen, and who may talk to them -------------------------------------------
@@ -269,7 +293,7 @@ def test_the_control_socket_is_private_to_the_user():
 
 def test_ranks_that_never_connect_fail_the_start_at_its_timeout(monkeypatch, time_to_error):
     """Ranks that hang before connecting: the start gives up at ``start_timeout`` (here 3 s), not at its default."""
-    monkeypatch.setattr(process, "_WORKER_COMMAND", "import time; time.sleep(120)")
+    monkeypatch.setattr(worker, "WORKER_CODE", "import time; time.sleep(120)")
     before = children()
     started = time.monotonic()
     with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] did not connect"):
@@ -279,7 +303,7 @@ def test_ranks_that_never_connect_fail_the_start_at_its_timeout(monkeypatch, tim
 
 
 def test_parallelize_passes_its_timeout_to_the_start(monkeypatch):
-    monkeypatch.setattr(process, "_WORKER_COMMAND", "import time; time.sleep(120)")
+    monkeypatch.setattr(worker, "WORKER_CODE", "import time; time.sleep(120)")
     model = torch.nn.Sequential(torch.nn.Linear(4, 4))
 
     class Whole(tpcore.Policy):

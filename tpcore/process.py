@@ -1,17 +1,20 @@
-"""RankPool: N local ranks joined in one process group, running functions sent to them.
+"""RankPool: N local ranks joined in one process group, running functions sent to them (the caller side).
 
-Ranks are fresh interpreters (``python -c`` running :func:`worker_entry`), not forks or ``multiprocessing``
-spawns: they never re-import the caller's ``__main__``, so scripts need no ``if __name__ ==
-"__main__"`` guard and notebooks work. They run in their own session, so a terminal's Ctrl-C
-reaches the caller only, and they end soon after the caller does, however it ends. Messages travel
-over authenticated Unix sockets (:mod:`tpcore.wire`); the ranks meet in a TCP store that the
-caller serves on the rendezvous address alone (loopback by default).
+Ranks are fresh interpreters (``python -c`` into :mod:`tpcore.worker`, which holds the rank side), not
+forks or ``multiprocessing`` spawns: they never re-import the caller's ``__main__``, so scripts need
+no ``if __name__ == "__main__"`` guard and notebooks work. They run in their own session, so a
+terminal's Ctrl-C reaches the caller only, and they end soon after the caller does, however it ends.
+Messages travel over authenticated Unix sockets (:mod:`tpcore.wire`); the ranks meet in a TCP store
+that the caller serves on the rendezvous address alone (loopback by default).
 
 The caller never blocks without a bound: every wait watches the ranks' connections (a dead rank
 closes its end at once) and a deadline. A rank that raises sends back the exception, its type,
 message and traceback. If every rank answered, the pool stays usable and the error is raised as
 :class:`WorkerError`; if some rank gave no answer (it may be stuck in a collective with the failed
-one), the pool is torn down first.
+one), the pool is torn down first (:mod:`tpcore.worker_errors`).
+
+This module is also the public place of the names a function sent to the ranks and its caller use:
+:class:`RankContext`, :class:`WorkerError`, :class:`WorkerDiedError` and :func:`reraise`.
 """
 
 from __future__ import annotations
@@ -24,14 +27,14 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from typing import Any
 
-from tpcore.wire import ControlListener, byte_view, connect, encode, picklable, recv, send
+from tpcore.wire import ControlListener, byte_view, encode, recv, send
+from tpcore.worker import AUTHKEY_ENV, PARENT_ENV, RankContext, worker_command
+from tpcore.worker_errors import WorkerDiedError, WorkerError, reraise
 
 __all__ = ["RankContext", "RankPool", "WorkerDiedError", "WorkerError", "reraise"]
 
@@ -39,72 +42,6 @@ START_TIMEOUT_S = 180.0
 CALL_TIMEOUT_S = 600.0
 #: after one rank fails, how long the others get to answer before the pool is presumed stuck
 ERROR_GRACE_S = 3.0
-AUTHKEY_ENV = "TPCORE_WORKER_AUTHKEY"
-PARENT_ENV = "TPCORE_WORKER_PARENT"
-
-
-class WorkerError(RuntimeError):
-    """A rank raised. ``exception`` is the original exception when it could be sent back."""
-
-    def __init__(self, rank: int, type_name: str, message: str, remote_traceback: str, exception=None):
-        super().__init__(
-            f"rank {rank} raised {type_name}: {message}\n\n--- rank {rank} traceback ---\n{remote_traceback}"
-        )
-        self.rank = rank
-        self.type_name = type_name
-        self.remote_message = message
-        self.remote_traceback = remote_traceback
-        self.exception = exception
-        #: every rank answered, so the pool is still usable
-        self.pool_consistent = False
-
-
-class WorkerDiedError(RuntimeError):
-    """A rank's process ended without answering, or the pool is closed."""
-
-
-def reraise(error: WorkerError):
-    """Raise a rank's exception as its own type, with the :class:`WorkerError` (and so the rank's
-    traceback) as its ``__cause__``; the :class:`WorkerError` itself if the exception did not pickle."""
-    if error.exception is not None:
-        raise error.exception from error
-    raise error
-
-
-@dataclass
-class RankContext:
-    """What a function running on a rank gets as its first argument."""
-
-    rank: int
-    world_size: int
-    backend: str
-    group: Any
-    device: Any
-    #: per-rank storage that lives as long as the worker (models kept between calls)
-    store: dict = field(default_factory=dict)
-    connection: Any = field(default=None, repr=False)
-
-    def receive_tensors(self, metas: list[tuple[tuple[int, ...], Any]]) -> list:
-        """The raw tensors :meth:`RankPool.scatter` streams after this call: ``(shape, dtype)``
-        each, read straight into their own storage (no pickle, no extra copy)."""
-        import torch
-
-        tensors = []
-        for shape, dtype in metas:
-            tensor = torch.empty(shape, dtype=dtype)
-            if tensor.numel():
-                self.connection.recv_bytes_into(byte_view(tensor))
-            else:
-                self.connection.recv_bytes()
-            tensors.append(tensor)
-        return tensors
-
-
-def _describe(error: BaseException) -> tuple:
-    """``(type name, message, traceback, exception or None)``, the exception only if it pickles."""
-    text = "".join(traceback.format_exception(error))
-    return type(error).__qualname__, str(error), text, error if picklable(error) else None
-
 
 _live_pools: weakref.WeakSet = weakref.WeakSet()
 
@@ -163,8 +100,7 @@ class RankPool:
         with ControlListener() as listener:
             for rank in range(world_size):
                 argv = [listener.address, rank, world_size, self.backend, self.device]
-                argv += [master_addr, self._store.port, threads]
-                command = [sys.executable, "-c", _WORKER_COMMAND, *map(str, argv)]
+                command = worker_command(*argv, master_addr, self._store.port, threads)
                 # Own session: a terminal's Ctrl-C (sent to the foreground process group) spares the ranks.
                 process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
                 self._procs.append(process)
@@ -339,79 +275,3 @@ def _rank_environment(master_addr: str, backend: str) -> dict[str, str]:
     if interface is not None and socket_variable not in env:
         env[socket_variable] = interface  # gloo would otherwise listen where the host name resolves
     return env
-
-
-def _exit_with_parent(parent_pid: int, interval: float = 0.5) -> None:
-    """End this rank soon after the caller dies, even while it is stuck in a collective."""
-
-    def watch():
-        while os.getppid() == parent_pid:
-            time.sleep(interval)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="tpcore-parent-watch", daemon=True).start()
-
-
-def synchronize(device) -> None:
-    """Wait for the kernels queued on a CUDA ``device``, so that a kernel's error is raised by the call
-    that queued it (and a rank replies only once its work is done); nothing to wait for on the CPU."""
-    if getattr(device, "type", None) == "cuda":
-        import torch
-
-        torch.cuda.synchronize(device)
-
-
-def _worker_main(address, rank, world_size, backend, device_kind, master_addr, master_port, threads) -> None:
-    """A rank: connect to the caller, bind its device, join the group, then serve calls until told to stop."""
-    _exit_with_parent(int(os.environ.pop(PARENT_ENV)))
-    conn = connect(address, bytes.fromhex(os.environ.pop(AUTHKEY_ENV)), rank)
-    try:
-        import torch
-        import torch.distributed as dist
-
-        from tpcore import shm
-        from tpcore.distributed import bind_device, device_for, init_process_group
-
-        torch.set_num_threads(threads)
-        device = device_for(backend, rank, device_kind)
-        bind_device(device)  # before the group: NCCL (and CUDA's context) on this rank's GPU, not cuda:0
-        store = dist.TCPStore(master_addr, master_port, world_size, False, timeout=datetime.timedelta(minutes=5))
-        init_process_group(backend, rank, world_size, store, device=device)
-        shm.attach(dist.group.WORLD)
-        context = RankContext(rank, world_size, backend, dist.group.WORLD, device, connection=conn)
-        send(conn, ("ok", None))
-    except BaseException as error:  # report, do not hang the caller
-        send(conn, ("error", _describe(error)))
-        return
-    while True:
-        try:
-            message = recv(conn)
-        except (EOFError, OSError):  # the caller is gone
-            break
-        if message is None:
-            break
-        try:
-            fn, args, kwargs = message
-            result = fn(context, *args, **kwargs)
-            synchronize(context.device)
-            reply = ("ok", result)
-        except BaseException as error:
-            reply = ("error", _describe(error))
-        try:
-            send(conn, reply)
-        except Exception as error:  # e.g. an unpicklable result
-            send(conn, ("error", _describe(error)))
-    dist.destroy_process_group()
-    conn.close()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # skip interpreter teardown: gloo threads may abort in static destructors
-
-
-def worker_entry(argv: list[str]) -> None:
-    """``python -c`` entry point of a rank (see ``_WORKER_COMMAND``)."""
-    address, rank, world_size, backend, device_kind, master_addr, master_port, threads = argv
-    _worker_main(address, int(rank), int(world_size), backend, device_kind, master_addr, int(master_port), int(threads))
-
-
-_WORKER_COMMAND = "import sys; from tpcore.process import worker_entry; worker_entry(sys.argv[1:])"

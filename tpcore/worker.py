@@ -1,0 +1,143 @@
+"""The rank side of a :class:`~tpcore.process.RankPool`: one rank's process, from its command line to its exit.
+
+A rank is a fresh interpreter (:func:`worker_command`). It watches its caller, connects back to it
+(:mod:`tpcore.wire`), binds its device, joins the group, then serves calls until told to stop: each
+call is ``fn(context, *args, **kwargs)`` with a :class:`RankContext`, answered ``("ok", result)`` or
+``("error", describe(exception))`` (:mod:`tpcore.worker_errors`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from tpcore.wire import byte_view, connect, recv, send
+from tpcore.worker_errors import describe
+
+__all__ = ["AUTHKEY_ENV", "PARENT_ENV", "WORKER_CODE", "RankContext", "synchronize", "worker_command", "worker_entry"]
+
+#: the environment variables a rank finds its caller's control-channel key and process id in (and removes)
+AUTHKEY_ENV = "TPCORE_WORKER_AUTHKEY"
+PARENT_ENV = "TPCORE_WORKER_PARENT"
+#: what ``python -c`` runs in a rank; :func:`worker_entry` reads the arguments :func:`worker_command` appends
+WORKER_CODE = "import sys; from tpcore.worker import worker_entry; worker_entry(sys.argv[1:])"
+
+
+def worker_command(address, rank, world_size, backend, device_kind, master_addr, master_port, threads) -> list[str]:
+    """The command line of a rank: this interpreter, connecting to the control socket at ``address``
+    and meeting the other ranks in the store at ``master_addr:master_port``."""
+    argv = [address, rank, world_size, backend, device_kind, master_addr, master_port, threads]
+    return [sys.executable, "-c", WORKER_CODE, *map(str, argv)]
+
+
+@dataclass
+class RankContext:
+    """What a function running on a rank gets as its first argument."""
+
+    rank: int
+    world_size: int
+    backend: str
+    #: the tensor-parallel group: every rank of the pool
+    tp_group: Any
+    device: Any
+    #: per-rank storage that lives as long as the worker (models kept between calls)
+    store: dict = field(default_factory=dict)
+    connection: Any = field(default=None, repr=False)
+
+    @property
+    def group(self) -> Any:
+        """The earlier name of :attr:`tp_group`."""
+        return self.tp_group
+
+    def receive_tensors(self, metas: list[tuple[tuple[int, ...], Any]]) -> list:
+        """The raw tensors :meth:`RankPool.scatter` streams after this call: ``(shape, dtype)``
+        each, read straight into their own storage (no pickle, no extra copy)."""
+        import torch
+
+        tensors = []
+        for shape, dtype in metas:
+            tensor = torch.empty(shape, dtype=dtype)
+            if tensor.numel():
+                self.connection.recv_bytes_into(byte_view(tensor))
+            else:
+                self.connection.recv_bytes()
+            tensors.append(tensor)
+        return tensors
+
+
+def _exit_with_parent(parent_pid: int, interval: float = 0.5) -> None:
+    """End this rank soon after the caller dies, even while it is stuck in a collective."""
+
+    def watch():
+        while os.getppid() == parent_pid:
+            time.sleep(interval)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="tpcore-parent-watch", daemon=True).start()
+
+
+def synchronize(device) -> None:
+    """Wait for the kernels queued on a CUDA ``device``, so that a kernel's error is raised by the call
+    that queued it (and a rank replies only once its work is done); nothing to wait for on the CPU."""
+    if getattr(device, "type", None) == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
+
+
+def _worker_main(address, rank, world_size, backend, device_kind, master_addr, master_port, threads) -> None:
+    """A rank: connect to the caller, bind its device, join the group, then serve calls until told to stop."""
+    _exit_with_parent(int(os.environ.pop(PARENT_ENV)))
+    conn = connect(address, bytes.fromhex(os.environ.pop(AUTHKEY_ENV)), rank)
+    try:
+        import torch
+        import torch.distributed as dist
+
+        from tpcore import shm
+        from tpcore.distributed import bind_device, device_for, init_process_group
+
+        torch.set_num_threads(threads)
+        device = device_for(backend, rank, device_kind)
+        bind_device(device)  # before the group: NCCL (and CUDA's context) on this rank's GPU, not cuda:0
+        store = dist.TCPStore(master_addr, master_port, world_size, False, timeout=datetime.timedelta(minutes=5))
+        init_process_group(backend, rank, world_size, store, device=device)
+        shm.attach(dist.group.WORLD)
+        context = RankContext(rank, world_size, backend, dist.group.WORLD, device, connection=conn)
+        send(conn, ("ok", None))
+    except BaseException as error:  # report, do not hang the caller
+        send(conn, ("error", describe(error)))
+        return
+    while True:
+        try:
+            message = recv(conn)
+        except (EOFError, OSError):  # the caller is gone
+            break
+        if message is None:
+            break
+        try:
+            fn, args, kwargs = message
+            result = fn(context, *args, **kwargs)
+            synchronize(context.device)
+            reply = ("ok", result)
+        except BaseException as error:
+            reply = ("error", describe(error))
+        try:
+            send(conn, reply)
+        except Exception as error:  # e.g. an unpicklable result
+            send(conn, ("error", describe(error)))
+    dist.destroy_process_group()
+    conn.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip interpreter teardown: gloo threads may abort in static destructors
+
+
+def worker_entry(argv: list[str]) -> None:
+    """``python -c`` entry point of a rank (see :data:`WORKER_CODE`)."""
+    address, rank, world_size, backend, device_kind, master_addr, master_port, threads = argv
+    _worker_main(address, int(rank), int(world_size), backend, device_kind, master_addr, int(master_port), int(threads))
