@@ -99,8 +99,16 @@ class RankPool:
         env[AUTHKEY_ENV] = authkey.hex()
         with ControlListener() as listener:
             for rank in range(world_size):
-                argv = [listener.address, rank, world_size, self.backend, self.device]
-                command = worker_command(*argv, master_addr, self._store.port, threads)
+                command = worker_command(
+                    listener.address,
+                    rank,
+                    world_size,
+                    self.backend,
+                    self.device,
+                    master_addr,
+                    self._store.port,
+                    threads,
+                )
                 # Own session: a terminal's Ctrl-C (sent to the foreground process group) spares the ranks.
                 process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
                 self._procs.append(process)
