@@ -228,23 +228,23 @@ def interface_of(address: str) -> str | None:
 
 
 def tensor_parallel_group(
-    num_gpus: int, backend: str | None = None, device: torch.device | None = None
+    tp_size: int, backend: str | None = None, device: torch.device | None = None
 ) -> dist.ProcessGroup | None:
-    """The tensor-parallel group of ``num_gpus`` ranks this process belongs to.
+    """The tensor-parallel group of ``tp_size`` ranks this process belongs to.
 
     Reuses an initialized world (``torchrun`` or a worker pool); otherwise joins one from the
-    ``env://`` variables torchrun sets (and leaves it at exit), bound to ``device``. A world of ``k * num_gpus``
-    ranks is cut into ``k`` groups of consecutive ranks. With ``num_gpus == 1`` and no world, returns ``None``.
+    ``env://`` variables torchrun sets (and leaves it at exit), bound to ``device``. A world of ``k * tp_size``
+    ranks is cut into ``k`` groups of consecutive ranks. With ``tp_size == 1`` and no world, returns ``None``.
     """
     if not dist.is_initialized():
-        if num_gpus == 1 and "WORLD_SIZE" not in os.environ:
+        if tp_size == 1 and "WORLD_SIZE" not in os.environ:
             return None
         if "MASTER_ADDR" not in os.environ:
             raise RuntimeError(
-                f"num_gpus={num_gpus} needs a process group: launch with torchrun "
-                f"(torchrun --nproc-per-node {num_gpus} script.py), or use tpcore.parallelize()"
+                f"a tensor-parallel group of {tp_size} ranks needs a process group: launch with torchrun "
+                f"(torchrun --nproc-per-node {tp_size} script.py), or use tpcore.parallelize()"
             )
-        backend = backend or default_backend(int(os.environ.get("LOCAL_WORLD_SIZE", num_gpus)))
+        backend = backend or default_backend(int(os.environ.get("LOCAL_WORLD_SIZE", tp_size)))
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         store = None  # torchrun's agent serves the store
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
@@ -253,15 +253,15 @@ def tensor_parallel_group(
         init_process_group(backend, rank, world_size, store, device=device)
         atexit.register(destroy_process_group)  # we created it, so we tear it down at exit
     world_size = dist.get_world_size()
-    if world_size == num_gpus:
+    if world_size == tp_size:
         return dist.group.WORLD
-    if world_size % num_gpus:
-        raise ValueError(f"a world of {world_size} ranks cannot hold tensor-parallel groups of {num_gpus}")
+    if world_size % tp_size:
+        raise ValueError(f"a world of {world_size} ranks cannot hold tensor-parallel groups of {tp_size}")
     rank = dist.get_rank()
     mine = None
-    for start in range(0, world_size, num_gpus):  # every rank must create every group
-        group = dist.new_group(list(range(start, start + num_gpus)))
-        if start <= rank < start + num_gpus:
+    for start in range(0, world_size, tp_size):  # every rank must create every group
+        group = dist.new_group(list(range(start, start + tp_size)))
+        if start <= rank < start + tp_size:
             mine = group
     return mine
 

@@ -51,23 +51,33 @@ class ParallelEngine:
     ):
         if int(num_gpus) < 1:
             raise ValueError(f"num_gpus must be at least 1, got {num_gpus}")
-        self.num_gpus = int(num_gpus)
+        self.world_size = int(num_gpus)
         self.backend = backend or default_backend(self._local_world_size())
         self.custom_policies = custom_policies
         self.dtype = dtype
         self.device_type = device
-        self.mp_group = process_group
+        self.tp_group = process_group
         self.vocab_parallel = vocab_parallel
         self.gather_logits = gather_logits
+
+    @property
+    def num_gpus(self) -> int:
+        """The world size, by parallelformers' name."""
+        return self.world_size
+
+    @property
+    def mp_group(self):
+        """The tensor-parallel group, by parallelformers' name."""
+        return self.tp_group
 
     def create_process_group(self, backend: str | None = None):
         """Create (or reuse) the tensor-parallel group, bound to this rank's device; ``None`` for a world
         of one without torch.distributed. More NCCL ranks on this node than GPUs are refused first."""
-        if self.mp_group is None:
+        if self.tp_group is None:
             backend = backend or self.backend
             check_placement(backend, self._local_world_size(), self.device_type)
-            self.mp_group = tensor_parallel_group(self.num_gpus, backend, self.device)
-        return self.mp_group
+            self.tp_group = tensor_parallel_group(self.world_size, backend, self.device)
+        return self.tp_group
 
     @property
     def device(self) -> torch.device:
@@ -75,14 +85,14 @@ class ParallelEngine:
         if "LOCAL_RANK" in os.environ:
             local_rank = int(os.environ["LOCAL_RANK"])
         elif dist.is_available() and dist.is_initialized():
-            local_rank = group_rank(self.mp_group)
+            local_rank = group_rank(self.tp_group)
         else:
             local_rank = int(os.environ.get("RANK", 0))
         return device_for(self.backend, local_rank, self.device_type)
 
     def _local_world_size(self) -> int:
         """Ranks on this node: torchrun's ``LOCAL_WORLD_SIZE``, else the tensor-parallel world."""
-        return int(os.environ.get("LOCAL_WORLD_SIZE", self.num_gpus))
+        return int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
 
     def parallelize(self, model: nn.Module | str | os.PathLike, fp16: bool = False, *, model_class=None) -> nn.Module:
         """Validate, bind this rank's device, join the group, slice and replace modules where the model
@@ -112,7 +122,7 @@ class ParallelEngine:
         model.eval().requires_grad_(False)
         plan.apply(model, group_rank(group), group, gather_logits=self.gather_logits)
         if checkpoint is not None:
-            checkpoint.load_into(model, reads, group_rank(group), self.num_gpus, device, dtype)
+            checkpoint.load_into(model, reads, group_rank(group), self.world_size, device, dtype)
         if dtype is not None:
             cast_model(model, dtype)
         return model.to(device)  # module.to also moves non-persistent buffers
@@ -122,7 +132,7 @@ class ParallelEngine:
             model,
             group,
             fp16,
-            self.num_gpus,
+            self.world_size,
             self.custom_policies,
             rank=rank,
             vocab_parallel=self.vocab_parallel,

@@ -67,7 +67,7 @@ class TensorReplacer:
         self.model = model
         self.vocab_parallel = vocab_parallel
         self.gather_logits = gather_logits
-        self.mp_group = mp_group
+        self.tp_group = self.mp_group = mp_group  # mp_group: parallelformers' name
         self.fp16 = fp16
         self.world_size = self.num_gpus = int(num_gpus)
         self.custom_policies = _as_list(custom_policies)
@@ -100,7 +100,7 @@ class TensorReplacer:
 
     def replace_modules(self) -> nn.Module:
         """Validate, then split every covered layer of the model; return the model."""
-        return self.split_plan().apply(self.model, self.rank, self.mp_group, gather_logits=self.gather_logits)
+        return self.split_plan().apply(self.model, self.rank, self.tp_group, gather_logits=self.gather_logits)
 
     def vocab_modules(self) -> list[nn.Module]:
         """The input and output embeddings to split over the vocabulary (none if ``vocab_parallel`` is off)."""
@@ -114,12 +114,12 @@ class TensorReplacer:
                     module = get_path(layer, path)
                     module.__class__ = new_class
                     if hasattr(new_class, "tp_group"):
-                        module.tp_group = self.mp_group
+                        module.tp_group = self.tp_group
 
     def replace_orig_to_megatron_modules(self, model: nn.Module, policy_cls: type[Policy]) -> None:
         """Slice every layer of ``policy_cls`` in ``model`` and make its row groups all-reduce."""
         plan = ShardPlan.build(model, [policy_cls], self.world_size, vocab_parallel=False, rewrites=False)
-        plan.apply(model, self.rank, self.mp_group)
+        plan.apply(model, self.rank, self.tp_group)
 
     def preprocess(self, layer: nn.Module, policy: type[Policy]) -> list[tuple[str, Layer, nn.Parameter, Any]]:
         """Resolve the policy's ``Layer`` paths on one layer instance: ``(style, Layer, weight, bias)``.
