@@ -131,7 +131,7 @@ class ShardPlan:
         plan.dtypes = {name: tensor.dtype for name, tensor in tensors.items()}
         first_name = {id(tensor): name for name, tensor in tensors.items()}
         for target in plan._targets(model):
-            plan._add_layer(model, target, first_name, rewrites)
+            plan._add_layer(target, first_name, rewrites)
         if vocab_parallel:
             plan._add_vocabulary(model, first_name)
         plan._check_whole_heads(model, first_name)
@@ -176,7 +176,7 @@ class ShardPlan:
             add_note(error, f"while splitting {self.model_name} over {self.world_size} ranks: layer {target.where}")
             raise
 
-    def _add_layer(self, model: nn.Module, target: Target, first_name: dict[int, str], rewrites: bool) -> None:
+    def _add_layer(self, target: Target, first_name: dict[int, str], rewrites: bool) -> None:
         policy, layer = target.policy, target.layer
         with self._calling(target):
             arguments = policy.replace_arguments(target.config, self.world_size) if rewrites else {}
@@ -204,7 +204,7 @@ class ShardPlan:
             return
         weight, bias = resolved
         with self._calling(target):
-            weight_split, bias_split = layer_splits(spec, style, target.config)
+            weight_split, bias_split = spec.splits(style, target.config)
         for path, tensor, split in ((spec.weight, weight, weight_split), (spec.bias, bias, bias_split)):
             if tensor is None or split is None:
                 continue
@@ -286,9 +286,6 @@ class ShardPlan:
                     )
 
     # -- reading the plan --------------------------------------------------------------------
-
-    def split_of(self, name: str) -> Split | None:
-        return self.splits.get(name)
 
     def shard_shape(self, name: str) -> tuple[int, ...]:
         """The shape of every rank's part of tensor ``name``."""
@@ -386,6 +383,7 @@ def add_note(error: BaseException, note: str) -> None:
 
 
 def describe(split: Split | None) -> str:
+    """How ``split`` cuts a tensor, in a few words (``"cut dim 0, 3 packed"``)."""
     if split is None:
         return "replicated"
     if split.pad:
@@ -394,7 +392,9 @@ def describe(split: Split | None) -> str:
     if split.n_fused > 1:
         words.append(f"{split.n_fused} packed")
     if split.heads is not None:
-        words.append(f"{split.heads} heads")
+        words.append(f"{split.heads} heads" + (" interleaved" if split.interleaved else ""))
+    if split.parts:
+        words.append("parts of " + "/".join(map(str, split.parts)) + " heads")
     return "cut " + ", ".join(words)
 
 
@@ -442,11 +442,6 @@ def resolve_layer(layer: nn.Module, spec: Layer) -> tuple[Any, Any] | tuple[()] 
             return None
         bias = None
     return weight, bias
-
-
-def layer_splits(spec: Layer, style: str, config: Any) -> tuple[Split, Split | None]:
-    """The cut of ``spec``'s weight and bias in a ``style`` group (see :meth:`Layer.splits`)."""
-    return spec.splits(style, config)
 
 
 def vocabulary_modules(model: nn.Module) -> list[nn.Module]:
