@@ -29,6 +29,7 @@ from tpcore.samples import (
 from tpcore.testing import EquivalenceError, ModelSpec, check_equivalence, flatten_outputs, parameter_count
 
 
+@pytest.mark.slow  # seconds of rank start-up or a long equivalence run: the full suite only
 def test_check_a_class_covered_by_a_tp_plan_passes(rank_pools, capsys):
     assert run_check("Qwen3ForCausalLM", [1, 2], pools=rank_pools) == 0
     out = capsys.readouterr().out
@@ -78,6 +79,7 @@ def test_a_broken_policy_fails_naming_output_world_size_rank_and_amount(rank_poo
         check_equivalence(spec, inputs, world_sizes=(2,), policies=[ForgetsTheAllReduce], pools=rank_pools)
 
 
+@pytest.mark.slow  # seconds of rank start-up or a long equivalence run: the full suite only
 def test_check_model_draws_inputs_and_passes_for_a_good_policy(tp_check):
     config = transformers.BertConfig(
         vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64
@@ -85,6 +87,7 @@ def test_check_model_draws_inputs_and_passes_for_a_good_policy(tp_check):
     tp_check(transformers.BertForMaskedLM, config, world_sizes=(2, 4), max_examples=5)
 
 
+@pytest.mark.slow  # seconds of rank start-up or a long equivalence run: the full suite only
 def test_check_model_finds_a_broken_policy(tp_check):
     config = transformers.BertConfig(
         vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64

@@ -148,6 +148,7 @@ def test_a_directory_without_weights_or_a_missing_one_is_an_error(tmp_path):
 # -- parallelize() and the engine from a checkpoint ----------------------------------------------
 
 
+@pytest.mark.slow  # seconds of rank start-up or a long equivalence run: the full suite only
 def test_parallelize_from_a_checkpoint_equals_the_unsplit_model_and_the_caller_holds_no_weights(gpt2_dir):
     reference = gpt2()
     inputs = ids()

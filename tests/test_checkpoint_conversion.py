@@ -293,6 +293,7 @@ def test_parallelize_a_saved_vit_equals_from_pretrained(vit_dir, rank_pools):
         compare_outputs(want.logits, logits)
 
 
+@pytest.mark.slow  # seconds of rank start-up or a long equivalence run: the full suite only
 def test_parallelize_a_saved_moe_model_equals_from_pretrained(tmp_path_factory):
     """Mixtral from its per-expert files: attention split over the ranks, the merged experts replicated."""
     directory = saved(tmp_path_factory, MixtralForCausalLM, MIXTRAL)

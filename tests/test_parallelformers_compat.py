@@ -304,6 +304,7 @@ def test_every_parameter_of_the_predecessors_signature_keeps_its_meaning_and_cpu
             model.deparallelize()
 
 
+@pytest.mark.slow  # seconds of rank start-up or a long equivalence run: the full suite only
 def test_to_ends_the_parallelization_then_moves_the_callers_model(capsys):
     """One rank is enough here: what ``.to()`` does to the ranks does not depend on how many there are."""
     model = SPEC.build()

@@ -205,6 +205,7 @@ def test_hidden_states_come_back_through_parallelize(masked_lm):
     assert {f"hidden_states.{i}" for i in range(SIZES["layers"] + 1)} <= set(diffs)
 
 
+@pytest.mark.slow  # seconds of rank start-up or a long equivalence run: the full suite only
 def test_a_model_that_already_returned_hidden_states_can_be_parallelized():
     model = tiny_bert()
     inputs = {"input_ids": torch.tensor([[5, 6, 7, 8]])}
@@ -795,6 +796,7 @@ def test_ctrl_c_at_an_idle_prompt_spares_the_ranks(tmp_path):
 # -- 7. CUDA_VISIBLE_DEVICES ---------------------------------------------------------------------
 
 
+@pytest.mark.slow  # seconds of rank start-up or a long equivalence run: the full suite only
 def test_cuda_visible_devices_is_respected_and_never_rewritten(monkeypatch):
     """The ranks see the caller's value; the caller's environment, RNG and thread count are left alone."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7,3")
