@@ -181,6 +181,7 @@ def summed_in(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     return total.to(parts[0].dtype)
 
 
+@pytest.mark.slow  # seconds of rank start-up or a long equivalence run: the full suite only
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("world_size", [3, 4])
 def test_half_precision_partial_sums_of_more_than_two_ranks_are_rounded_once(rank_pools, world_size, dtype):

@@ -114,6 +114,7 @@ def test_an_id_outside_the_vocabulary_raises_and_the_check_reads_the_host_once_p
     assert embedding(torch.zeros(2, 0, dtype=torch.long)).shape == (2, 0, 48)
 
 
+@pytest.mark.slow  # seconds of rank start-up or a long equivalence run: the full suite only
 @settings(max_examples=8, deadline=None)
 @given(world_size=st.integers(1, 4), vocab=st.integers(1, 40), seed=st.integers(0, 2**16))
 def test_split_vocabularies_give_the_unsplit_logits(rank_pools, world_size, vocab, seed):
