@@ -9,6 +9,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from tpcore import Layer, Policy, divide
+
 
 def whoami(context):
     return context.rank, context.world_size, os.getpid()
@@ -188,3 +190,30 @@ def reduce_partial_sums(context, parts, with_dtype_sent=False):
     finally:
         layers.all_reduce = all_reduce
     return (result, sent) if with_dtype_sent else result
+
+
+class ViTLayerPolicy(Policy):
+    """Test-only, shared by the check and checkpoint tests: the transformers 5.24 ViT block (q/k/v/o
+    projections, fc1/fc2); no plugin covers ViT yet."""
+
+    layer_class = "transformers.models.vit.modeling_vit.ViTLayer"
+
+    @staticmethod
+    def replace_arguments(config, world_size):
+        return {"attention.num_attention_heads": divide(config.num_attention_heads, world_size, "num_attention_heads")}
+
+    @staticmethod
+    def attn_qkv():
+        return [Layer(weight=f"attention.{p}_proj.weight", bias=f"attention.{p}_proj.bias") for p in "qkv"]
+
+    @staticmethod
+    def attn_out():
+        return [Layer(weight="attention.o_proj.weight", bias="attention.o_proj.bias")]
+
+    @staticmethod
+    def mlp_in():
+        return [Layer(weight="mlp.fc1.weight", bias="mlp.fc1.bias")]
+
+    @staticmethod
+    def mlp_out():
+        return [Layer(weight="mlp.fc2.weight", bias="mlp.fc2.bias")]

@@ -8,10 +8,11 @@ import json
 import pytest
 import torch
 import transformers
+from rank_helpers import ViTLayerPolicy
 from torch import nn
 from tp_bert.policies import BertPolicy
 
-from tpcore import Layer, Policy, divide
+from tpcore import Layer
 from tpcore.check import resolve, run_check
 from tpcore.cli import main
 from tpcore.process import WorkerError
@@ -268,32 +269,6 @@ def test_a_model_whose_forward_takes_no_known_input_is_refused_clearly():
 
 
 # the same checks through ``tpcore check``, with ranks (one gloo world of 2, shared)
-
-
-class ViTLayerPolicy(Policy):
-    """Test-only: the transformers 5.24 ViT block (q/k/v/o projections, fc1/fc2); no plugin covers ViT yet."""
-
-    layer_class = "transformers.models.vit.modeling_vit.ViTLayer"
-
-    @staticmethod
-    def replace_arguments(config, world_size):
-        return {"attention.num_attention_heads": divide(config.num_attention_heads, world_size, "num_attention_heads")}
-
-    @staticmethod
-    def attn_qkv():
-        return [Layer(weight=f"attention.{p}_proj.weight", bias=f"attention.{p}_proj.bias") for p in "qkv"]
-
-    @staticmethod
-    def attn_out():
-        return [Layer(weight="attention.o_proj.weight", bias="attention.o_proj.bias")]
-
-    @staticmethod
-    def mlp_in():
-        return [Layer(weight="mlp.fc1.weight", bias="mlp.fc1.bias")]
-
-    @staticmethod
-    def mlp_out():
-        return [Layer(weight="mlp.fc2.weight", bias="mlp.fc2.bias")]
 
 
 def _needs_the_vit_layout():

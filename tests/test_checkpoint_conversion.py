@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import rank_helpers
 import torch
+from rank_helpers import ViTLayerPolicy
 from safetensors import safe_open
 from safetensors.torch import save_file
 from tp_gpt.policies import LlamaPolicy
@@ -22,7 +23,6 @@ from transformers import (
 )
 
 import tpcore
-from tpcore import Layer, Policy
 from tpcore.checkpoint import Checkpoint
 from tpcore.process import RankPool
 from tpcore.skeleton import empty_model, install_tensors, named_tensors
@@ -240,28 +240,6 @@ def test_an_expert_missing_from_a_merged_tensor_fails_before_any_rank_starts(tmp
 # -- end to end: parallelize(directory) ---------------------------------------------------------------
 
 
-class ViTPolicy(Policy):
-    """A test-only policy for ViT's layer (transformers 5 names)."""
-
-    layer_class = "transformers.models.vit.modeling_vit.ViTLayer"
-
-    @staticmethod
-    def attn_qkv():
-        return [Layer(weight=f"attention.{n}_proj.weight", bias=f"attention.{n}_proj.bias") for n in "qkv"]
-
-    @staticmethod
-    def attn_out():
-        return [Layer(weight="attention.o_proj.weight", bias="attention.o_proj.bias")]
-
-    @staticmethod
-    def mlp_in():
-        return [Layer(weight="mlp.fc1.weight", bias="mlp.fc1.bias")]
-
-    @staticmethod
-    def mlp_out():
-        return [Layer(weight="mlp.fc2.weight", bias="mlp.fc2.bias")]
-
-
 class MixtralAttention(LlamaPolicy):
     """Mixtral's attention split as Llama's; the experts stay replicated (their split is another policy's)."""
 
@@ -281,13 +259,13 @@ def test_parallelize_a_saved_vit_equals_from_pretrained(vit_dir, rank_pools):
     pixels = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         want = reference_model(pixel_values=pixels)
-    model = tpcore.parallelize(vit_dir, num_gpus=2, backend="gloo", custom_policies=[ViTPolicy])
+    model = tpcore.parallelize(vit_dir, num_gpus=2, backend="gloo", custom_policies=[ViTLayerPolicy])
     try:
         compare_outputs(want, model(pixel_values=pixels))
     finally:
         model.deparallelize()
     ranks = rank_pools.get(2).run(
-        rank_helpers.engine_logits_from_checkpoint, str(vit_dir), [ViTPolicy], {"pixel_values": pixels}
+        rank_helpers.engine_logits_from_checkpoint, str(vit_dir), [ViTLayerPolicy], {"pixel_values": pixels}
     )
     for logits in ranks:  # ParallelEngine(2).parallelize(directory) on each rank
         compare_outputs(want.logits, logits)
