@@ -108,7 +108,7 @@ def test_plugins_command_shows_which_policy_applies_to_a_model(capsys, monkeypat
     assert shown["model"] == "Qwen3ForCausalLM"
     assert shown["policies"][0]["from"] == "config tp plan"
     q_proj = shown["plan"]["tensors"]["model.layers.0.self_attn.q_proj.weight"]
-    assert q_proj["per_rank"] == [q_proj["shape"][0] // 2, q_proj["shape"][1]] and q_proj["cut"] == "cut dim 0"
+    assert q_proj["per_rank"] == [[q_proj["shape"][0] // 2, q_proj["shape"][1]]] * 2 and q_proj["cut"] == "cut dim 0"
     assert main(["plugins", "--model", "LlamaForCausalLM", "--world-size", "3"]) == 2  # 4 heads over 3 ranks
     assert "cannot split LlamaForCausalLM over 3 ranks" in capsys.readouterr().out
     assert main(["plugins", "--model", "OlmoeForCausalLM"]) == 2

@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from tpcore import Layer, ShardingError
+from tpcore import Layer, ShardingError, share
+from tpcore.shares import resolve
 from tpcore.slicer import COLUMN, ROW, Split
 
 FAST = settings(max_examples=25, deadline=None)
@@ -219,12 +220,12 @@ def test_xlnet_per_head_3d_projections_cut_on_their_heads_dim_sum_to_the_whole_a
 
 @st.composite
 def grouped_heads(draw):
-    """``(world, query heads, key/value heads)`` a grouped-query attention splits over: the query heads
-    divide by the ranks, the key/value heads divide them and split or replicate evenly."""
+    """``(world, query heads, key/value heads)`` of a grouped-query attention: any world and key/value
+    count, the query heads a multiple of it and at least as many as the ranks (even or not)."""
     world = draw(worlds)
-    kv_heads = draw(head_counts(world, most=4))
-    lcm = world * kv_heads // math.gcd(world, kv_heads)
-    return world, lcm * draw(st.integers(1, 2)), kv_heads
+    kv_heads = draw(st.integers(1, 4))
+    least = -(-world // kv_heads)
+    return world, kv_heads * draw(st.integers(least, least + 1)), kv_heads
 
 
 @FAST
@@ -234,9 +235,9 @@ def grouped_heads(draw):
 def test_a_qkv_pack_with_fewer_kv_heads_cut_by_parts_gives_each_rank_its_heads_of_the_whole_attention(
     shape, head_dim, hidden, tokens, seed
 ):
-    """Phi-3 ``qkv_proj`` (q 32 heads, k 8, v 8), GPT-BigCode/Falcon multi-query (k and v one head): each part
-    is cut by its own head count, key/value heads replicated when fewer than the ranks; each rank's attention
-    over its ``[Q_r | K_r | V_r]`` gives its query heads' columns of the whole attention."""
+    """Phi-3 ``qkv_proj`` (q 32 heads, k 8, v 8), GPT-BigCode/Falcon multi-query (k and v one head): the parts
+    are dealt by key/value groups, evenly or not, key/value heads replicated when fewer than the ranks; each
+    rank's attention over its ``[Q_r | K_r | V_r]`` gives its query heads' columns of the whole attention."""
     world, q_heads, kv_heads = shape
     config = SimpleNamespace(num_attention_heads=q_heads, num_key_value_heads=kv_heads)
     layer = Layer(
@@ -253,10 +254,11 @@ def test_a_qkv_pack_with_fewer_kv_heads_cut_by_parts_gives_each_rank_its_heads_o
         return attention(*(t.unflatten(-1, (-1, head_dim)) for t in (q, k, v)))
 
     weight_split, bias_split = layer.splits(COLUMN, config)
+    local = share(q_heads, world, "num_attention_heads", groups=kv_heads)
     assert weight_split == Split(0, parts=(q_heads, kv_heads, kv_heads))
     assert bias_split == weight_split
     outputs = [
-        packed_attention(weight_split.shard(weight, r, world), bias_split.shard(bias, r, world), q_heads // world)
+        packed_attention(weight_split.shard(weight, r, world), bias_split.shard(bias, r, world), resolve(local, r))
         for r in range(world)
     ]
     assert_close(torch.cat(outputs, -1), packed_attention(weight, bias, q_heads))
@@ -268,18 +270,19 @@ def test_a_qkv_pack_with_fewer_kv_heads_cut_by_parts_gives_each_rank_its_heads_o
 @FAST
 @given(
     world=worlds,
-    heads_per_rank=st.integers(1, 2),
+    extra_heads=st.integers(0, 5),
     head_dim=st.integers(1, 3),
     hidden=st.integers(1, 5),
     tokens=st.integers(1, 4),
     seed=seeds,
 )
 def test_a_head_interleaved_pack_gives_each_rank_whole_heads_of_the_whole_attention(
-    world, heads_per_rank, head_dim, hidden, tokens, seed
+    world, extra_heads, head_dim, hidden, tokens, seed
 ):
     """DeBERTa v1 ``in_proj`` packs each head's q, k, v together (``view(T, heads, 3 d).chunk(3)``), and adds
-    the per-head ``q_bias``/``v_bias`` ``(heads * d,)``: each rank's attention gives its heads' columns."""
-    heads = heads_per_rank * world
+    the per-head ``q_bias``/``v_bias`` ``(heads * d,)``: each rank's attention gives its heads' columns,
+    for head counts the ranks divide or not."""
+    heads = world + extra_heads
     config = SimpleNamespace(num_attention_heads=heads)
     in_proj = randn(3 * heads * head_dim, hidden, seed=seed)
     q_bias, v_bias = randn(heads * head_dim, seed=seed + 1), randn(heads * head_dim, seed=seed + 2)

@@ -290,8 +290,8 @@ def test_world_size_not_dividing_the_heads_fails_before_any_change(bert, world):
     assert_unchanged(model, before)
 
 
-def test_tensor_not_dividing_fails_naming_the_tensor():
-    model = make_bert(num_attention_heads=4, hidden_size=16, intermediate_size=30)
+def test_a_tensor_too_small_to_split_fails_naming_the_tensor():
+    model = make_bert(num_attention_heads=4, hidden_size=16, intermediate_size=3)
     before = snapshot(model)
     with pytest.raises(ShardingError) as info:
         TensorReplacer(model, None, False, num_gpus=4, custom_policies=[BertPolicy], rank=2).replace_modules()
@@ -299,16 +299,16 @@ def test_tensor_not_dividing_fails_naming_the_tensor():
     assert "BertModel" in message
     assert "over 4 ranks" in message
     assert "'encoder.layer.0.intermediate.dense.weight'" in message
-    assert "(30, 16)" in message
-    assert "size 30" in message
+    assert "(3, 16)" in message
+    assert "size 3 is smaller than the 4 ranks" in message
     assert_unchanged(model, before)
 
 
 def test_a_bad_last_layer_leaves_the_earlier_layers_untouched():
     model = make_bert()
     last = model.encoder.layer[1]
-    last.intermediate.dense = nn.Linear(HIDDEN, 50)  # 50 does not split over 4 ranks
-    last.output.dense = nn.Linear(50, HIDDEN)
+    last.intermediate.dense = nn.Linear(HIDDEN, 3)  # 3 features cannot split over 4 ranks
+    last.output.dense = nn.Linear(3, HIDDEN)
     before = snapshot(model)
     with pytest.raises(ShardingError, match=r"'encoder\.layer\.1\.intermediate\.dense\.weight'"):
         TensorReplacer(model, None, False, num_gpus=4, custom_policies=[BertPolicy], rank=0).replace_modules()

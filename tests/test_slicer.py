@@ -104,32 +104,37 @@ def test_fused_shards_reassemble_per_block(world, per_rank, other, n_fused, seed
 
 
 @FAST
-@given(world=st.integers(2, 4), n_fused=st.integers(1, 3), size=st.integers(1, 40), other=small)
-def test_non_divisible_size_raises_sharding_error_naming_the_size(world, n_fused, size, other):
-    if size % (world * n_fused) == 0:
-        size += 1
-    tensor = torch.zeros(other, size)
-    with pytest.raises(ShardingError) as info:
-        shard(tensor, 1, 0, world, n_fused=n_fused)
-    message = str(info.value)
-    assert mentions(message, size)
-    assert mentions(message, world * n_fused)
-    assert isinstance(info.value, ValueError)  # ShardingError is a ValueError
+@given(world=st.integers(2, 5), n_fused=st.integers(1, 3), per_tensor=st.integers(1, 40), other=small, seed=seeds)
+def test_a_size_the_ranks_do_not_divide_is_dealt_in_near_equal_contiguous_pieces(
+    world, n_fused, per_tensor, other, seed
+):
+    """Each packed tensor of ``S`` features gives rank ``r`` ``S // N + (r < S % N)`` of them, in order;
+    a size too small for every rank to hold one is refused, naming it; ``check_divisible`` stays strict."""
+    size = n_fused * per_tensor
+    tensor = randn(other, size, seed=seed)
+    if per_tensor < world:
+        with pytest.raises(ShardingError) as info:
+            shard(tensor, 1, 0, world, n_fused=n_fused)
+        assert mentions(str(info.value), size) and mentions(str(info.value), world)
+        return
+    shards = [shard(tensor, 1, rank, world, n_fused=n_fused) for rank in range(world)]
+    counts = [per_tensor // world + (rank < per_tensor % world) for rank in range(world)]
+    for index, block in enumerate(tensor.chunk(n_fused, dim=1)):
+        pieces = [piece.split(count, dim=1)[index] for piece, count in zip(shards, counts, strict=True)]
+        assert [piece.shape[1] for piece in pieces] == counts
+        assert torch.equal(torch.cat(pieces, dim=1), block)
+    if per_tensor % world:
+        with pytest.raises(ShardingError) as info:
+            check_divisible(size, world, n_fused)
+        assert mentions(str(info.value), size) and f"{world} ranks" in str(info.value)
 
-    with pytest.raises(ShardingError) as info:
-        check_divisible(size, world, n_fused)
-    assert mentions(str(info.value), size)
-    if n_fused > 1:
-        assert f"{n_fused} fused" in str(info.value)
-        assert f"{world} ranks" in str(info.value)
 
-
-def test_divisible_by_world_but_not_by_fused_pieces_raises():
-    # 8 splits evenly over 2 ranks, but not into 3 fused tensors x 2 ranks
-    with pytest.raises(
-        ShardingError, match=r"size 8 cannot be split into 6 equal pieces \(3 fused tensors x 2 ranks\)"
-    ):
+def test_a_size_that_is_not_whole_packed_tensors_is_refused():
+    # 8 features cannot hold 3 fused tensors of equal width
+    with pytest.raises(ShardingError, match=r"size 8 cannot be split into 3 equal fused tensors"):
         shard(torch.zeros(8, 2), 0, 0, 2, n_fused=3)
+    with pytest.raises(ShardingError, match=r"size 12 cannot be split into 10 heads \(2 fused tensors x 5 heads\)"):
+        Split(0, 2, heads=5).check(12, 2)
 
 
 @pytest.mark.parametrize(("size", "world", "n_fused"), [(12, 4, 3), (8, 2, 1), (0, 3, 1), (6, 1, 3)])
@@ -266,14 +271,16 @@ def test_fused_column_slice_of_conv1d_qkv_matches_per_rank_q_k_v(world, heads_pe
             assert torch.equal(got_bias[part * per : (part + 1) * per], bias[columns])
 
 
-def test_slicer_reports_non_divisible_tensor_through_column_and_row_slice():
+def test_slicer_deals_uneven_tensors_and_reports_unsplittable_ones_through_column_and_row_slice():
+    weights = [TensorSlicer(rank, 4).column_slice(Layer(weight="w", bias="b"), torch.zeros(10, 8), torch.zeros(10))[0]
+               for rank in range(4)]  # fmt: skip
+    assert [w.shape[0] for w in weights] == [3, 3, 2, 2]
+    assert TensorSlicer(3, 4).row_slice(Layer(weight="w"), torch.zeros(8, 6), None)[0].shape == (8, 1)
     slicer = TensorSlicer(0, 4)
-    with pytest.raises(ShardingError, match=r"size 10 "):
-        slicer.column_slice(Layer(weight="w", bias="b"), torch.zeros(10, 8), torch.zeros(10))
-    with pytest.raises(ShardingError, match=r"size 6 "):
-        slicer.row_slice(Layer(weight="w"), torch.zeros(8, 6), None)
-    with pytest.raises(ShardingError, match=r"size 10 "):
-        slicer.row_slice(Layer(weight="w", reversed=True), torch.zeros(10, 8), None)
+    with pytest.raises(ShardingError, match=r"size 3 is smaller than the 4 ranks"):
+        slicer.column_slice(Layer(weight="w", bias="b"), torch.zeros(3, 8), torch.zeros(3))
+    with pytest.raises(ShardingError, match=r"size 10 cannot be split into 3 heads"):
+        slicer.row_slice(Layer(weight="w", reversed=True, heads=3), torch.zeros(10, 8), None)
 
 
 def test_slicing_does_not_modify_the_input():
@@ -335,26 +342,36 @@ splits = st.one_of(
 )
 
 
-def whole_heads(heads: int, world: int) -> bool:
-    return heads % world == 0 if heads >= world else world % heads == 0
-
-
 def accepts(split: Split, size: int, world: int) -> bool:
-    """Whether ``size`` cuts into whole pieces (heads) over ``world`` ranks, restated from the layouts' rules."""
+    """Whether ``size`` cuts into whole units on every rank over ``world`` ranks, restated from the layouts' rules."""
     if split.pad:
         return True
     if split.parts:
-        return size % sum(split.parts) == 0 and all(whole_heads(p, world) for p in split.parts)
+        return size % sum(split.parts) == 0
     if split.interleaved:
-        return size % (split.heads * split.n_fused) == 0 and whole_heads(split.heads, world)
+        return size % (split.heads * split.n_fused) == 0
     if split.heads:
-        return size % (split.n_fused * split.heads) == 0 and whole_heads(split.heads, world)
-    return size % (split.n_fused * world) == 0
+        return size % (split.n_fused * split.heads) == 0
+    return size % split.n_fused == 0 and (size == 0 or size // split.n_fused >= world)
 
 
-@settings(max_examples=150, deadline=None)
-@given(split=splits, size=st.integers(0, 48), world=worlds)
-def test_what_check_accepts_cuts_into_equal_pieces_and_what_it_refuses_names_the_size(split, size, world):
+def old_equal_ranges(split: Split, size: int, rank: int, world: int) -> list[tuple[int, int]] | None:
+    """The ranges of the equal split (no parts), or ``None`` where the ranks do not divide the counts:
+    each of the ``n_fused`` segments (one if interleaved) of ``u`` units gives rank ``r`` the units
+    ``[r u / N, (r + 1) u / N)``, or the one unit ``r u // N`` when ``N`` is a multiple of ``u``."""
+    segments = 1 if split.interleaved else split.n_fused
+    units = split.heads or world
+    if size % (segments * units) or not (units % world == 0 or world % units == 0):
+        return None
+    length = size // segments
+    unit = length // units
+    first, many = (rank * units // world, max(units // world, 1))
+    return [(offset * length + first * unit, offset * length + (first + many) * unit) for offset in range(segments)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(split=splits, size=st.integers(0, 48), world=st.integers(1, 5))
+def test_what_check_accepts_cuts_into_whole_balanced_pieces_and_what_it_refuses_names_the_size(split, size, world):
     if not accepts(split, size, world):
         for attempt in (
             lambda: split.check(size, world),
@@ -367,19 +384,36 @@ def test_what_check_accepts_cuts_into_equal_pieces_and_what_it_refuses_names_the
         return
     split.check(size, world)
     tensor = torch.arange(float(size))[:, None].expand(size, 2)
-    piece_size = split.shard_size(size, world)
     covered = Counter()
+    sizes = []
     for rank in range(world):
         ranges, padding = split.ranges(size, rank, world)
-        assert sum(stop - start for start, stop in ranges) + padding == piece_size
+        sizes.append(split.shard_size(size, world, rank))
+        assert sum(stop - start for start, stop in ranges) + padding == sizes[-1]
         assert all(0 <= start <= stop <= size for start, stop in ranges)
         assert all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:], strict=False))  # in order, disjoint
         covered.update(i for start, stop in ranges for i in range(start, stop))
-        assert split.shard(tensor, rank, world).shape == (piece_size, 2)
+        assert split.shard(tensor, rank, world).shape == (sizes[-1], 2)
     assert set(covered) == set(range(size))  # nothing is lost
-    replicated = [h for h in (split.parts or (split.heads,)) if h is not None and h < world]
-    if not replicated:  # then nothing is held twice
+    if not split.replicated(size, world):  # then nothing is held twice
         assert set(covered.values()) <= {1}
+    if split.even(size, world):
+        assert len(set(sizes)) == 1
+    elif not split.replicated(size, world):  # near-equal: within one unit (head, group) per packed tensor
+        segments = len(split.parts or ()) or (1 if split.interleaved else split.n_fused)
+        assert max(sizes) - min(sizes) <= segments * max(1, size // segments)
+
+
+@settings(max_examples=120, deadline=None)
+@given(split=splits, size=st.integers(1, 48), world=st.integers(1, 5))
+def test_where_the_ranks_divide_every_count_the_pieces_are_the_equal_ones(split, size, world):
+    """Equal splits stay bit for bit what they were: rank ``r`` holds units ``[r u / N, (r + 1) u / N)``
+    of every segment (or the one unit ``r u // N`` it shares, when fewer units than ranks divide them)."""
+    if split.pad or split.parts or not accepts(split, size, world) or old_equal_ranges(split, size, 0, world) is None:
+        return
+    assert split.even(size, world)
+    for rank in range(world):
+        assert split.ranges(size, rank, world)[0] == old_equal_ranges(split, size, rank, world)
 
 
 @pytest.mark.parametrize(
@@ -414,12 +448,14 @@ def test_a_negative_dim_counts_from_the_end_of_a_tensor_of_any_rank(ndim, world,
         Split(-ndim - 1).shard(tensor, 0, world)
 
 
-def test_heads_that_divide_the_size_but_not_the_ranks_are_refused():
-    # 6 heads of 4 over 4 ranks: 24 divides by 4, but a rank would hold 1.5 heads
+def test_heads_the_ranks_do_not_divide_are_dealt_whole_and_fewer_heads_than_ranks_are_shared():
+    # 6 heads of 4 over 4 ranks: two ranks hold two heads, two hold one; never 1.5 heads
+    assert [Split(0, heads=6).ranges(24, r, 4)[0] for r in range(4)] == [[(0, 8)], [(8, 16)], [(16, 20)], [(20, 24)]]
+    # 3 heads over 4 ranks: head 0 on ranks 0 and 1, heads 1 and 2 on one rank each
+    assert [Split(0, heads=3).ranges(12, r, 4)[0] for r in range(4)] == [[(0, 4)], [(0, 4)], [(4, 8)], [(8, 12)]]
+    assert Split(0, heads=3).replicated(12, 4) and not Split(0, heads=3).even(12, 4)
     with pytest.raises(ShardingError, match="size 24: 6 heads cannot be split evenly over 4 ranks"):
-        Split(0, heads=6).check(24, 4)
-    with pytest.raises(ShardingError, match="size 12: 3 heads can be neither split nor replicated evenly over 4"):
-        Split(0, heads=3).check(12, 4)
+        check_divisible(24, 4, heads=6)
 
 
 def test_the_old_functions_are_the_split_methods():

@@ -5,13 +5,14 @@ from tpcore.engine import ParallelEngine
 from tpcore.hookspecs import hookimpl
 from tpcore.parallelize import parallelize
 from tpcore.plugins import PluginConflictError, PluginLoadWarning
-from tpcore.policy import Layer, Policy, ShardingError, divide
+from tpcore.policy import Layer, PerRank, Policy, ShardingError, divide, share
 from tpcore.process import WorkerDiedError, WorkerError
 from tpcore.replacer import TensorReplacer
 
 __all__ = [
     "AutoPolicy",
     "Layer",
+    "PerRank",
     "ParallelEngine",
     "PluginConflictError",
     "PluginLoadWarning",
@@ -24,6 +25,7 @@ __all__ = [
     "divide",
     "hookimpl",
     "parallelize",
+    "share",
 ]
 
 __version__ = "0.1.0"

@@ -97,14 +97,23 @@ def _applying(args: argparse.Namespace) -> int:
 
 
 def plan_json(plan) -> dict:
-    """A plan as JSON: every tensor's whole and per-rank shape and how it is cut, and the bytes per rank."""
+    """A plan as JSON: every tensor's whole shape, each rank's shape and how it is cut, the attributes whose
+    values differ by rank (a list, one per rank), and each rank's bytes."""
     from tpcore.plan import describe
+    from tpcore.shares import PerRank
 
+    ranks = range(plan.world_size)
     tensors = {
-        name: {"cut": describe(plan.splits.get(name)), "shape": list(shape), "per_rank": list(plan.shard_shape(name))}
+        name: {
+            "cut": describe(plan.splits.get(name)),
+            "shape": list(shape),
+            "per_rank": [list(plan.shard_shape(name, rank)) for rank in ranks],
+        }
         for name, shape in plan.shapes.items()
     }
-    return {"tensors": tensors, "bytes_per_rank": plan.bytes_per_rank()}
+    attributes = {path: list(value) for path, value in plan.attributes.items() if isinstance(value, PerRank)}
+    bytes_per_rank = [plan.bytes_per_rank(rank) for rank in ranks]
+    return {"tensors": tensors, "attributes_per_rank": attributes, "bytes_per_rank": bytes_per_rank}
 
 
 def _check(args: argparse.Namespace) -> int:

@@ -111,7 +111,7 @@ def parallelize(
         end the parallelization (as ``deparallelize()``), then move the caller's model, which runs
         unsplit from then on; a model started from a checkpoint has no weights here to move, so
         they raise and the ranks serve on (``half()``/``float()`` change only the caller's copy).
-        Validation errors (no policy, sizes that do not divide, weights missing from a checkpoint,
+        Validation errors (no policy, sizes that do not cut into whole heads, weights missing from a checkpoint,
         an unknown ``verbose``, a ``master_port`` already in use, more NCCL ranks than GPUs) are
         raised before any process starts.
     """
@@ -140,7 +140,7 @@ def parallelize(
         drop_output_capturing_hooks(skeleton)
     else:
         skeleton = weightless_copy(model)
-    plan.apply(skeleton, 0)  # the split skeleton every rank fills (each binds its own group and rows)
+    skeleton_for = _skeletons(plan, skeleton)
     try:
         pool = RankPool(
             num_gpus,
@@ -154,9 +154,10 @@ def parallelize(
         handle = ParallelHandle(model, pool, timeout, has_weights=checkpoint is None)
         try:
             if checkpoint is not None:
-                pool.run(_read_shard, skeleton, str(checkpoint.directory), reads, dtype, timeout=timeout)
+                directory = str(checkpoint.directory)
+                pool.scatter(_read_shard, lambda rank: (skeleton_for(rank), directory, reads, dtype), timeout=timeout)
             else:
-                _send_shards(pool, model, skeleton, plan, dtype, timeout)
+                _send_shards(pool, model, skeleton_for, plan, dtype, timeout)
             if verbosity is not None:
                 handle.print_memory(verbosity)
         except BaseException:
@@ -187,16 +188,28 @@ def _model_without_weights(checkpoint: Checkpoint, model_class) -> nn.Module:
     return model
 
 
-def _send_shards(pool: RankPool, model: nn.Module, skeleton: nn.Module, plan: ShardPlan, dtype, timeout: float) -> None:
+def _skeletons(plan: ShardPlan, skeleton: nn.Module):
+    """``skeleton_for(rank)``: the split meta skeleton rank ``rank`` fills. One serves every rank when the
+    plan is uniform (each rank binds its own group and rows); uneven shares give each rank its own."""
+    if plan.uniform:
+        plan.apply(skeleton, 0)
+        return lambda rank: skeleton
+    return lambda rank: plan.apply(copy.deepcopy(skeleton), rank)
+
+
+def _send_shards(pool: RankPool, model: nn.Module, skeleton_for, plan: ShardPlan, dtype, timeout: float) -> None:
     """Stream every rank its parts of ``model``'s tensors, straight into the rank's storage."""
     tensors = named_tensors(model)
-    metas = [(name, plan.shard_shape(name), tensor.dtype) for name, tensor in tensors.items()]
+
+    def arguments(rank: int) -> tuple:
+        metas = [(name, plan.shard_shape(name, rank), tensor.dtype) for name, tensor in tensors.items()]
+        return skeleton_for(rank), metas, dtype
 
     def shares(rank: int):
         for name, tensor in tensors.items():  # a model on a GPU: one share at a time goes through the CPU
             yield plan.share(name, tensor, rank).cpu()
 
-    pool.scatter(_load_shard, lambda rank: (skeleton, metas, dtype), shares, timeout=timeout)
+    pool.scatter(_load_shard, arguments, shares, timeout=timeout)
 
 
 def _load_shard(context: RankContext, skeleton: nn.Module, metas: list, dtype) -> int:

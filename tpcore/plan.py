@@ -14,6 +14,10 @@ the ranks of ``parallelize()``), or one built empty from a checkpoint's config::
     plan.apply(model, rank, tp_group)                      # slice in place, rewrite the modules
     print(plan.report())                                   # what is cut how, bytes per rank
 
+Sizes that the world size does not divide are dealt in whole units (heads, features), so ranks may
+hold different shares (:mod:`tpcore.shares`): then shapes, attributes (:class:`~tpcore.shares.PerRank`
+values) and bytes differ by rank, and :attr:`ShardPlan.uniform` is false.
+
 Nothing of the model is changed by building a plan; every check runs first, and an error names
 the model, the world size, the layer and the tensor.
 """
@@ -33,6 +37,7 @@ from torch import nn
 from tpcore.configs import module_configs
 from tpcore.layers import make_vocab_parallel, row_parallel_class, set_layer_size, vocab_parallel_class
 from tpcore.policy import Layer, Policy, ShardingError
+from tpcore.shares import PerRank, resolve
 from tpcore.skeleton import named_tensors
 from tpcore.slicer import COLUMN, ROW, Split
 
@@ -86,7 +91,8 @@ class ShardPlan:
         world_size: the number of ranks.
         shapes: every tensor's whole shape, by first name.
         splits: the cut tensors, by first name (a tensor not listed is replicated).
-        attributes: per-rank values of module attributes, by path from the model (``"h.0.attn.num_heads"``).
+        attributes: per-rank values of module attributes, by path from the model (``"h.0.attn.num_heads"``);
+            a :class:`~tpcore.shares.PerRank` value holds one per rank.
         classes: classes to give modules, by module path (row-parallel layers, a policy's replacements).
         vocab: vocabulary-parallel modules, by path: the whole table's row count.
         resized: modules whose size attributes follow their sliced weight (``in_features``, ...).
@@ -183,7 +189,9 @@ class ShardPlan:
             replaced = policy.replace_modules() if rewrites else {}
             specs = make_megatron_layer(policy)
         for path in arguments:
-            if get_path(layer, path) is _MISSING:
+            owner, _, attribute = path.rpartition(".")
+            declared = owner in replaced and hasattr(replaced[owner], attribute)  # by the class it is given
+            if get_path(layer, path) is _MISSING and not declared:
                 raise self.error(target.where, f"attribute {path!r} to rewrite does not exist")
             self.attributes[join(target.name, path)] = arguments[path]
         for path, new_class in replaced.items():
@@ -211,12 +219,17 @@ class ShardPlan:
             full_path = join(target.name, path or "")
             if not isinstance(tensor, torch.Tensor) or not -tensor.dim() <= split.dim < tensor.dim():
                 raise self.error(full_path, f"not a tensor with a dimension {split.dim} to split")
+            where = f"tensor {full_path!r} of shape {tuple(tensor.shape)}, split along dim {split.dim}"
             try:
                 split.check(tensor.shape[split.dim], self.world_size)
             except ShardingError as error:
+                raise self.error(where, str(error)) from None
+            if style == ROW and split.replicated(tensor.shape[split.dim], self.world_size):
                 raise self.error(
-                    f"tensor {full_path!r} of shape {tuple(tensor.shape)}, split along dim {split.dim}", str(error)
-                ) from None
+                    where,
+                    f"its {split.heads or split.parts} heads are fewer than the ranks (or than the ranks that share "
+                    "a key/value head): a row-parallel sum would count a head held by two ranks twice",
+                )
             split = split.resolved(tensor.dim())
             name = first_name[id(tensor)]
             earlier = self.splits.setdefault(name, split)
@@ -287,13 +300,20 @@ class ShardPlan:
 
     # -- reading the plan --------------------------------------------------------------------
 
-    def shard_shape(self, name: str) -> tuple[int, ...]:
-        """The shape of every rank's part of tensor ``name``."""
+    @property
+    def uniform(self) -> bool:
+        """Whether every rank holds the same shapes and attribute values (every cut even)."""
+        return not any(isinstance(value, PerRank) for value in self.attributes.values()) and all(
+            split.even(self.shapes[name][split.dim], self.world_size) for name, split in self.splits.items()
+        )
+
+    def shard_shape(self, name: str, rank: int = 0) -> tuple[int, ...]:
+        """The shape of rank ``rank``'s part of tensor ``name``."""
         shape = list(self.shapes[name])
         split = self.splits.get(name)
         if split is not None:
             dim = split.dim % len(shape)
-            shape[dim] = split.shard_size(shape[dim], self.world_size)
+            shape[dim] = split.shard_size(shape[dim], self.world_size, rank)
         return tuple(shape)
 
     def share(self, name: str, tensor: torch.Tensor, rank: int) -> torch.Tensor:
@@ -312,8 +332,9 @@ class ShardPlan:
                 return piece
         return split.shard(tensor, rank, self.world_size)
 
-    def bytes_per_rank(self) -> int:
-        return sum(math.prod(self.shard_shape(n)) * self.dtypes[n].itemsize for n in self.shapes)
+    def bytes_per_rank(self, rank: int = 0) -> int:
+        """The bytes of tensors rank ``rank`` holds."""
+        return sum(math.prod(self.shard_shape(n, rank)) * self.dtypes[n].itemsize for n in self.shapes)
 
     # -- applying ------------------------------------------------------------------------------
 
@@ -340,7 +361,7 @@ class ShardPlan:
         for path in self.resized:
             set_layer_size(model.get_submodule(path))
         for path, value in self.attributes.items():
-            set_path(model, path, value)
+            set_path(model, path, resolve(value, rank))
         for path, new_class in self.classes.items():
             module = model.get_submodule(path)
             module.__class__ = new_class
@@ -355,22 +376,30 @@ class ShardPlan:
     # -- showing -------------------------------------------------------------------------------
 
     def report(self) -> str:
-        """What is cut how, what stays replicated, and the bytes each rank holds (layers folded as ``*``)."""
-        rows: dict[tuple[str, str, tuple, tuple], int] = {}
+        """What is cut how, what stays replicated, each rank's shares where they differ, and the bytes each
+        rank holds (layers folded as ``*``)."""
+        ranks = range(self.world_size)
+        rows: dict[tuple[str, str, tuple, str], int] = {}
         for name, shape in self.shapes.items():
-            split = self.splits.get(name)
-            key = (re.sub(r"\.\d+\.", ".*.", name), describe(split), shape, self.shard_shape(name))
+            pieces = _per_rank_text([_shape(self.shard_shape(name, rank)) for rank in ranks])
+            key = (re.sub(r"\.\d+\.", ".*.", name), describe(self.splits.get(name)), shape, pieces)
             rows[key] = rows.get(key, 0) + 1
         whole = sum(math.prod(s) * self.dtypes[n].itemsize for n, s in self.shapes.items())
         replicated = sum(math.prod(s) * self.dtypes[n].itemsize for n, s in self.shapes.items() if n not in self.splits)
         width = max((len(k[0]) for k in rows), default=0)
-        lines = [f"{self.model_name} over {self.world_size} ranks:"]
+        lines = [f"{self.model_name} over {self.world_size} ranks" + ("" if self.uniform else ", shares by rank") + ":"]
         for (name, how, shape, piece), count in rows.items():
             times = f" x{count}" if count > 1 else ""
-            lines.append(f"    {name:<{width}}  {how:<22} {_shape(shape)} -> {_shape(piece)}{times}")
-        lines.append(
-            f"per rank {_mib(self.bytes_per_rank())} of {_mib(whole)} ({_mib(replicated)} replicated on every rank)"
-        )
+            lines.append(f"    {name:<{width}}  {how:<22} {_shape(shape)} -> {piece}{times}")
+        attributes: dict[tuple[str, str], int] = {}
+        for path, value in self.attributes.items():
+            if isinstance(value, PerRank):
+                folded = (re.sub(r"\.\d+\.", ".*.", path), _per_rank_text([str(v) for v in value]))
+                attributes[folded] = attributes.get(folded, 0) + 1
+        for (path, values), count in attributes.items():
+            lines.append(f"    {path:<{width}}  {'set per rank':<22} {values}" + (f" x{count}" if count > 1 else ""))
+        sizes = _per_rank_text([_mib(self.bytes_per_rank(rank)) for rank in ranks])
+        lines.append(f"per rank {sizes} of {_mib(whole)} ({_mib(replicated)} replicated on every rank)")
         return "\n".join(lines)
 
 
@@ -395,7 +424,14 @@ def describe(split: Split | None) -> str:
         words.append(f"{split.heads} heads" + (" interleaved" if split.interleaved else ""))
     if split.parts:
         words.append("parts of " + "/".join(map(str, split.parts)) + " heads")
+    if split.groups is not None:
+        words.append(f"{split.groups} groups")
     return "cut " + ", ".join(words)
+
+
+def _per_rank_text(values: list[str]) -> str:
+    """One value if every rank has it, else each rank's (``"(6, 8) | (3, 8)"``)."""
+    return values[0] if len(set(values)) == 1 else " | ".join(values)
 
 
 def _shape(shape: tuple[int, ...]) -> str:

@@ -24,10 +24,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from torch import nn
 
+from tpcore.shares import PerRank, per_rank, runs
+
 if TYPE_CHECKING:
     from tpcore.slicer import Split
 
-__all__ = ["COLUMN", "ROW", "Layer", "Policy", "ShardingError", "divide"]
+__all__ = ["COLUMN", "ROW", "Layer", "PerRank", "Policy", "ShardingError", "divide", "share"]
 
 #: Parallel styles: column splits a layer's output features, row its input features.
 COLUMN = "column"
@@ -39,10 +41,37 @@ class ShardingError(ValueError):
 
 
 def divide(value: int, world_size: int, what: str) -> int:
-    """Return ``value // world_size``; raise :class:`ShardingError` naming ``what`` if it is not exact."""
+    """Return ``value // world_size``; raise :class:`ShardingError` naming ``what`` if it is not exact.
+
+    For a count that may be dealt unevenly (heads, MLP features), use :func:`share`.
+    """
     if value % world_size:
-        raise ShardingError(f"{what} = {value} cannot be split evenly over {world_size} ranks")
+        raise ShardingError(
+            f"{what} = {value} cannot be split evenly over {world_size} ranks "
+            "(a policy that deals it unevenly uses tpcore.share)"
+        )
     return value // world_size
+
+
+def share(value: int, world_size: int, what: str, *, groups: int | None = None, first: bool = False) -> int | PerRank:
+    """How many of ``value`` units (heads, features) each rank holds: ``value // world_size`` when it
+    divides, else :class:`PerRank` counts dealt as :func:`tpcore.shares.runs` deals them, the ones
+    every :class:`Layer` with the same ``heads`` and ``groups`` is cut by (so ``share(heads, N, ...,
+    groups=kv_heads)`` for query heads that stay with their key/value heads). A count of fewer
+    units than ranks gives each rank one (replicated key/value heads). ``first=True`` gives the index
+    of each rank's first unit instead (a rank's rows of a per-head table).
+
+    The result is an int or a :class:`PerRank`, with arithmetic applied per rank
+    (``share(heads, N, "n_head") * head_dim`` is each rank's width); :class:`ShardingError` names
+    ``what`` when ``value`` is not a positive count or ``groups`` does not divide it.
+    """
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ShardingError(f"{what} = {value!r} is not a positive count to split over {world_size} ranks")
+    try:
+        dealt = runs(value, world_size, groups)
+    except ValueError:
+        raise ShardingError(f"{what} = {value} cannot form {groups} equal groups") from None
+    return per_rank(start if first else count for start, count in dealt)
 
 
 def _is_int(value: Any) -> bool:
@@ -81,6 +110,10 @@ class Layer:
             grouped-query q|k|v); each part is cut by its own heads, rank ``r`` gets ``[Q_r | K_r | V_r]``.
         interleaved: the tensor packs whole heads one after another, each holding its ``n_fused``
             tensors (``[q0 k0 v0 | q1 k1 v1 | ...]``); needs ``heads``.
+        groups: how many groups of consecutive heads stay together on a rank, an int or a config
+            attribute name (``"num_key_value_heads"`` on a query projection and on the output
+            projection of a grouped-query attention): with ``heads``, the heads are dealt group by
+            group, as the key/value projection's heads are (see :mod:`tpcore.shares`).
         transposed: the weight is stored ``(in, out)`` (HF ``Conv1D``) instead of ``(out, in)``;
             flips the weight's split dimension for this tensor only.
         optional: a missing ``weight`` is skipped instead of raising.
@@ -102,6 +135,7 @@ class Layer:
     interleaved: bool = False
     transposed: bool | None = None
     optional: bool | None = None
+    groups: str | int | None = None
 
     def __post_init__(self) -> None:
         self._alias("transposed", "reversed")
@@ -117,8 +151,13 @@ class Layer:
         for field in ("dim", "bias_dim"):
             if getattr(self, field) is not None and not _is_int(getattr(self, field)):
                 raise TypeError(f"{name}.{field} must be an int, got {getattr(self, field)!r}")
-        if self.heads is not None and not _is_count(self.heads):
-            raise TypeError(f"{name}.heads must be a positive int or a config attribute name, got {self.heads!r}")
+        for field in ("heads", "groups"):
+            if getattr(self, field) is not None and not _is_count(getattr(self, field)):
+                raise TypeError(
+                    f"{name}.{field} must be a positive int or a config attribute name, got {getattr(self, field)!r}"
+                )
+        if self.groups is not None and self.heads is None and self.parts is None:
+            raise ValueError(f"{name}: groups= groups heads; give heads= (or parts=) too")
         if not isinstance(self.interleaved, bool):
             raise TypeError(f"{name}.interleaved must be a bool, got {self.interleaved!r}")
         replace = self.replace
@@ -188,7 +227,11 @@ class Layer:
         weight_dim, bias_dim = self.dims(style)
         heads = None if self.heads is None else self._count(self.heads, config, "heads")
         parts = None if self.parts is None else tuple(self._count(part, config, "parts") for part in self.parts)
+        groups = None if self.groups is None else self._count(self.groups, config, "groups")
+        if groups is not None and groups == heads:
+            groups = None  # one head per group: the default
         layout = {"n_fused": self.n_fused, "heads": heads, "parts": parts, "interleaved": self.interleaved}
+        layout["groups"] = groups
         return Split(weight_dim, **layout), (None if bias_dim is None else Split(bias_dim, **layout))
 
     def _count(self, value: str | int, config: Any, field: str) -> int:
@@ -229,8 +272,9 @@ class Policy:
     def replace_arguments(config: Any, world_size: int) -> dict[str, Any]:
         """Attributes of one layer instance to set per rank, ``{path: value}``.
 
-        Use :func:`divide` for head counts and sizes so that a world size that does not divide
-        them fails before anything is sliced.
+        Use :func:`share` for head counts and sizes (a value may then be a :class:`PerRank`, which
+        each rank reads its own entry of), or :func:`divide` where only equal splits are right, so
+        that a world size that does not divide them fails before anything is sliced.
         """
         return {}
 

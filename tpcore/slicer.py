@@ -1,28 +1,33 @@
 """TensorSlicer: pure functions from a whole tensor to one rank's shard. No I/O, no env, no state.
 
 A :class:`Split` says how one dimension of size ``S`` is cut over ``N`` ranks. It sees the dimension
-as consecutive *segments*, each made of equal *units* (heads, or just pieces), and rank ``r`` keeps,
-from every segment, in order, a contiguous run of its units:
+as consecutive *segments*, each made of equal *units* (heads, or single features), and rank ``r``
+keeps, from every segment, in order, a contiguous run of its units, dealt by :func:`tpcore.shares.runs`:
 
-- a segment of ``u >= N`` units (``u % N == 0``) gives rank ``r`` the units ``[r u / N, (r + 1) u / N)``;
-- a segment of ``u < N`` units (``N % u == 0``) is replicated whole-unit-wise: rank ``r`` keeps unit
-  ``r u // N``, so each unit lives on the ``N / u`` consecutive ranks whose query heads use it.
+- a segment of ``u >= N`` units gives rank ``r`` ``u // N + (r < u % N)`` of them, so ``[r u / N,
+  (r + 1) u / N)`` when ``N`` divides ``u`` (the equal split) and whole units, near-equal, otherwise;
+- units in ``groups`` (a key/value head and its query heads) are dealt group by group, a group never
+  split between ranks that do not share it; a segment of fewer units (or groups) than ranks is
+  replicated whole-unit-wise, each unit kept by the consecutive ranks whose query heads use it.
 
 The layouts are ways to name the segments:
 
 ==========================  ==============================  ===================================
 split                       segments                        units per segment
 ==========================  ==============================  ===================================
-plain (``n_fused=1``)       the whole dimension             ``N`` pieces
-``n_fused=k`` (q|k|v)       ``k`` blocks of ``S / k``       ``N`` pieces, or ``heads`` heads
-``parts=(p1, ..., pk)``     ``k`` blocks of ``pi S / sum``  ``pi`` heads (head size ``S / sum``)
+plain (``n_fused=1``)       the whole dimension             its ``S`` features
+``n_fused=k`` (q|k|v)       ``k`` blocks of ``S / k``       ``S / k`` features, or ``heads``
+``parts=(p1, ..., pk)``     ``k`` blocks of ``pi S / sum``  ``pi`` heads (head size ``S / sum``),
+                                                            in ``gcd(p1, ..., pk)`` groups
 ``interleaved`` (``heads``) the whole dimension             ``heads`` groups of ``n_fused`` tensors
 ==========================  ==============================  ===================================
 
 So a fused ``[Q | K | V]`` gives rank ``r`` the piece ``[Q_r | K_r | V_r]`` (its fused output still
-splits into its own q, k and v), a multi-query pack ``parts=(32, 1, 1)`` gives every rank its
-query heads and the one key and value head, and a head-interleaved ``[q0 k0 v0 | q1 k1 v1 | ...]``
-gives rank ``r`` its whole heads, each with its q, k and v: one contiguous block.
+splits into its own q, k and v), a grouped-query pack ``parts=(9, 3, 3)`` over 2 ranks gives rank 0
+two key/value heads with their six query heads and rank 1 the third with its three, a multi-query
+pack ``parts=(32, 1, 1)`` gives every rank its query heads and the one key and value head, and a
+head-interleaved ``[q0 k0 v0 | q1 k1 v1 | ...]`` gives rank ``r`` its whole heads, each with its q, k
+and v: one contiguous block. Where ``N`` divides every count the pieces are the equal ones.
 
 A vocabulary (embedding rows, LM-head rows) rarely divides by the world size (GPT-2 has 50257
 tokens), so it is ``pad``-ded instead: every rank holds ``ceil(V / N)`` rows, rank ``r`` the rows
@@ -32,12 +37,15 @@ tokens), so it is ``pad``-ded instead: every rank holds ``ceil(V / N)`` rows, ra
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import math
 from typing import NamedTuple
 
 import torch
 
 from tpcore.policy import COLUMN, ROW, Layer, ShardingError
+from tpcore.shares import runs
 
 __all__ = ["COLUMN", "ROW", "Split", "TensorSlicer", "check_divisible", "shard", "shard_ranges", "split_dims"]
 
@@ -49,9 +57,12 @@ class Split(NamedTuple):
         dim: the dimension to cut.
         n_fused: tensors packed along ``dim`` (3 for q|k|v); with ``interleaved``, tensors per head.
         heads: heads in each packed tensor (replicated when fewer than the ranks); required by ``interleaved``.
-        pad: pad to ``ceil(S / N)`` per rank instead of requiring ``N`` to divide ``S`` (vocabularies).
+        pad: pad to ``ceil(S / N)`` per rank instead of dealing whole units (vocabularies).
         parts: head counts of unequal packed tensors (``(32, 8, 8)`` for q|k|v with 8 KV heads).
         interleaved: heads packed one after another, each holding its ``n_fused`` tensors.
+        groups: how many groups the heads form, dealt whole (the key/value heads of a query
+            projection); must divide every head count. Default: each head its own group, or
+            ``gcd(parts)`` for ``parts``.
     """
 
     dim: int
@@ -60,6 +71,7 @@ class Split(NamedTuple):
     pad: bool = False
     parts: tuple[int, ...] | None = None
     interleaved: bool = False
+    groups: int | None = None
 
     def ranges(self, size: int, rank: int, world_size: int) -> tuple[list[tuple[int, int]], int]:
         """Which part of a dimension of ``size`` rank ``rank`` holds: the ``[start, stop)`` ranges to
@@ -73,27 +85,42 @@ class Split(NamedTuple):
             stop = min(start + piece, size)
             return [(start, stop)], piece - (stop - start)
         ranges = []
-        for offset, length, units in self._segments(size, world_size):
-            unit = length // units
-            if units >= world_size:
-                per_rank = units // world_size
-                first, count = rank * per_rank, per_rank
-            else:  # fewer units than ranks: replicate whole units
-                first, count = rank * units // world_size, 1
+        for offset, length, units, groups in self._segments(size, world_size):
+            unit = length // units if units else 0
+            first, count = _runs(units, world_size, groups)[rank]
             ranges.append((offset + first * unit, offset + (first + count) * unit))
         return ranges, 0
 
     def check(self, size: int, world_size: int) -> None:
-        """Raise :class:`ShardingError` (naming ``size``) unless a dimension of ``size`` cuts into equal
-        whole-unit pieces over ``world_size`` ranks; :class:`ValueError` if the split itself is malformed."""
+        """Raise :class:`ShardingError` (naming ``size``) unless a dimension of ``size`` cuts into whole
+        units on every rank over ``world_size`` ranks; :class:`ValueError` if the split itself is malformed."""
         if self.pad:
             self._validate(world_size)
         else:
             self._segments(size, world_size)
 
-    def shard_size(self, size: int, world_size: int) -> int:
-        """The size every rank's piece of a dimension of ``size`` has (checked first)."""
-        ranges, padding = self.ranges(size, 0, world_size)
+    def even(self, size: int, world_size: int) -> bool:
+        """Whether every rank holds the same share (equal pieces, or each unit replicated equally often)."""
+        if self.pad:
+            return True
+        for _, _, units, groups in self._segments(size, world_size):
+            dealt = _runs(units, world_size, groups)
+            if len({count for _, count in dealt}) > 1 or len(set(collections.Counter(dealt).values())) > 1:
+                return False
+        return True
+
+    def replicated(self, size: int, world_size: int) -> bool:
+        """Whether some rank holds units that another rank holds too (heads fewer than the ranks)."""
+        if self.pad:
+            return False
+        return any(
+            len(set(_runs(units, world_size, groups))) < world_size
+            for _, _, units, groups in self._segments(size, world_size)
+        )
+
+    def shard_size(self, size: int, world_size: int, rank: int = 0) -> int:
+        """The size of rank ``rank``'s piece of a dimension of ``size`` (checked first)."""
+        ranges, padding = self.ranges(size, rank, world_size)
         return sum(stop - start for start, stop in ranges) + padding
 
     def shard(self, tensor: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
@@ -120,8 +147,10 @@ class Split(NamedTuple):
             raise ValueError(f"world_size ({world_size}) must be a positive int")
         if not isinstance(self.n_fused, int) or self.n_fused < 1:
             raise ValueError(f"n_fused ({self.n_fused}) must be a positive int")
-        if self.heads is not None and (not isinstance(self.heads, int) or self.heads < 1):
-            raise ValueError(f"heads ({self.heads}) must be a positive int")
+        for name in ("heads", "groups"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} ({value}) must be a positive int")
         if self.parts is not None:
             if not self.parts or not all(isinstance(p, int) and p >= 1 for p in self.parts):
                 raise ValueError(f"parts {self.parts} must be positive head counts")
@@ -131,18 +160,23 @@ class Split(NamedTuple):
                 )
         if self.interleaved and self.heads is None:
             raise ValueError("an interleaved split needs heads (how many heads the tensor interleaves)")
+        if self.groups is not None and self.heads is None and self.parts is None:
+            raise ValueError("groups group heads: a split with groups needs heads or parts")
         if self.pad and (self.n_fused != 1 or self.heads is not None or self.parts or self.interleaved):
             raise ValueError("a padded split packs one tensor and no heads")
 
-    def _segments(self, size: int, world_size: int) -> list[tuple[int, int, int]]:
-        """``(offset, length, units)`` of each segment of a dimension of ``size`` (module docstring), checked."""
+    def _segments(self, size: int, world_size: int) -> list[tuple[int, int, int, int | None]]:
+        """``(offset, length, units, groups)`` of each segment of a dimension of ``size`` (module docstring),
+        checked: whole units, groups that divide them, and a unit for every rank in a segment of features."""
         self._validate(world_size)
+        groups = self.groups
         if self.parts is not None:
             counts = list(self.parts)
             head_size, rest = divmod(size, sum(counts))
             if rest:
                 raise ShardingError(f"size {size} cannot be split into {sum(counts)} heads (parts {self.parts})")
             lengths = [count * head_size for count in counts]
+            groups = groups or math.gcd(*counts)
         elif self.interleaved:
             counts, lengths = [self.heads], [size]
             if size % (self.heads * self.n_fused):
@@ -150,28 +184,36 @@ class Split(NamedTuple):
                     f"size {size} cannot be split into {self.heads} heads of {self.n_fused} interleaved tensors"
                 )
         else:
-            counts = [self.heads or world_size] * self.n_fused
-            pieces = self.n_fused * counts[0]
-            if size % pieces:
-                what = "heads" if self.heads else "ranks"
-                fused = f" ({self.n_fused} fused tensors x {counts[0]} {what})" if self.n_fused > 1 else ""
-                raise ShardingError(f"size {size} cannot be split into {pieces} equal pieces{fused}")
-            lengths = [size // self.n_fused] * self.n_fused
+            length, rest = divmod(size, self.n_fused)
+            if rest or (self.heads and length % self.heads):
+                if not self.heads:
+                    raise ShardingError(f"size {size} cannot be split into {self.n_fused} equal fused tensors")
+                fused = f" ({self.n_fused} fused tensors x {self.heads} heads)" if self.n_fused > 1 else ""
+                raise ShardingError(f"size {size} cannot be split into {self.n_fused * self.heads} heads{fused}")
+            counts, lengths = [self.heads or length] * self.n_fused, [length] * self.n_fused
+            if not self.heads and 0 < length < world_size:
+                fused = f" (each of its {self.n_fused} packed tensors {length})" if self.n_fused > 1 else ""
+                raise ShardingError(f"size {size}{fused} is smaller than the {world_size} ranks to split it over")
         for count in counts:
-            if count >= world_size and count % world_size:
-                raise ShardingError(f"size {size}: {count} heads cannot be split evenly over {world_size} ranks")
-            if count < world_size and world_size % count:
-                raise ShardingError(
-                    f"size {size}: {count} heads can be neither split nor replicated evenly over {world_size} ranks"
-                )
+            if groups is not None and count % groups:
+                raise ShardingError(f"size {size}: {count} heads cannot form {groups} equal groups")
         offsets = [sum(lengths[:index]) for index in range(len(lengths))]
-        return list(zip(offsets, lengths, counts, strict=True))
+        return [(offset, length, count, groups) for offset, length, count in zip(offsets, lengths, counts, strict=True)]
+
+
+def _runs(units: int, world_size: int, groups: int | None) -> tuple[tuple[int, int], ...]:
+    """:func:`tpcore.shares.runs`, with an empty dimension giving every rank nothing."""
+    return runs(units, world_size, groups) if units else ((0, 0),) * world_size
 
 
 def check_divisible(size: int, world_size: int, n_fused: int = 1, heads: int | None = None) -> None:
     """Raise :class:`ShardingError` unless ``size`` splits into ``n_fused * world_size`` equal pieces
-    (or, for a tensor of ``heads`` heads, into ``n_fused * heads`` and the heads over the ranks)."""
-    Split(0, n_fused, heads).check(size, world_size)
+    (or, for a tensor of ``heads`` heads, into ``n_fused * heads`` and the heads evenly over the ranks)."""
+    split = Split(0, n_fused, heads)
+    split.check(size, world_size)
+    if not split.even(size, world_size):
+        units = f"{heads} heads" if heads else f"{size // n_fused} features"
+        raise ShardingError(f"size {size}: {units} cannot be split evenly over {world_size} ranks")
 
 
 def shard_ranges(

@@ -17,10 +17,11 @@ linear layer inside the repeated blocks at ``<prefix>``; this module turns those
 ==========================================  ===================================================
 
 Any other style (gathered outputs, MLA) means the plan cannot be followed, and the model needs a
-plugin. Key/value projections narrower than the query projection carry grouped KV heads, which
-are replicated when the ranks outnumber them. Per-head parameters the plan leaves out but that
-must follow the heads (Cohere's ``q_norm``/``k_norm`` weights of shape ``(heads, head_dim)``) are
-cut with them.
+plugin. Attention projections are dealt in whole heads, so world sizes that do not divide the head
+counts work too. Key/value projections narrower than the query projection carry grouped KV heads,
+which keep their query heads with them and are replicated when the ranks outnumber them.
+Per-head parameters the plan leaves out but that must follow the heads (Cohere's
+``q_norm``/``k_norm`` weights of shape ``(heads, head_dim)``) are cut with them.
 
 Composite models (LLaVA, CLIP, encoder-decoders with their own sub-configs) carry one plan per
 sub-model (:func:`tpcore.configs.sub_models`): each sub-model's config plan is read relative to
@@ -38,7 +39,7 @@ from typing import Any
 from torch import nn
 
 from tpcore.configs import config_of, module_configs, sub_models
-from tpcore.policy import Layer, Policy, divide
+from tpcore.policy import Layer, Policy, share
 
 __all__ = ["SubModelPlan", "TpPlanError", "derive_policies", "sub_model_plans"]
 
@@ -168,17 +169,13 @@ def _policy_for(instances: list[tuple[str, nn.Module, dict[str, str]]], configs:
             continue
         if not isinstance(linear, nn.Linear):
             raise TpPlanError(f"its tp plan splits {path!r}, a {type(linear).__name__}, not a Linear")
-        grouped = kind == "column" and grouped_kv and path.rsplit(".", 1)[-1] in ("k_proj", "v_proj")
-        spec = Layer(
-            weight=f"{path}.weight",
-            bias=f"{path}.bias",
-            n_fused=n_fused,
-            heads="num_key_value_heads" if grouped else None,
-        )
+        in_attention = "attn" in path or "attention" in path
+        layout = _head_layout(block, path, linear, kind, n_fused, grouped_kv, block_configs[0]) if in_attention else {}
+        spec = Layer(weight=f"{path}.weight", bias=f"{path}.bias", n_fused=n_fused, **layout)
         (columns if kind == "column" else rows).append(spec)
-        if "attn" in path or "attention" in path:
+        if in_attention:
             attention_paths.add(path.rpartition(".")[0])
-    columns.extend(_per_head_parameters(block, attention_paths, block_configs[0]))
+    columns.extend(_per_head_parameters(block, attention_paths, block_configs[0], grouped_kv))
     attributes = {
         f"{owner}.{name}" if owner else name: name
         for owner in attention_paths
@@ -189,19 +186,17 @@ def _policy_for(instances: list[tuple[str, nn.Module, dict[str, str]]], configs:
     def replace_arguments(config, world_size):
         """Per-rank head counts, read from the config of the block's sub-model."""
         heads, kv_heads = _heads(config), _kv_heads(config)
+        local_sizes = {path: share(size, world_size, path) for path, size in intermediates.items()}
         if heads is None:
-            return {path: divide(size, world_size, path) for path, size in intermediates.items()}
-        local = divide(heads, world_size, "num_attention_heads")
-        if kv_heads % world_size and world_size % kv_heads:
-            divide(kv_heads, world_size, "num_key_value_heads")  # raises, naming the attribute
-        local_kv = kv_heads // world_size if kv_heads % world_size == 0 else 1
+            return local_sizes
+        local = share(heads, world_size, "num_attention_heads", groups=kv_heads)
+        local_kv = share(kv_heads, world_size, "num_key_value_heads")  # one, replicated, when fewer than ranks
         values = {
             "num_heads": local,
             "num_attention_heads": local,
             "num_key_value_heads": local_kv,
             "num_key_value_groups": local // local_kv,
         }
-        local_sizes = {path: divide(size, world_size, path) for path, size in intermediates.items()}
         return {**{path: values[name] for path, name in attributes.items()}, **local_sizes}
 
     kind, config = type(block), block_configs[0]
@@ -231,9 +226,30 @@ def _parameter(block: nn.Module, path: str) -> nn.Parameter | None:
     return parameter if parameter is not None and parameter.dim() == 3 else None
 
 
-def _per_head_parameters(block: nn.Module, attention_paths: set[str], config: Any) -> list[Layer]:
+def _head_layout(
+    block: nn.Module, path: str, linear: nn.Linear, kind: str, n_fused: int, grouped_kv: bool, config: Any
+) -> dict[str, Any]:
+    """The head words (:class:`Layer` ``heads``, ``groups``) of an attention linear, so that uneven world
+    sizes deal it in whole heads: key/value projections by their heads, query and output projections by
+    the query heads in key/value groups; ``{}`` when its split features are not ``heads * head_dim``."""
+    owner_path = path.rpartition(".")[0]
+    owner = block.get_submodule(owner_path) if owner_path else block
+    heads, kv_heads = _heads(config), _kv_heads(config)
+    head_dim = getattr(owner, "head_dim", None)
+    if not isinstance(heads, int) or not isinstance(head_dim, int) or n_fused != 1:
+        return {}
+    features = linear.out_features if kind == "column" else linear.in_features
+    if kind == "column" and path.rsplit(".", 1)[-1] in ("k_proj", "v_proj") and grouped_kv:
+        return {"heads": "num_key_value_heads"} if features == (kv_heads or heads) * head_dim else {}
+    if features != heads * head_dim:
+        return {}
+    return {"heads": "num_attention_heads", **({"groups": "num_key_value_heads"} if grouped_kv else {})}
+
+
+def _per_head_parameters(block: nn.Module, attention_paths: set[str], config: Any, grouped_kv: bool) -> list[Layer]:
     """Per-head parameters the plan leaves out that must follow the heads: norm weights of shape
-    ``(heads, head_dim)`` inside a split attention (Cohere's q/k norms), cut along their heads."""
+    ``(heads, head_dim)`` inside a split attention (Cohere's q/k norms), cut along their heads (query
+    heads in their key/value groups)."""
     heads, kv_heads = _heads(config), _kv_heads(config)
     found = []
     for owner_path in sorted(attention_paths):
@@ -245,10 +261,12 @@ def _per_head_parameters(block: nn.Module, attention_paths: set[str], config: An
                 continue
             if weight.shape[1] != head_dim or weight.shape[0] not in (heads, kv_heads):
                 continue
-            count = "num_attention_heads" if weight.shape[0] == heads else "num_key_value_heads"
+            queries = weight.shape[0] == heads
+            count = "num_attention_heads" if queries else "num_key_value_heads"
+            groups = "num_key_value_heads" if queries and grouped_kv else None
             path = f"{owner_path}.{child_name}" if owner_path else child_name
             bias = f"{path}.bias" if isinstance(getattr(child, "bias", None), nn.Parameter) else None
-            found.append(Layer(weight=f"{path}.weight", bias=bias, dim=0, heads=count))
+            found.append(Layer(weight=f"{path}.weight", bias=bias, dim=0, heads=count, groups=groups))
     return found
 
 

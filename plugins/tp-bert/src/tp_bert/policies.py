@@ -23,36 +23,41 @@ The others have their own policies:
 Every attention here infers its head count from the projection's output (``view(..., -1,
 head_dim)``); the head-count attributes that some forwards still read (``all_head_size`` in
 Megatron-BERT, RemBERT, LUKE and MPNet, ``num_attention_heads`` in LUKE) are rewritten per rank.
+Heads are dealt whole (:func:`tpcore.share`): 12 heads over 5 ranks give three ranks 3 heads and two
+ranks 2, every attention projection naming its head count (``Layer(heads=...)``) so that its rows
+follow; EuroBERT's query heads stay with their key/value heads (``groups``).
 """
 
 from __future__ import annotations
 
-from tpcore import Layer, Policy, divide
+from tpcore import Layer, Policy, share
 
 _MODELS = "transformers.models"
 
 
+_HEADS = "num_attention_heads"
+
+
 def _qkv(prefix: str, optional: bool = False) -> list[Layer]:
-    return [
-        Layer(weight=f"{prefix}.self.{name}.weight", bias=f"{prefix}.self.{name}.bias", ignore_checker=optional)
-        for name in ("query", "key", "value")
-    ]
+    return [_linear(f"{prefix}.self.{name}", optional=optional, heads=_HEADS) for name in ("query", "key", "value")]
 
 
 def _out(prefix: str, optional: bool = False) -> list[Layer]:
-    return [Layer(weight=f"{prefix}.output.dense.weight", bias=f"{prefix}.output.dense.bias", ignore_checker=optional)]
+    return [_linear(f"{prefix}.output.dense", optional=optional, heads=_HEADS)]
 
 
-def _linear(path: str, n_fused: int = 1, optional: bool = False) -> Layer:
-    """The weight and bias of the ``nn.Linear`` at ``path`` (a missing bias module attribute is ``None``)."""
-    return Layer(weight=f"{path}.weight", bias=f"{path}.bias", n_fused=n_fused, ignore_checker=optional)
+def _linear(path: str, n_fused: int = 1, optional: bool = False, **layout) -> Layer:
+    """The weight and bias of the ``nn.Linear`` at ``path`` (a missing bias module attribute is ``None``);
+    ``layout``: the head words of :class:`~tpcore.Layer` (``heads``, ``groups``)."""
+    return Layer(weight=f"{path}.weight", bias=f"{path}.bias", n_fused=n_fused, ignore_checker=optional, **layout)
 
 
-def _local_heads(config, world_size: int, name: str = "num_attention_heads") -> int:
-    return divide(getattr(config, name), world_size, name)
+def _local_heads(config, world_size: int, name: str = _HEADS, groups: str | None = None):
+    """Each rank's share of the heads ``config.<name>`` (an int, or per rank where they do not divide)."""
+    return share(getattr(config, name), world_size, name, groups=groups and getattr(config, groups))
 
 
-def _head_arguments(owner: str, config, world_size: int) -> dict[str, int]:
+def _head_arguments(owner: str, config, world_size: int) -> dict:
     """Per-rank ``num_attention_heads`` and ``all_head_size`` of the attention module at ``owner``."""
     heads = _local_heads(config, world_size)
     head_size = config.hidden_size // config.num_attention_heads
@@ -169,7 +174,8 @@ class LukePolicy(BertPolicy):
     @staticmethod
     def attn_qkv():
         entity_queries = ("w2e_query", "e2w_query", "e2e_query")
-        return _qkv("attention") + [_linear(f"attention.self.{name}", optional=True) for name in entity_queries]
+        entity = [_linear(f"attention.self.{name}", optional=True, heads=_HEADS) for name in entity_queries]
+        return _qkv("attention") + entity
 
 
 class DistilBertPolicy(Policy):
@@ -184,11 +190,11 @@ class DistilBertPolicy(Policy):
 
     @staticmethod
     def attn_qkv():
-        return [_linear(f"attention.{name}_lin") for name in "qkv"]
+        return [_linear(f"attention.{name}_lin", heads="n_heads") for name in "qkv"]
 
     @staticmethod
     def attn_out():
-        return [_linear("attention.out_lin")]
+        return [_linear("attention.out_lin", heads="n_heads")]
 
     @staticmethod
     def mlp_in():
@@ -210,11 +216,11 @@ class MPNetPolicy(BertPolicy):
 
     @staticmethod
     def attn_qkv():
-        return [_linear(f"attention.attn.{name}") for name in "qkv"]
+        return [_linear(f"attention.attn.{name}", heads=_HEADS) for name in "qkv"]
 
     @staticmethod
     def attn_out():
-        return [_linear("attention.attn.o")]
+        return [_linear("attention.attn.o", heads=_HEADS)]
 
 
 class MPNetEncoderPolicy(Policy):
@@ -239,17 +245,15 @@ class _LlamaLayoutPolicy(Policy):
     @staticmethod
     def replace_arguments(config, world_size):
         _local_heads(config, world_size)
-        if getattr(config, "num_key_value_heads", None) is not None:
-            _local_heads(config, world_size, "num_key_value_heads")
         return {}
 
     @staticmethod
     def attn_qkv():
-        return [_linear(f"self_attn.{name}_proj") for name in "qkv"]
+        return [_linear(f"self_attn.{name}_proj", heads=_HEADS) for name in "qkv"]
 
     @staticmethod
     def attn_out():
-        return [_linear("self_attn.o_proj")]
+        return [_linear("self_attn.o_proj", heads=_HEADS)]
 
     @staticmethod
     def mlp_in():
@@ -265,7 +269,29 @@ class NomicBertPolicy(_LlamaLayoutPolicy):
 
 
 class EuroBertPolicy(_LlamaLayoutPolicy):
+    """EuroBERT: Llama's layout with grouped key/value heads, each kept with its query heads (replicated
+    when the ranks outnumber them); ``num_key_value_groups`` becomes each rank's query-to-KV ratio."""
+
     layer_class = f"{_MODELS}.eurobert.modeling_eurobert.EuroBertDecoderLayer"
+
+    @staticmethod
+    def replace_arguments(config, world_size):
+        heads = _local_heads(config, world_size, groups="num_key_value_heads")
+        return {"self_attn.num_key_value_groups": heads // _local_heads(config, world_size, "num_key_value_heads")}
+
+    @staticmethod
+    def attn_qkv():
+        grouped = {"heads": _HEADS, "groups": "num_key_value_heads"}
+        kv = {"heads": "num_key_value_heads"}
+        return [
+            _linear("self_attn.q_proj", **grouped),
+            _linear("self_attn.k_proj", **kv),
+            _linear("self_attn.v_proj", **kv),
+        ]
+
+    @staticmethod
+    def attn_out():
+        return [_linear("self_attn.o_proj", heads=_HEADS, groups="num_key_value_heads")]
 
 
 class ModernBertPolicy(Policy):
@@ -280,11 +306,11 @@ class ModernBertPolicy(Policy):
 
     @staticmethod
     def attn_qkv():
-        return [_linear("attn.Wqkv", n_fused=3)]
+        return [_linear("attn.Wqkv", n_fused=3, heads=_HEADS)]
 
     @staticmethod
     def attn_out():
-        return [_linear("attn.Wo")]
+        return [_linear("attn.Wo", heads=_HEADS)]
 
     @staticmethod
     def mlp_in():

@@ -10,17 +10,19 @@ head-count attributes that the forwards read:
 - GPT-NeoX and BLOOM pack q|k|v per head (``[q0 k0 v0 | q1 k1 v1 | ...]``), so a plain column
   split keeps each head's q, k and v together. BLOOM's attention also gets its heads' rows of the
   ALiBi bias (:mod:`tp_gpt.bloom`).
-- Llama, Mistral, Qwen2: grouped key/value heads. With more ranks than KV heads, KV heads are
-  replicated (``Layer(heads="num_key_value_heads")``) so each rank holds whole groups, and
+- Llama, Mistral, Qwen2: grouped key/value heads. Query heads stay with their key/value head
+  (``groups="num_key_value_heads"``); with more ranks than KV heads, KV heads are replicated
+  (``Layer(heads="num_key_value_heads")``) so each rank holds whole groups, and
   ``num_key_value_groups`` becomes the local query-to-KV ratio.
 
-A world size must divide the query heads; GPT-2 XL's 25 heads therefore split over 5 ranks, not
-2 or 4 (tpcore refuses those before changing anything).
+Heads are dealt whole (:func:`tpcore.share`), so any world size up to the head count works: GPT-2 XL's
+25 heads over 2 ranks are 13 and 12, SmolLM2's 9 query and 3 key/value heads over 2 ranks are 6 + 2
+and 3 + 1. Every attention projection names its head count (``Layer(heads=...)``) for its rows to follow.
 """
 
 from __future__ import annotations
 
-from tpcore import Layer, Policy, divide
+from tpcore import Layer, Policy, share
 
 _MODELS = "transformers.models"
 
@@ -29,13 +31,15 @@ def _linear(path: str, **options) -> Layer:
     return Layer(weight=f"{path}.weight", bias=f"{path}.bias", **options)
 
 
-def _conv1d(path: str, n_fused: int = 1) -> Layer:
+def _conv1d(path: str, n_fused: int = 1, **layout) -> Layer:
     """An HF ``Conv1D`` (weight stored ``(in, out)``)."""
-    return Layer(weight=f"{path}.weight", bias=f"{path}.bias", n_fused=n_fused, reversed=True)
+    return Layer(weight=f"{path}.weight", bias=f"{path}.bias", n_fused=n_fused, reversed=True, **layout)
 
 
-def _local_heads(config, world_size: int, name: str) -> int:
-    return divide(getattr(config, name), world_size, name)
+def _local_heads(config, world_size: int, name: str, groups: str | None = None, first: bool = False):
+    """Each rank's share of the heads ``config.<name>`` (an int, or per rank where they do not divide)."""
+    count = getattr(config, name)
+    return share(count, world_size, name, groups=groups and getattr(config, groups), first=first)
 
 
 class GPT2Policy(Policy):
@@ -51,11 +55,11 @@ class GPT2Policy(Policy):
 
     @staticmethod
     def attn_qkv():
-        return [_conv1d("attn.c_attn", n_fused=3)]
+        return [_conv1d("attn.c_attn", n_fused=3, heads="n_head")]
 
     @staticmethod
     def attn_out():
-        return [_conv1d("attn.c_proj")]
+        return [_conv1d("attn.c_proj", heads="n_head")]
 
     @staticmethod
     def mlp_in():
@@ -79,11 +83,11 @@ class GPTNeoPolicy(Policy):
 
     @staticmethod
     def attn_qkv():
-        return [_linear(f"attn.attention.{name}_proj") for name in "qkv"]
+        return [_linear(f"attn.attention.{name}_proj", heads="num_heads") for name in "qkv"]
 
     @staticmethod
     def attn_out():
-        return [_linear("attn.attention.out_proj")]
+        return [_linear("attn.attention.out_proj", heads="num_heads")]
 
     @staticmethod
     def mlp_in():
@@ -106,11 +110,11 @@ class GPTJPolicy(Policy):
 
     @staticmethod
     def attn_qkv():
-        return [_linear(f"attn.{name}_proj") for name in "qkv"]
+        return [_linear(f"attn.{name}_proj", heads="n_head") for name in "qkv"]
 
     @staticmethod
     def attn_out():
-        return [_linear("attn.out_proj")]
+        return [_linear("attn.out_proj", heads="n_head")]
 
     @staticmethod
     def mlp_in():
@@ -122,7 +126,7 @@ class GPTJPolicy(Policy):
 
 
 class GPTNeoXPolicy(Policy):
-    """GPT-NeoX layer: ``attention.query_key_value`` packs q|k|v per head, so a plain column split."""
+    """GPT-NeoX layer: ``attention.query_key_value`` packs q|k|v per head (``interleaved``)."""
 
     layer_class = f"{_MODELS}.gpt_neox.modeling_gpt_neox.GPTNeoXLayer"
 
@@ -133,11 +137,11 @@ class GPTNeoXPolicy(Policy):
 
     @staticmethod
     def attn_qkv():
-        return [_linear("attention.query_key_value")]
+        return [_linear("attention.query_key_value", n_fused=3, interleaved=True, heads="num_attention_heads")]
 
     @staticmethod
     def attn_out():
-        return [_linear("attention.dense")]
+        return [_linear("attention.dense", heads="num_attention_heads")]
 
     @staticmethod
     def mlp_in():
@@ -161,11 +165,11 @@ class OPTPolicy(Policy):
 
     @staticmethod
     def attn_qkv():
-        return [_linear(f"self_attn.{name}_proj") for name in "qkv"]
+        return [_linear(f"self_attn.{name}_proj", heads="num_attention_heads") for name in "qkv"]
 
     @staticmethod
     def attn_out():
-        return [_linear("self_attn.out_proj")]
+        return [_linear("self_attn.out_proj", heads="num_attention_heads")]
 
     @staticmethod
     def mlp_in():
@@ -187,6 +191,7 @@ class BloomPolicy(Policy):
         width = heads * (config.hidden_size // config.n_head)
         return {
             "self_attention.num_heads": heads,
+            "self_attention.first_head": _local_heads(config, world_size, "n_head", first=True),
             "self_attention.hidden_size": width,
             "self_attention.split_size": width,
         }
@@ -199,11 +204,11 @@ class BloomPolicy(Policy):
 
     @staticmethod
     def attn_qkv():
-        return [_linear("self_attention.query_key_value")]
+        return [_linear("self_attention.query_key_value", n_fused=3, interleaved=True, heads="n_head")]
 
     @staticmethod
     def attn_out():
-        return [_linear("self_attention.dense")]
+        return [_linear("self_attention.dense", heads="n_head")]
 
     @staticmethod
     def mlp_in():
@@ -214,9 +219,8 @@ class BloomPolicy(Policy):
         return [_linear("mlp.dense_4h_to_h")]
 
 
-def _kv_heads_per_rank(kv_heads: int, world_size: int) -> int:
-    """KV heads a rank holds: a share when they split evenly, one replicated head otherwise."""
-    return kv_heads // world_size if kv_heads % world_size == 0 else 1
+#: query heads (and the output projection's inputs) dealt with their key/value heads
+_GROUPED_QUERIES = {"heads": "num_attention_heads", "groups": "num_key_value_heads"}
 
 
 class LlamaPolicy(Policy):
@@ -226,23 +230,21 @@ class LlamaPolicy(Policy):
 
     @staticmethod
     def replace_arguments(config, world_size):
-        heads = _local_heads(config, world_size, "num_attention_heads")
-        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        if kv_heads % world_size and world_size % kv_heads:  # neither split nor replicated evenly
-            divide(kv_heads, world_size, "num_key_value_heads")  # raises, naming the attribute
-        return {"self_attn.num_key_value_groups": heads // _kv_heads_per_rank(kv_heads, world_size)}
+        heads = _local_heads(config, world_size, "num_attention_heads", groups="num_key_value_heads")
+        kv_heads = _local_heads(config, world_size, "num_key_value_heads")  # one, replicated, when fewer than ranks
+        return {"self_attn.num_key_value_groups": heads // kv_heads}
 
     @staticmethod
     def attn_qkv():
         return [
-            _linear("self_attn.q_proj"),
+            _linear("self_attn.q_proj", **_GROUPED_QUERIES),
             _linear("self_attn.k_proj", heads="num_key_value_heads"),
             _linear("self_attn.v_proj", heads="num_key_value_heads"),
         ]
 
     @staticmethod
     def attn_out():
-        return [_linear("self_attn.o_proj")]
+        return [_linear("self_attn.o_proj", **_GROUPED_QUERIES)]
 
     @staticmethod
     def mlp_in():

@@ -5,7 +5,8 @@ cross-attention, MLP), so these policies apply to the attention and MLP modules 
 policy per module class, wherever they sit:
 
 - Attention (``SelfAttention`` and ``EncDecAttention`` alike): ``q``, ``k``, ``v`` column
-  parallel, ``o`` row parallel; ``n_heads`` and ``inner_dim`` become the local values. The
+  parallel, ``o`` row parallel, dealt in whole heads (``num_heads=6`` over 4 ranks: 2, 2, 1, 1);
+  ``n_heads`` and ``inner_dim`` become the local values. The
   ``relative_attention_bias`` table, ``Embedding(buckets, heads)``, is split along its heads
   (dim 1, hence ``reversed``), so the position bias a rank computes, ``[1, local heads, q, k]``,
   matches its heads; T5 computes it in block 0 and reuses it in later blocks, UMT5 in every
@@ -16,13 +17,13 @@ policy per module class, wherever they sit:
 
 from __future__ import annotations
 
-from tpcore import Layer, Policy, divide
+from tpcore import Layer, Policy, share
 
 _MODELS = "transformers.models"
 
 
-def _linear(path: str) -> Layer:
-    return Layer(weight=f"{path}.weight", bias=f"{path}.bias")
+def _linear(path: str, **layout) -> Layer:
+    return Layer(weight=f"{path}.weight", bias=f"{path}.bias", **layout)
 
 
 class T5AttentionPolicy(Policy):
@@ -32,17 +33,22 @@ class T5AttentionPolicy(Policy):
 
     @staticmethod
     def replace_arguments(config, world_size):
-        heads = divide(config.num_heads, world_size, "num_heads")
+        heads = share(config.num_heads, world_size, "num_heads")  # per rank where the ranks do not divide them
         return {"n_heads": heads, "inner_dim": heads * config.d_kv}
 
     @staticmethod
     def attn_qkv():
         bias_table = Layer(weight="relative_attention_bias.weight", reversed=True, ignore_checker=True)
-        return [_linear("q"), _linear("k"), _linear("v"), bias_table]
+        return [
+            _linear("q", heads="num_heads"),
+            _linear("k", heads="num_heads"),
+            _linear("v", heads="num_heads"),
+            bias_table,
+        ]
 
     @staticmethod
     def attn_out():
-        return [_linear("o")]
+        return [_linear("o", heads="num_heads")]
 
 
 class T5DenseActDensePolicy(Policy):
