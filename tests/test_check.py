@@ -43,11 +43,11 @@ def test_check_a_saved_model_directory_names_the_plugin(rank_pools, tmp_path, ca
         vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64
     )
     transformers.BertForMaskedLM(config).save_pretrained(tmp_path)
-    assert run_check(str(tmp_path), [2, 3], pools=rank_pools) == 1
+    assert run_check(str(tmp_path), [2, 3, 5], pools=rank_pools) == 1
     out = capsys.readouterr().out
     assert "policy BertPolicy from tp-bert" in out
-    assert "2 ranks: PASS" in out
-    assert "3 ranks: REFUSED cannot split BertForMaskedLM over 3 ranks" in out
+    assert "2 ranks: PASS" in out and "3 ranks: PASS" in out  # 4 heads over 3 ranks: 2, 1, 1
+    assert "5 ranks: REFUSED cannot split BertForMaskedLM over 5 ranks" in out and "fewer than the ranks" in out
 
 
 def test_check_an_uncovered_model_explains_and_fails(spawned, capsys):
@@ -108,9 +108,12 @@ def test_plugins_command_shows_which_policy_applies_to_a_model(capsys, monkeypat
     assert shown["model"] == "Qwen3ForCausalLM"
     assert shown["policies"][0]["from"] == "config tp plan"
     q_proj = shown["plan"]["tensors"]["model.layers.0.self_attn.q_proj.weight"]
-    assert q_proj["per_rank"] == [[q_proj["shape"][0] // 2, q_proj["shape"][1]]] * 2 and q_proj["cut"] == "cut dim 0"
-    assert main(["plugins", "--model", "LlamaForCausalLM", "--world-size", "3"]) == 2  # 4 heads over 3 ranks
-    assert "cannot split LlamaForCausalLM over 3 ranks" in capsys.readouterr().out
+    assert q_proj["per_rank"] == [[q_proj["shape"][0] // 2, q_proj["shape"][1]]] * 2
+    assert q_proj["cut"].startswith("cut dim 0, ") and " heads" in q_proj["cut"]
+    assert main(["plugins", "--model", "LlamaForCausalLM", "--world-size", "3"]) == 0  # 4 heads: 2, 1, 1
+    assert "LlamaForCausalLM over 3 ranks, shares by rank:" in capsys.readouterr().out
+    assert main(["plugins", "--model", "LlamaForCausalLM", "--world-size", "5"]) == 2  # 4 heads, 5 ranks
+    assert "cannot split LlamaForCausalLM over 5 ranks" in capsys.readouterr().out
     assert main(["plugins", "--model", "OlmoeForCausalLM"]) == 2
 
 

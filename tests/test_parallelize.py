@@ -345,8 +345,14 @@ def bert_with(**sizes):
 INVALID = [
     ("gpt2", gpt2, 2, tpcore.UnsupportedModelError, "GPT2Model"),
     ("custom-module", NotATransformer, 2, tpcore.UnsupportedModelError, "NotATransformer"),
-    ("heads", bert_with, 5, tpcore.ShardingError, "BertModel over 5 ranks.*num_attention_heads = 12"),
-    ("intermediate", lambda: bert_with(intermediate_size=90), 4, tpcore.ShardingError, "intermediate.dense.weight.*90"),
+    ("heads", bert_with, 13, tpcore.ShardingError, "BertModel over 13 ranks.*12 heads are fewer than the ranks"),
+    (
+        "intermediate",
+        lambda: bert_with(intermediate_size=3),
+        4,
+        tpcore.ShardingError,
+        "intermediate.dense.weight.*3 is",
+    ),
 ]
 
 

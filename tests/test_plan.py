@@ -91,8 +91,8 @@ def test_a_plan_refuses_a_model_it_was_not_built_for():
         plan.apply(bert(hidden_size=12, num_attention_heads=6), 0)
 
 
-class NoDividePolicy(BertPolicy):
-    """Rewrites head counts with ``//`` instead of :func:`divide`: tensors divide, heads do not."""
+class NoHeadsPolicy(BertPolicy):
+    """Names no heads on its projections (cut as plain features) and rewrites head counts with ``//``."""
 
     @staticmethod
     def replace_arguments(config, world_size):
@@ -101,6 +101,17 @@ class NoDividePolicy(BertPolicy):
             "attention.self.all_head_size": config.hidden_size // world_size,
         }
 
+    @staticmethod
+    def attn_qkv():
+        return [
+            Layer(weight=f"attention.self.{n}.weight", bias=f"attention.self.{n}.bias")
+            for n in ("query", "key", "value")
+        ]
+
+    @staticmethod
+    def attn_out():
+        return [Layer(weight="attention.output.dense.weight", bias="attention.output.dense.bias")]
+
 
 def test_heads_that_do_not_stay_whole_are_refused_before_anything_changes():
     model = bert()  # 6 heads of width 4; 24 features cut in 4 are 6 each: one and a half heads
@@ -108,9 +119,10 @@ def test_heads_that_do_not_stay_whole_are_refused_before_anything_changes():
     with pytest.raises(
         ShardingError, match=r"BertModel over 4 ranks.*query.*1.5 heads of width 4.*heads must stay whole"
     ):
-        TensorReplacer(model, None, False, 4, [NoDividePolicy], rank=0).validate()
+        TensorReplacer(model, None, False, 4, [NoHeadsPolicy], rank=0).validate()
     assert all(torch.equal(before[name], tensor) for name, tensor in named_tensors(model).items())
-    ShardPlan.build(model, [NoDividePolicy], 3)  # 6 heads over 3 ranks: whole heads, accepted
+    ShardPlan.build(model, [NoHeadsPolicy], 3)  # 6 heads over 3 ranks: whole heads, accepted
+    ShardPlan.build(model, [BertPolicy], 4)  # the policy that names the heads deals them: 2, 2, 1, 1
 
 
 class BrokenPolicy(BertPolicy):

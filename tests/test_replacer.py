@@ -275,8 +275,8 @@ def assert_unchanged(model: nn.Module, before: dict) -> None:
     assert after["heads"] == before["heads"]
 
 
-@pytest.mark.parametrize("world", [5, 7, 8])
-def test_world_size_not_dividing_the_heads_fails_before_any_change(bert, world):
+@pytest.mark.parametrize("world", [13, 16])
+def test_more_ranks_than_heads_fail_before_any_change(bert, world):
     model = copy.deepcopy(bert)
     before = snapshot(model)
     replacer = TensorReplacer(model, None, False, num_gpus=world, custom_policies=[BertPolicy], rank=0)
@@ -285,9 +285,21 @@ def test_world_size_not_dividing_the_heads_fails_before_any_change(bert, world):
     message = str(info.value)
     assert "BertModel" in message
     assert f"over {world} ranks" in message
-    assert "num_attention_heads" in message
-    assert f"= {HEADS}" in message
+    assert "attention.output.dense.weight" in message
+    assert f"its {HEADS} heads are fewer than the ranks" in message
     assert_unchanged(model, before)
+
+
+@pytest.mark.parametrize("world", [5, 7, 8])
+def test_a_world_size_not_dividing_the_heads_deals_them_whole(bert, world):
+    model = copy.deepcopy(bert)
+    TensorReplacer(model, None, False, num_gpus=world, custom_policies=[BertPolicy], rank=world - 1).replace_modules()
+    attention = model.encoder.layer[0].attention.self
+    heads = HEADS // world  # the last ranks hold one head less than the first HEADS % world
+    assert attention.num_attention_heads == heads and attention.all_head_size == heads * HEAD_DIM
+    assert (
+        attention.query.weight.shape == (heads * HEAD_DIM, HIDDEN) and attention.query.out_features == heads * HEAD_DIM
+    )
 
 
 def test_a_tensor_too_small_to_split_fails_naming_the_tensor():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import find, given, settings
 from hypothesis import strategies as st
 
 from tpcore.testing import padded_batch, padded_batches, split_sizes, with_choices
@@ -21,6 +21,23 @@ def test_split_sizes_divide_over_their_world_size(sizes):
     assert sizes.heads % sizes.kv_heads == 0
     assert sizes.kv_heads % world == 0 or world % sizes.kv_heads == 0  # split, or replicated
     assert 1 <= sizes.layers <= 2 and sizes.head_dim in (2, 4, 8)
+
+
+@FAST
+@given(sizes=split_sizes(world_sizes=(2, 5), grouped_kv=True, uneven=True))
+def test_uneven_split_sizes_are_any_counts_the_ranks_can_hold(sizes):
+    world = sizes.world_size
+    assert world <= sizes.heads <= 3 * world and world <= sizes.intermediate <= 24 * world
+    assert sizes.heads % sizes.kv_heads == 0 and sizes.hidden == sizes.heads * sizes.head_dim
+
+
+def test_uneven_split_sizes_reach_counts_the_ranks_do_not_divide_and_replicated_kv_heads():
+    found = find(
+        split_sizes(world_sizes=(2, 5), grouped_kv=True, uneven=True),
+        lambda s: s.heads % s.world_size != 0 and s.kv_heads < s.world_size and s.intermediate % s.world_size != 0,
+        settings=settings(max_examples=500, database=None),
+    )
+    assert found.heads % found.world_size and found.kv_heads < found.world_size
 
 
 @FAST

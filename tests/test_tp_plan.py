@@ -88,24 +88,26 @@ def test_a_plugin_policy_wins_over_the_derived_one(monkeypatch):
         reset_plugins()
 
 
-def test_derived_kv_heads_that_cannot_be_split_or_replicated_are_refused():
+def test_derived_heads_are_dealt_with_their_kv_heads_and_more_ranks_than_heads_are_refused():
     model = spec_for("Qwen3Config", "Qwen3ForCausalLM").build()  # 4 query heads, 2 KV heads
-    with pytest.raises(tpcore.ShardingError, match="num_attention_heads = 4 cannot be split evenly over 3"):
-        tpcore.TensorReplacer(model, None, False, 3, rank=0).validate()
+    plan = tpcore.TensorReplacer(model, None, False, 3, rank=0).split_plan()
+    width = model.config.head_dim
+    q_rows = [plan.shard_shape("model.layers.0.self_attn.q_proj.weight", rank)[0] // width for rank in range(3)]
+    k_rows = [plan.shard_shape("model.layers.0.self_attn.k_proj.weight", rank)[0] // width for rank in range(3)]
+    assert q_rows == [1, 1, 2] and k_rows == [1, 1, 1]  # KV head 0 shared by ranks 0 and 1, KV head 1 on rank 2
+    assert plan.attributes["model.layers.0.self_attn.num_key_value_groups"] == tpcore.PerRank((1, 1, 2))
+    with pytest.raises(tpcore.ShardingError, match=r"Qwen3ForCausalLM over 5 ranks.*o_proj.*heads are fewer than the"):
+        tpcore.TensorReplacer(model, None, False, 5, rank=0).validate()
 
 
 @st.composite
 def derived_cases(draw):
     arch = draw(st.sampled_from(list(DERIVED)))
-    world_size = draw(st.sampled_from([1, 2, 3, 4]))
-    heads = world_size * draw(st.integers(1, 2))
-    kv_heads = draw(
-        st.sampled_from(
-            [d for d in range(1, heads + 1) if heads % d == 0 and (d % world_size == 0 or world_size % d == 0)]
-        )
-    )
+    world_size = draw(st.sampled_from([1, 2, 3, 4, 5]))
+    heads = draw(st.integers(world_size, 2 * world_size))  # the ranks mostly do not divide them
+    kv_heads = draw(st.sampled_from([d for d in range(1, heads + 1) if heads % d == 0]))
     head_dim = draw(st.sampled_from([4, 8]))
-    intermediate = world_size * draw(st.integers(1, 16))
+    intermediate = draw(st.integers(world_size, 16 * world_size))
     batch, seq = draw(st.integers(1, 3)), draw(st.integers(1, 8))
     lengths = draw(st.lists(st.integers(1, seq), min_size=batch, max_size=batch))
     return arch, world_size, heads, kv_heads, head_dim, intermediate, lengths, seq, draw(st.integers(0, 2**16))

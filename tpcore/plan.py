@@ -390,14 +390,14 @@ class ShardPlan:
         lines = [f"{self.model_name} over {self.world_size} ranks" + ("" if self.uniform else ", shares by rank") + ":"]
         for (name, how, shape, piece), count in rows.items():
             times = f" x{count}" if count > 1 else ""
-            lines.append(f"    {name:<{width}}  {how:<22} {_shape(shape)} -> {piece}{times}")
+            lines.append(f"    {name:<{width}}  {how:<28} {_shape(shape)} -> {piece}{times}")
         attributes: dict[tuple[str, str], int] = {}
         for path, value in self.attributes.items():
             if isinstance(value, PerRank):
                 folded = (re.sub(r"\.\d+\.", ".*.", path), _per_rank_text([str(v) for v in value]))
                 attributes[folded] = attributes.get(folded, 0) + 1
         for (path, values), count in attributes.items():
-            lines.append(f"    {path:<{width}}  {'set per rank':<22} {values}" + (f" x{count}" if count > 1 else ""))
+            lines.append(f"    {path:<{width}}  {'set per rank':<28} {values}" + (f" x{count}" if count > 1 else ""))
         sizes = _per_rank_text([_mib(self.bytes_per_rank(rank)) for rank in ranks])
         lines.append(f"per rank {sizes} of {_mib(whole)} ({_mib(replicated)} replicated on every rank)")
         return "\n".join(lines)

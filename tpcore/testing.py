@@ -14,7 +14,8 @@ one rank each rank must hold fewer parameters than the whole model (a policy tha
 nothing would otherwise pass trivially).
 
 Hypothesis strategies for a plugin's property tests (they need hypothesis, the ``test`` extra):
-:func:`split_sizes` draws config sizes that split over a drawn world size, :func:`padded_batches`
+:func:`split_sizes` draws config sizes that split over a drawn world size (evenly, or with
+``uneven=True`` mostly not), :func:`padded_batches`
 draws padded batches of token ids, :func:`seeds` the init seed::
 
     @given(sizes=split_sizes(), inputs=padded_batches(vocab_size=64), seed=seeds())
@@ -289,29 +290,40 @@ def split_sizes(
     intermediate_per_rank=(1, 24),
     layers=(1, 2),
     grouped_kv: bool = False,
+    uneven: bool = False,
 ):
     """Strategy of :class:`SplitSizes`: a world size from ``world_sizes``, then heads and the MLP's
     intermediate size as multiples of it (``heads_per_rank``, ``intermediate_per_rank``: inclusive
     ranges per rank), a head size from ``head_dims`` and a layer count from ``layers``. With
-    ``grouped_kv``, the key/value heads divide the heads and either split over the ranks or are
-    replicated (they divide the world size): the counts a grouped-query policy accepts."""
+    ``uneven``, heads and intermediate size are any count in those ranges times the world size, so
+    mostly ones the ranks do not divide (dealt in whole heads, :mod:`tpcore.shares`). With
+    ``grouped_kv``, the key/value heads divide the heads; without ``uneven`` they also split over the
+    ranks or are replicated evenly (they divide the world size or it divides them)."""
     from hypothesis import strategies as st
+
+    def count(draw, world_size: int, per_rank: tuple[int, int]) -> int:
+        low, high = per_rank
+        return draw(st.integers(low * world_size, high * world_size) if uneven else st.integers(low, high)) * (
+            1 if uneven else world_size
+        )
 
     @st.composite
     def draw_sizes(draw) -> SplitSizes:
         world_size = draw(st.sampled_from(world_sizes))
-        heads = world_size * draw(st.integers(*heads_per_rank))
+        heads = count(draw, world_size, heads_per_rank)
         kv_heads = heads
         if grouped_kv:
             splittable = [
-                d for d in range(1, heads + 1) if heads % d == 0 and (d % world_size == 0 or world_size % d == 0)
+                d
+                for d in range(1, heads + 1)
+                if heads % d == 0 and (uneven or d % world_size == 0 or world_size % d == 0)
             ]
             kv_heads = draw(st.sampled_from(splittable))
         return SplitSizes(
             world_size=world_size,
             heads=heads,
             head_dim=draw(st.sampled_from(head_dims)),
-            intermediate=world_size * draw(st.integers(*intermediate_per_rank)),
+            intermediate=count(draw, world_size, intermediate_per_rank),
             layers=draw(st.integers(*layers)),
             kv_heads=kv_heads,
         )

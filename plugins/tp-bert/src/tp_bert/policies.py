@@ -235,7 +235,7 @@ class MPNetEncoderPolicy(Policy):
 
     @staticmethod
     def attn_qkv():
-        return [Layer(weight="relative_attention_bias.weight", reversed=True)]
+        return [Layer(weight="relative_attention_bias.weight", reversed=True, heads=_HEADS)]
 
 
 class _LlamaLayoutPolicy(Policy):

@@ -38,7 +38,9 @@ class T5AttentionPolicy(Policy):
 
     @staticmethod
     def attn_qkv():
-        bias_table = Layer(weight="relative_attention_bias.weight", reversed=True, ignore_checker=True)
+        bias_table = Layer(
+            weight="relative_attention_bias.weight", reversed=True, ignore_checker=True, heads="num_heads"
+        )
         return [
             _linear("q", heads="num_heads"),
             _linear("k", heads="num_heads"),
