@@ -1,7 +1,7 @@
 """A third-party tpcore plugin: tensor parallelism for BioGPT, which tpcore's own plugins do not cover."""
 
 import tpcore
-from tpcore import Layer, Policy, divide
+from tpcore import Layer, Policy, share
 
 
 class BioGptPolicy(Policy):
@@ -9,7 +9,7 @@ class BioGptPolicy(Policy):
 
     @staticmethod
     def replace_arguments(config, world_size):
-        heads = divide(config.num_attention_heads, world_size, "num_attention_heads")
+        heads = share(config.num_attention_heads, world_size, "num_attention_heads")  # whole heads, even or not
         return {
             "self_attn.num_heads": heads,
             "self_attn.embed_dim": heads * (config.hidden_size // config.num_attention_heads),
@@ -17,11 +17,12 @@ class BioGptPolicy(Policy):
 
     @staticmethod
     def attn_qkv():
-        return [Layer(weight=f"self_attn.{n}_proj.weight", bias=f"self_attn.{n}_proj.bias") for n in "qkv"]
+        heads = "num_attention_heads"
+        return [Layer(weight=f"self_attn.{n}_proj.weight", bias=f"self_attn.{n}_proj.bias", heads=heads) for n in "qkv"]
 
     @staticmethod
     def attn_out():
-        return [Layer(weight="self_attn.out_proj.weight", bias="self_attn.out_proj.bias")]
+        return [Layer(weight="self_attn.out_proj.weight", bias="self_attn.out_proj.bias", heads="num_attention_heads")]
 
     @staticmethod
     def mlp_in():

@@ -104,8 +104,9 @@ def test_every_head(rank_pools, family, mlp, head, world_sizes):
     ("family", "mlp"), [pytest.param(f, "gated-gelu", marks=[] if f == "T5" else [pytest.mark.slow]) for f in FAMILIES]
 )
 def test_generate_tokens_match(rank_pools, family, mlp, num_beams):
-    """32 new tokens for a padded batch, identical to the unsplit model's on every rank."""
-    spec = model_spec(family, mlp, "ForConditionalGeneration", heads=4, seed=3)
+    """32 new tokens for a padded batch, identical to the unsplit model's on every rank; 6 heads are 3 + 3
+    over 2 ranks and 2, 2, 1, 1 over 4 (with their position bias columns)."""
+    spec = model_spec(family, mlp, "ForConditionalGeneration", heads=6, seed=3)
     inputs = {**padded([6, 3], 6, seed=4), "max_new_tokens": 32, "min_new_tokens": 32, "num_beams": num_beams}
     report = check_equivalence(spec, inputs, world_sizes=(2, 4), pools=rank_pools, method="generate", rtol=0)
     assert all(diff == 0 for diffs in report.values() for diff in diffs.values())
@@ -113,7 +114,8 @@ def test_generate_tokens_match(rank_pools, family, mlp, num_beams):
 
 @pytest.mark.slow  # a world of its own (tp-gpt runs the one-liner in the quick suite)
 def test_generate_through_parallelize():
-    spec = model_spec("T5", "gated-gelu", "ForConditionalGeneration", heads=4, seed=5)
+    """5 heads over 2 ranks (3 and 2) through the one-liner: greedy and beam tokens as the unsplit model's."""
+    spec = model_spec("T5", "gated-gelu", "ForConditionalGeneration", heads=5, seed=5)
     reference = spec.build()
     inputs = {**padded([6, 3, 5], 6, seed=6), "max_new_tokens": 32, "min_new_tokens": 32}
     served = tpcore.parallelize(spec.build(), num_gpus=2, backend="gloo")
