@@ -9,7 +9,7 @@ Two parts:
   more than one head (one key/value group) per cut tensor above an equal share.
 - **Measured on ranks**: a random-init model of SmolLM2's widths (4 layers by default) through
   ``tpcore.parallelize()`` over 2 and 3 ranks: each rank's ``memory_allocated()`` against the plan's
-  bytes for that rank, and the largest logit difference from the unsplit model.
+  bytes for that rank, and the largest absolute difference of any output from the unsplit model.
 
 Writes ``bench/results/uneven.md``.
 
@@ -126,7 +126,7 @@ def measured_rows(layers: int, world_sizes, backend: str | None) -> list[list[st
         )
         try:
             differences = compare_outputs(expected, served(**inputs))
-            allocated = served.memory_allocated()
+            allocated = list(served.memory_allocated().values())  # tensor bytes, rank by rank
         finally:
             served.deparallelize()
         for rank in range(world_size):
@@ -157,7 +157,7 @@ def main() -> None:
     ]
     plans = plan_rows((2, 3, 4, 5))
     print(plain_table(header, plans))
-    measured_header = ["N", "rank", "allocated MiB", "plan MiB", "largest logit difference"]
+    measured_header = ["N", "rank", "allocated MiB", "plan MiB", "largest abs difference (all outputs)"]
     measured = measured_rows(args.layers, (2, 3), args.backend)
     print()
     print(plain_table(measured_header, measured))

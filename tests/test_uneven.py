@@ -159,7 +159,8 @@ def test_a_grouped_query_checkpoint_loads_unevenly_and_generates_the_unsplit_tok
         compare_outputs(expected, model(**inputs))
         assert torch.equal(model.generate(**inputs, max_new_tokens=10, do_sample=False), greedy)
         assert torch.equal(model.generate(**inputs, max_new_tokens=10, num_beams=3, do_sample=False), beams)
-        allocated = model.memory_allocated()
-        assert allocated[0] > allocated[1]  # rank 0 holds two of the three key/value groups
+        plan = tpcore.TensorReplacer(reference, None, False, 2, rank=0).split_plan()
+        allocated = list(model.memory_allocated().values())  # tensor bytes, rank by rank
+        assert allocated == [plan.bytes_per_rank(rank) for rank in (0, 1)] and allocated[0] > allocated[1]
     finally:
         model.deparallelize()
