@@ -27,7 +27,16 @@ from tpcore.samples import (
     small_config,
     special_token_ids,
 )
-from tpcore.testing import EquivalenceError, ModelSpec, check_equivalence, flatten_outputs, parameter_count
+from tpcore.testing import (
+    DEFAULT_RTOL,
+    SCALE_FLOOR,
+    EquivalenceError,
+    ModelSpec,
+    check_equivalence,
+    compare_outputs,
+    flatten_outputs,
+    parameter_count,
+)
 
 
 @pytest.mark.slow  # seconds of rank start-up or a long equivalence run: the full suite only
@@ -78,6 +87,19 @@ def test_a_broken_policy_fails_naming_output_world_size_rank_and_amount(rank_poo
     expected = r"BertModel split over 2 ranks, rank 0: last_hidden_state: max abs diff"
     with pytest.raises(EquivalenceError, match=expected):
         check_equivalence(spec, inputs, world_sizes=(2,), policies=[ForgetsTheAllReduce], pools=rank_pools)
+
+
+def test_outputs_are_compared_at_their_scale_and_tiny_ones_at_the_floor():
+    """A pair of logits that nearly cancel (scale 1.9e-4) keeps the round-off of its O(1) inputs (6.5e-9,
+    seen from Qwen2's QA head over 4 ranks); a split that loses or doubles a term moves it by its own size."""
+    tiny = {"end_logits": torch.tensor([1.885e-4, -0.7e-4])}
+    assert compare_outputs(tiny, {"end_logits": tiny["end_logits"] + 6.5e-9})["end_logits"] > 0
+    for wrong in (tiny["end_logits"] * 0, tiny["end_logits"] * 2, tiny["end_logits"] + 2e-6):
+        with pytest.raises(EquivalenceError, match="end_logits: max abs diff"):
+            compare_outputs(tiny, {"end_logits": wrong})
+    with pytest.raises(EquivalenceError, match=r"x scale 2\.000e\+00"):
+        compare_outputs({"logits": torch.tensor([2.0])}, {"logits": torch.tensor([2.0 + 4e-5])})
+    assert SCALE_FLOOR * DEFAULT_RTOL < 2e-6  # outputs above the floor keep their relative tolerance
 
 
 @pytest.mark.slow  # seconds of rank start-up or a long equivalence run: the full suite only
