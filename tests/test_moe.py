@@ -108,7 +108,8 @@ def test_the_experts_are_cut_along_their_intermediate_size_and_the_router_stays_
 def test_deepseek_v3_latent_attention_splits_by_heads_and_matches_unsplit(rank_pools):
     """Five heads over 2 ranks (3 + 2), each head's rows of q_b_proj and kv_b_proj together."""
     model_spec = ModelSpec(transformers.DeepseekV3ForCausalLM, config_of("deepseek_v3", num_attention_heads=5))
-    plan = ShardPlan.build(model_spec.build(), tpcore.AutoPolicy().get_policy(model_spec.build()), 2)
+    model = model_spec.build()
+    plan = ShardPlan.build(model, tpcore.AutoPolicy().get_policy(model), 2)
     rows = [plan.shard_shape("model.layers.0.self_attn.kv_b_proj.weight", rank)[0] for rank in range(2)]
     assert rows == [3 * (6 + 5), 2 * (6 + 5)]  # heads * (qk_nope_head_dim + v_head_dim)
     report = check_equivalence(model_spec, batch(), world_sizes=(2,), pools=rank_pools)
