@@ -49,6 +49,13 @@ def small_sizes(world_sizes: Sequence[int]) -> dict[str, int]:
     sizes |= {"hidden_size": hidden, "num_key_value_heads": kv_heads, "head_dim": HEAD_DIM, "d_kv": HEAD_DIM}
     sizes |= {"vocab_size": VOCAB, "max_position_embeddings": POSITIONS, "max_target_positions": POSITIONS}
     sizes |= {"max_source_positions": AUDIO_POSITIONS, "image_size": IMAGE_SIZE, "patch_size": PATCH_SIZE}
+    # mixture of experts: 8 experts of the hidden width, 2 per token (DeepSeek: in 2 groups, 1 chosen)
+    sizes |= dict.fromkeys(("num_local_experts", "num_experts", "n_routed_experts"), 8)
+    sizes |= dict.fromkeys(("moe_intermediate_size", "shared_expert_intermediate_size"), hidden)
+    sizes |= {"num_experts_per_tok": 2, "n_group": 2, "topk_group": 1}
+    # multi-head latent attention: latent ranks and per-head widths (the rotary part is its head_dim)
+    sizes |= {"q_lora_rank": hidden // 2, "kv_lora_rank": 2 * HEAD_DIM}
+    sizes |= dict.fromkeys(("qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"), HEAD_DIM)
     return sizes
 
 

@@ -33,15 +33,16 @@ so one block class shared by towers of different widths (CLIP's) gets each tower
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
 
 from tpcore.configs import config_of, module_configs, sub_models
-from tpcore.policy import Layer, Policy, share
+from tpcore.policy import Layer, PerRank, Policy, share
 
-__all__ = ["SubModelPlan", "TpPlanError", "derive_policies", "sub_model_plans"]
+__all__ = ["SubModelPlan", "TpPlanError", "derive_policies", "experts_arguments", "sub_model_plans"]
 
 _SPLIT = {"colwise": ("column", 1), "rowwise": ("row", 1), "packed_colwise": ("column", 2)}
 _KEPT_WHOLE = {"replicated_with_grad_allreduce", "replicate", "embedding_rowwise", "embedding_colwise"}
@@ -186,7 +187,12 @@ def _policy_for(instances: list[tuple[str, nn.Module, dict[str, str]]], configs:
     def replace_arguments(config, world_size):
         """Per-rank head counts, read from the config of the block's sub-model."""
         heads, kv_heads = _heads(config), _kv_heads(config)
-        local_sizes = {path: share(size, world_size, path) for path, size in intermediates.items()}
+        local_sizes = {
+            f"{owner}.{name}": value
+            for path, size in intermediates.items()
+            for owner in [path.rpartition(".")[0]]
+            for name, value in experts_arguments(config, size, world_size).items()
+        }
         if heads is None:
             return local_sizes
         local = share(heads, world_size, "num_attention_heads", groups=kv_heads)
@@ -213,6 +219,26 @@ def _policy_for(instances: list[tuple[str, nn.Module, dict[str, str]]], configs:
             "attn_out": staticmethod(lambda: list(rows)),
         },
     )
+
+
+#: transformers' grouped-mm experts kernels need rows of a multiple of 16 bytes: 8 half-precision features
+_GROUPED_MM_FEATURES = 8
+
+
+def experts_arguments(config: Any, size: int, world_size: int) -> dict[str, Any]:
+    """A fused experts module's per-rank attributes: ``intermediate_dim``, each rank's share of the
+    ``size`` intermediate features; and where a share breaks the 16-byte rows that transformers'
+    grouped-mm experts kernels need (uneven splits), a ``config`` copy that runs its eager experts
+    implementation instead (the same sums, expert by expert)."""
+    local = share(size, world_size, "intermediate_dim")
+    arguments: dict[str, Any] = {"intermediate_dim": local}
+    shares = tuple(local) if isinstance(local, PerRank) else (local,)
+    if world_size > 1 and any(count % _GROUPED_MM_FEATURES for count in shares):
+        if getattr(config, "_experts_implementation", None) not in (None, "eager"):
+            eager = copy.copy(config)
+            eager._experts_implementation = "eager"
+            arguments["config"] = eager
+    return arguments
 
 
 def _parameter(block: nn.Module, path: str) -> nn.Parameter | None:

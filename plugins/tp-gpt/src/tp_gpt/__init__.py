@@ -1,4 +1,4 @@
-"""tp-gpt: tpcore policies for decoder-only language models (GPT-2 to Llama with grouped KV heads)."""
+"""tp-gpt: tpcore policies for decoder-only language models (GPT-2 to Llama with grouped KV heads, MoE)."""
 
 import tpcore
 
@@ -7,6 +7,6 @@ __version__ = "0.1.0"
 
 @tpcore.hookimpl
 def tpcore_register_policies():
-    from tp_gpt.policies import POLICIES  # imported here so that listing plugins stays cheap
+    from tp_gpt import moe, policies  # imported here so that listing plugins stays cheap
 
-    return list(POLICIES)
+    return [*policies.POLICIES, *moe.POLICIES]

@@ -1,0 +1,133 @@
+"""Policies for mixture-of-experts decoders whose tp plans leave parts of them whole (transformers 5.x).
+
+Fused experts hold every expert in two 3-D parameters, ``gate_up_proj (E, 2I, H)`` and
+``down_proj (E, H, I)``. Each rank holds its share of every expert's intermediate size ``I``: the
+gate and up halves are cut along dim 1 alike, ``down_proj`` along dim 2, and the experts module's
+output, a sum of partial products, is all-reduced once. Where a rank's share breaks the 16-byte rows
+of transformers' grouped-mm kernels, its experts run eagerly (:func:`tpcore.tp_plan.experts_arguments`).
+The router stays whole on every rank, so every rank routes each token to the same experts with the
+same weights.
+
+- Qwen2-MoE: its shared expert (a gated MLP) is split like any MLP; the shared-expert gate
+  (``Linear(H, 1)``) stays whole and scales the reduced output. Its tp plan names neither.
+- DeepSeek-V3 (multi-head latent attention): the low-rank projections ``q_a_proj`` and
+  ``kv_a_proj_with_mqa`` and their norms stay whole (every rank caches the whole latent); the
+  up-projections ``q_b_proj`` (or ``q_proj``) and ``kv_b_proj`` are cut by heads, each head's rows
+  together (``qk_nope + qk_rope`` and ``qk_nope + v`` of them), ``o_proj`` by the same heads. The
+  attention views by ``-1`` heads, so only ``num_heads`` is rewritten. Its tp plan has no attention
+  rules, so the derived policy keeps attention whole.
+
+The policies apply to the module classes (attention, experts, MLP) rather than the decoder layer,
+because a model mixes dense and sparse layers (``first_k_dense_replace``, ``mlp_only_layers``) and
+uses one MLP class for its dense layers and its shared experts.
+"""
+
+from __future__ import annotations
+
+from tp_gpt.policies import _GROUPED_QUERIES, _MODELS, _linear, _local_heads
+from tpcore import Layer, Policy
+from tpcore.tp_plan import experts_arguments
+
+
+class _FusedExperts(Policy):
+    """Fused experts module: every rank holds ``1 / N`` of each expert's intermediate features."""
+
+    intermediate = "moe_intermediate_size"  # the config attribute of ``I``
+
+    @classmethod
+    def replace_arguments(cls, config, world_size):
+        return experts_arguments(config, getattr(config, cls.intermediate), world_size)
+
+    @staticmethod
+    def mlp_in():
+        return [Layer(weight="gate_up_proj", dim=1, n_fused=2)]
+
+    @staticmethod
+    def mlp_out():
+        return [Layer(weight="down_proj", dim=2)]
+
+
+class _GatedMLP(Policy):
+    """``down_proj(act(gate_proj(x)) * up_proj(x))``: dense layers and shared experts alike."""
+
+    @staticmethod
+    def mlp_in():
+        return [_linear("gate_proj"), _linear("up_proj")]
+
+    @staticmethod
+    def mlp_out():
+        return [_linear("down_proj")]
+
+
+class Qwen2MoeAttentionPolicy(Policy):
+    """Qwen2-MoE attention: q/k/v (with biases) by grouped heads, as Llama's."""
+
+    layer_class = f"{_MODELS}.qwen2_moe.modeling_qwen2_moe.Qwen2MoeAttention"
+
+    @staticmethod
+    def replace_arguments(config, world_size):
+        heads = _local_heads(config, world_size, "num_attention_heads", groups="num_key_value_heads")
+        kv_heads = _local_heads(config, world_size, "num_key_value_heads")
+        return {"num_key_value_groups": heads // kv_heads}
+
+    @staticmethod
+    def attn_qkv():
+        kv = "num_key_value_heads"
+        return [_linear("q_proj", **_GROUPED_QUERIES), _linear("k_proj", heads=kv), _linear("v_proj", heads=kv)]
+
+    @staticmethod
+    def attn_out():
+        return [_linear("o_proj", **_GROUPED_QUERIES)]
+
+
+class Qwen2MoeExpertsPolicy(_FusedExperts):
+    layer_class = f"{_MODELS}.qwen2_moe.modeling_qwen2_moe.Qwen2MoeExperts"
+
+
+class Qwen2MoeMLPPolicy(_GatedMLP):
+    """The shared expert of each sparse layer, and the MLP of dense layers."""
+
+    layer_class = f"{_MODELS}.qwen2_moe.modeling_qwen2_moe.Qwen2MoeMLP"
+
+
+class DeepseekV3AttentionPolicy(Policy):
+    """Multi-head latent attention: the latent projections whole, the per-head up-projections by heads."""
+
+    layer_class = f"{_MODELS}.deepseek_v3.modeling_deepseek_v3.DeepseekV3Attention"
+
+    @staticmethod
+    def replace_arguments(config, world_size):
+        return {"num_heads": _local_heads(config, world_size, "num_attention_heads")}
+
+    @staticmethod
+    def attn_qkv():
+        heads = "num_attention_heads"
+        return [
+            _linear("q_proj", heads=heads, optional=True),  # without a query latent (q_lora_rank None)
+            _linear("q_b_proj", heads=heads, optional=True),
+            _linear("kv_b_proj", heads=heads),
+        ]
+
+    @staticmethod
+    def attn_out():
+        return [_linear("o_proj", heads="num_attention_heads")]
+
+
+class DeepseekV3ExpertsPolicy(_FusedExperts):
+    layer_class = f"{_MODELS}.deepseek_v3.modeling_deepseek_v3.DeepseekV3Experts"
+
+
+class DeepseekV3MLPPolicy(_GatedMLP):
+    """The shared experts of each sparse layer, and the MLP of the first dense layers."""
+
+    layer_class = f"{_MODELS}.deepseek_v3.modeling_deepseek_v3.DeepseekV3MLP"
+
+
+POLICIES = (
+    Qwen2MoeAttentionPolicy,
+    Qwen2MoeExpertsPolicy,
+    Qwen2MoeMLPPolicy,
+    DeepseekV3AttentionPolicy,
+    DeepseekV3ExpertsPolicy,
+    DeepseekV3MLPPolicy,
+)
