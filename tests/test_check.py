@@ -304,12 +304,11 @@ def test_check_passes_where_the_vocabulary_was_shrunk_under_the_pad_id(name, ran
     assert "2 ranks: PASS" in out
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the tp-plan fallback does not follow Phi-3's packed 'colwise_gather_output' qkv_proj yet (#12 §2)",
-)
-def test_check_phi3_passes_through_its_tp_plan(rank_pools, capsys):
-    assert run_check("Phi3ForCausalLM", [2], pools=rank_pools) == 0
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["Phi3ForCausalLM", "Olmo2ForCausalLM"])
+def test_check_passes_through_a_tp_plan_whose_gathers_tpcore_leaves_out(name, rank_pools, capsys):
+    assert run_check(name, [2], pools=rank_pools) == 0
+    assert "2 ranks: PASS" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("name", ["CLIPModel", "WhisperForConditionalGeneration"])
