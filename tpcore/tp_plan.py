@@ -22,7 +22,9 @@ linear layer inside the repeated blocks at ``<prefix>``; this module turns those
 ``moe_tp_experts``, ``all_reduce``         the module's output is all-reduced: what the ``rowwise``
                                            rules inside it already make it; fused experts
                                            ``gate_up_proj (E, 2I, H)`` and ``down_proj (E, H, I)``
-                                           are cut along ``I``, ``intermediate_dim`` rewritten
+                                           (or stored ``(E, H, 2I)``, ``(E, I, H)``) are cut along
+                                           ``I``, the dim the style names; ``intermediate_dim``
+                                           rewritten
 ``replicated_with_grad_allreduce``,        left whole on every rank (norms, embeddings, the MLA
 ``replicate``, ``embedding_*``,            ``kv_a_proj``: these styles only fix gradients or keep
 ``mla_kv_a_proj``, ``local_params``        a module on local tensors)
@@ -111,12 +113,17 @@ def sub_model_plans(model: nn.Module) -> list[SubModelPlan]:
             plans.append(SubModelPlan(name, config, whole=f"{_describe(module, config)} has no base_model_tp_plan"))
             continue
         base = getattr(module, "base_model", module)
+        if base is module:  # its base_model_prefix names no child (Llama 4's causal LM): the child of its config
+            base = next((child for child in module.children() if getattr(child, "config", None) is config), module)
         base_name = next(n for n, m in module.named_modules() if m is base)
         prefix = ".".join(part for part in (name, base_name) if part)
         try:
             rules = _block_rules(base, plan)
         except TpPlanError as error:
             plans.append(SubModelPlan(name, config, whole=f"{_describe(module, config)}: {error}"))
+            continue
+        if not rules:
+            plans.append(SubModelPlan(name, config, whole=f"{_describe(module, config)}: its tp plan splits no block"))
             continue
         rules = {".".join(p for p in (prefix, blocks) if p): paths for blocks, paths in rules.items()}
         plans.append(SubModelPlan(name, config, rules))
@@ -213,19 +220,26 @@ def _policy_for(instances: list[tuple[str, nn.Module, dict[str, str]]], configs:
     columns, rows, attention_paths, full_width, intermediates = [], [], set(), set(), {}
     for path, (kind, n_fused, tensor_dim, paired) in followed.items():
         owner_path = path.rpartition(".")[0]
-        linear = _module(block, path)
+        holders = [b for _, b, _ in instances if _module(b, path) is not None or _parameter(b, path) is not None]
+        if not holders:
+            continue  # blocks of this class lack it
+        holder, optional = holders[0], len(holders) < len(instances)  # some blocks lack it (hybrid stacks)
+        linear = _module(holder, path)
         if linear is None:
-            parameter = _parameter(block, path)
-            if parameter is None:
-                continue  # blocks of this class lack it (hybrid stacks)
+            parameter = _parameter(holder, path)
+            assert parameter is not None
             if parameter.dim() == 1:  # one value per head (attention sinks)
-                columns.append(Layer(weight=path, dim=0, **_query_heads(grouped_kv)))
+                columns.append(Layer(weight=path, dim=0, optional=optional, **_query_heads(grouped_kv)))
                 continue
-            # a fused experts tensor: (E, 2I, H) cut along its out features, (E, H, I) along its in features
-            spec = Layer(weight=path, dim=tensor_dim, n_fused=n_fused)
+            # a fused experts tensor, cut along the dim the style names (``(E, 2I, H)``: -2, ``(E, H, I)``: -1,
+            # the other storage ``(E, H, 2I)``, ``(E, I, H)`` alike); its down projection makes the output partial
+            kind = "row" if path.rpartition(".")[2].startswith("down") else "column"
+            if path.endswith("gate_up_proj"):
+                n_fused = 2  # gate|up halves, whatever the style (Inkling's plan says plain ``colwise``)
+            spec = Layer(weight=path, dim=tensor_dim, n_fused=n_fused, optional=optional)
             (columns if kind == "column" else rows).append(spec)
-            size = getattr(block.get_submodule(owner_path), "intermediate_dim", None)
-            if isinstance(size, int):
+            size = getattr(holder.get_submodule(owner_path), "intermediate_dim", None)
+            if isinstance(size, int) and not optional:  # hybrid stacks: left as built (their forward reads no size)
                 intermediates[f"{owner_path}.intermediate_dim"] = size
             continue
         if not isinstance(linear, nn.Linear):
@@ -233,8 +247,8 @@ def _policy_for(instances: list[tuple[str, nn.Module, dict[str, str]]], configs:
         in_attention = "attn" in path or "attention" in path
         if kind == "column" and paired and not in_attention and linear.out_features == 2 * row_inputs[owner_path]:
             n_fused = 2  # gate|up packed in one projection
-        layout = _head_layout(block, path, linear, kind, n_fused, grouped_kv, config) if in_attention else {}
-        spec = Layer(weight=f"{path}.weight", bias=f"{path}.bias", n_fused=n_fused, **layout)
+        layout = _head_layout(holder, path, linear, kind, n_fused, grouped_kv, config) if in_attention else {}
+        spec = Layer(weight=f"{path}.weight", bias=f"{path}.bias", n_fused=n_fused, optional=optional, **layout)
         (columns if kind == "column" else rows).append(spec)
         if in_attention:
             attention_paths.add(owner_path)
