@@ -132,6 +132,9 @@ def check_one(model_type: str, config_class, pools, world_size: int) -> dict:
     except TpPlanError as error:
         row["reason"] = f"plan: {first_line(error)}"
         return row
+    except Exception as error:
+        row["reason"] = f"deriving the policies: {type(error).__name__}: {first_line(error)}"
+        return row
     counts = []
     for plan in sub_model_plans(model):
         for blocks, rules in plan.rules.items():

@@ -254,6 +254,8 @@ def _policy_for(instances: list[tuple[str, nn.Module, dict[str, str]]], configs:
             attention_paths.add(owner_path)
             if paired:
                 full_width.add(owner_path)
+    # the first block that holds every attention the rules name (hybrid stacks mix attention kinds)
+    block = next((b for _, b, _ in instances if all(_module(b, owner) for owner in attention_paths)), block)
     columns.extend(_per_head_parameters(block, attention_paths, config, grouped_kv))
     norms = _full_width_norms(block, full_width, config, grouped_kv)
     columns.extend(norms)
