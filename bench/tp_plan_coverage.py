@@ -137,7 +137,19 @@ def check_one(model_type: str, config_class, pools, world_size: int) -> dict:
         return row
     counts = []
     for plan in sub_model_plans(model):
-        for blocks, rules in plan.rules.items():
+        # the raw rules (plan.rules leaves out the styles that need no split, moe_tp_experts among them)
+        raw = (
+            {
+                path: style
+                for pattern, style in plan.config.base_model_tp_plan.items()
+                for _, star, path in [pattern.partition(".*.")]
+                if star
+            }
+            if plan.rules
+            else {}
+        )
+        for blocks in plan.rules:
+            rules = raw
             block = next(iter(model.get_submodule(blocks).children()), None)
             name = type(block).__qualname__
             policy = next((p for p in policies if block is not None and p.layer_class.endswith(name)), None)
