@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 import tpcore
 from tpcore.auto import AutoPolicy
+from tpcore.layers import ColumnSplitRMSNorm
 from tpcore.plugins import reset_plugins
 from tpcore.testing import ModelSpec, check_equivalence
 
@@ -23,7 +24,7 @@ SIZES = dict(
     head_dim=12,
     pad_token_id=0,
 )
-#: (config class, causal-LM class): architectures outside tpcore's plugins, with a dense tp plan
+#: (config class, causal-LM class[, more config]): architectures outside tpcore's plugins, with a tp plan
 DERIVED = {
     "Qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "Gemma": ("GemmaConfig", "GemmaForCausalLM"),
@@ -34,11 +35,21 @@ DERIVED = {
     "OLMo": ("OlmoConfig", "OlmoForCausalLM"),
     "Helium": ("HeliumConfig", "HeliumForCausalLM"),
     "SmolLM3": ("SmolLM3Config", "SmolLM3ForCausalLM"),
+    # gathered outputs followed without the gather: packed q|k|v and gate|up (Phi-3), full-width q/k norms
+    "Phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "OLMo2": ("Olmo2Config", "Olmo2ForCausalLM"),
+    "OLMoE": ("OlmoeConfig", "OlmoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2}),
+    "GLM": ("GlmConfig", "GlmForCausalLM"),
 }
+QUICK = set(DERIVED) - {"OLMo2", "OLMoE", "GLM"}  # the newer ones are slow but Phi-3, the one quick case
+
+#: the ones normalizing their whole q/k width: key/value heads replicated over the ranks must be equally so
+FULL_WIDTH_NORMS = {"OLMo2", "OLMoE"}
 
 
-def spec_for(config_class: str, model_class: str, seed: int = 1) -> ModelSpec:
-    config = getattr(transformers, config_class)(**SIZES)
+def spec_for(config_class: str, model_class: str, more: dict | None = None, seed: int = 1, **sizes) -> ModelSpec:
+    config = getattr(transformers, config_class)(**{**SIZES, **(more or {}), **sizes})
+    config._experts_implementation = "eager"
     return ModelSpec(getattr(transformers, model_class), config, seed)
 
 
@@ -49,7 +60,7 @@ def batch() -> dict:
     return {"input_ids": ids * mask, "attention_mask": mask}
 
 
-@pytest.mark.parametrize("arch", list(DERIVED))
+@pytest.mark.parametrize("arch", [pytest.param(a, marks=() if a in QUICK else pytest.mark.slow) for a in DERIVED])
 def test_a_model_with_a_tp_plan_splits_without_a_plugin(rank_pools, arch):
     """Logits at 2 ranks (KV heads split) and 4 ranks (replicated); 16 greedy tokens identical."""
     spec = spec_for(*DERIVED[arch])
@@ -60,18 +71,28 @@ def test_a_model_with_a_tp_plan_splits_without_a_plugin(rank_pools, arch):
     check_equivalence(spec, tokens, world_sizes=(2,), pools=rank_pools, method="generate", rtol=0)
 
 
-@pytest.mark.parametrize(
-    ("config_class", "model_class", "style"),
-    [
-        ("Olmo2Config", "Olmo2ForCausalLM", "colwise_gather_output"),
-        ("Phi3Config", "Phi3ForCausalLM", "colwise_gather_output"),
-        ("OlmoeConfig", "OlmoeForCausalLM", "colwise_gather_output"),
-    ],
-)
-def test_a_plan_with_styles_tpcore_cannot_follow_is_refused_clearly(config_class, model_class, style):
-    model = spec_for(config_class, model_class).build()
-    with pytest.raises(tpcore.UnsupportedModelError, match=rf"No policy could be derived: .*'{style}'"):
+def test_a_plan_with_styles_tpcore_cannot_follow_is_refused_clearly():
+    model = spec_for("Qwen3Config", "Qwen3ForCausalLM").build()
+    model.config.base_model_tp_plan = {"layers.*.mlp.experts.zero": "moe_identity_expert"}
+    with pytest.raises(tpcore.UnsupportedModelError, match=r"No policy could be derived: .*'moe_identity_expert'"):
         AutoPolicy().get_policy(model)
+
+
+def test_gathered_outputs_are_split_by_their_parts_without_a_gather():
+    """Phi-3's packed q|k|v is cut by its unequal parts and gate|up by its halves; OLMo 2's full-width q/k
+    norms become column-split norms, and world sizes that would replicate its KV heads unequally are refused."""
+    phi3 = tpcore.TensorReplacer(spec_for(*DERIVED["Phi3"]).build(), None, False, 3, rank=0).split_plan()
+    width = SIZES["head_dim"]
+    qkv = [phi3.shard_shape("model.layers.0.self_attn.qkv_proj.weight", rank)[0] // width for rank in range(3)]
+    assert qkv == [1 + 1 + 1, 1 + 1 + 1, 2 + 1 + 1]  # query heads with their one key and one value head
+    assert phi3.attributes["model.layers.0.self_attn.config"][2].num_attention_heads == 2
+    assert phi3.shard_shape("model.layers.0.mlp.gate_up_proj.weight", 1)[0] == 2 * 21  # 64 = 22 + 21 + 21 per half
+    olmo2 = spec_for(*DERIVED["OLMo2"]).build()
+    plan = tpcore.TensorReplacer(olmo2, None, False, 4, rank=0).split_plan()
+    assert issubclass(plan.classes["model.layers.0.self_attn.q_norm"], ColumnSplitRMSNorm)
+    assert plan.shard_shape("model.layers.0.self_attn.k_norm.weight", 3) == (width,)
+    with pytest.raises(tpcore.ShardingError, match=r"over 3 ranks its 2 key/value heads would be held by unequally"):
+        tpcore.TensorReplacer(olmo2, None, False, 3, rank=0).validate()
 
 
 def test_a_plugin_policy_wins_over_the_derived_one(monkeypatch):
@@ -105,7 +126,9 @@ def derived_cases(draw):
     arch = draw(st.sampled_from(list(DERIVED)))
     world_size = draw(st.sampled_from([1, 2, 3, 4, 5]))
     heads = draw(st.integers(world_size, 2 * world_size))  # the ranks mostly do not divide them
-    kv_heads = draw(st.sampled_from([d for d in range(1, heads + 1) if heads % d == 0]))
+    equal_copies = arch in FULL_WIDTH_NORMS  # KV heads fewer than the ranks must divide them
+    divisors = [d for d in range(1, heads + 1) if heads % d == 0]
+    kv_heads = draw(st.sampled_from([d for d in divisors if not (equal_copies and d < world_size and world_size % d)]))
     head_dim = draw(st.sampled_from([4, 8]))
     intermediate = draw(st.integers(world_size, 16 * world_size))
     batch, seq = draw(st.integers(1, 3)), draw(st.integers(1, 8))
@@ -118,16 +141,14 @@ def derived_cases(draw):
 @given(case=derived_cases())
 def test_random_configs_of_derived_architectures_match_unsplit(rank_pools, case):
     arch, world_size, heads, kv_heads, head_dim, intermediate, lengths, seq, seed = case
-    config_class, model_class = DERIVED[arch]
     sizes = {
-        **SIZES,
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
         "hidden_size": heads * head_dim,
         "intermediate_size": intermediate,
     }
-    spec = ModelSpec(getattr(transformers, model_class), getattr(transformers, config_class)(**sizes), seed)
+    spec = spec_for(*DERIVED[arch], seed=seed, **sizes)
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, 64, (len(lengths), seq), generator=generator)
     mask = (torch.arange(seq)[None, :] >= seq - torch.tensor(lengths)[:, None]).long()

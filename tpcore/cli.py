@@ -111,7 +111,11 @@ def plan_json(plan) -> dict:
         }
         for name, shape in plan.shapes.items()
     }
-    attributes = {path: list(value) for path, value in plan.attributes.items() if isinstance(value, PerRank)}
+    attributes = {
+        path: [v if isinstance(v, (int, float)) else type(v).__name__ for v in value]
+        for path, value in plan.attributes.items()
+        if isinstance(value, PerRank)
+    }
     bytes_per_rank = [plan.bytes_per_rank(rank) for rank in ranks]
     return {"tensors": tensors, "attributes_per_rank": attributes, "bytes_per_rank": bytes_per_rank}
 

@@ -394,13 +394,18 @@ class ShardPlan:
         attributes: dict[tuple[str, str], int] = {}
         for path, value in self.attributes.items():
             if isinstance(value, PerRank):
-                folded = (re.sub(r"\.\d+\.", ".*.", path), _per_rank_text([str(v) for v in value]))
+                folded = (re.sub(r"\.\d+\.", ".*.", path), _per_rank_text([_value_text(v) for v in value]))
                 attributes[folded] = attributes.get(folded, 0) + 1
         for (path, values), count in attributes.items():
             lines.append(f"    {path:<{width}}  {'set per rank':<28} {values}" + (f" x{count}" if count > 1 else ""))
         sizes = _per_rank_text([_mib(self.bytes_per_rank(rank)) for rank in ranks])
         lines.append(f"per rank {sizes} of {_mib(whole)} ({_mib(replicated)} replicated on every rank)")
         return "\n".join(lines)
+
+
+def _value_text(value: Any) -> str:
+    """A per-rank attribute value in a few characters: a number, or the type of an object (a config copy)."""
+    return str(value) if isinstance(value, (int, float)) else f"a {type(value).__name__}"
 
 
 def add_note(error: BaseException, note: str) -> None:

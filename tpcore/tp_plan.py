@@ -5,23 +5,38 @@ Many transformers configs declare how their base model splits: ``{"layers.*.self
 linear layer inside the repeated blocks at ``<prefix>``; this module turns those rules into one
 :class:`Policy` per block class. Styles it understands:
 
-==========================================  ===================================================
-``colwise`` / ``rowwise``                   column / row parallel (q/k/v and MLP in / outputs)
-``packed_colwise``                          column parallel of two packed halves (gate|up)
-``replicated_with_grad_allreduce``,         left whole on every rank (norms, embeddings)
-``replicate``, ``embedding_*``
-``moe_tp_experts``                          the experts module's output is all-reduced: its
-                                            fused ``gate_up_proj (E, 2I, H)`` (``packed_colwise``)
-                                            and ``down_proj (E, H, I)`` (``rowwise``) are cut along
-                                            ``I``, ``intermediate_dim`` rewritten per rank
-==========================================  ===================================================
+=========================================  ====================================================
+``colwise`` / ``rowwise``                  column / row parallel (q/k/v and MLP in / outputs); a
+                                           ``colwise`` 1-D parameter (attention sinks, one per
+                                           head) is cut by the heads
+``packed_colwise`` / ``packed_rowwise``    column parallel of two packed halves (gate|up), packed
+                                           along the out (``(E, 2I, H)``) or the last dim
+                                           (``(E, H, 2I)``)
+``colwise_gather_output`` +                split without the gather: the pair becomes column /
+``rowwise_split_input`` in one module      row parallel; a packed output (Phi-3's ``qkv_proj``
+                                           ``[Q | K | V]``, ``gate_up_proj``) is cut by its parts,
+                                           and an RMSNorm over the whole gathered width (OLMo 2's
+                                           q/k norms) becomes a column-split norm
+``colwise_gather_output`` or               left whole (its output is whole, as the gather makes
+``rowwise_split_input`` alone              it, or its input is)
+``moe_tp_experts``, ``all_reduce``         the module's output is all-reduced: what the ``rowwise``
+                                           rules inside it already make it; fused experts
+                                           ``gate_up_proj (E, 2I, H)`` and ``down_proj (E, H, I)``
+                                           (or stored ``(E, H, 2I)``, ``(E, I, H)``) are cut along
+                                           ``I``, the dim the style names; ``intermediate_dim``
+                                           rewritten
+``replicated_with_grad_allreduce``,        left whole on every rank (norms, embeddings, the MLA
+``replicate``, ``embedding_*``,            ``kv_a_proj``: these styles only fix gradients or keep
+``mla_kv_a_proj``, ``local_params``        a module on local tensors)
+=========================================  ====================================================
 
-Any other style (gathered outputs, MLA) means the plan cannot be followed, and the model needs a
+Any other style (``moe_identity_expert``) means the plan cannot be followed, and the model needs a
 plugin. Attention projections are dealt in whole heads, so world sizes that do not divide the head
 counts work too. Key/value projections narrower than the query projection carry grouped KV heads,
 which keep their query heads with them and are replicated when the ranks outnumber them.
 Per-head parameters the plan leaves out but that must follow the heads (Cohere's
-``q_norm``/``k_norm`` weights of shape ``(heads, head_dim)``) are cut with them.
+``q_norm``/``k_norm`` weights of shape ``(heads, head_dim)``) are cut with them. An attention whose
+forward reads its head counts from ``self.config`` (Phi-3) gets a per-rank copy of its config.
 
 Composite models (LLaVA, CLIP, encoder-decoders with their own sub-configs) carry one plan per
 sub-model (:func:`tpcore.configs.sub_models`): each sub-model's config plan is read relative to
@@ -33,22 +48,42 @@ so one block class shared by towers of different widths (CLIP's) gets each tower
 
 from __future__ import annotations
 
+import collections
 import copy
+import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
 
 from tpcore.configs import config_of, module_configs, sub_models
-from tpcore.policy import Layer, PerRank, Policy, share
+from tpcore.layers import column_split_norm_class
+from tpcore.policy import Layer, Policy, ShardingError, share
+from tpcore.shares import PerRank, resolve, runs
 
 __all__ = ["SubModelPlan", "TpPlanError", "derive_policies", "experts_arguments", "sub_model_plans"]
 
-_SPLIT = {"colwise": ("column", 1), "rowwise": ("row", 1), "packed_colwise": ("column", 2)}
-_KEPT_WHOLE = {"replicated_with_grad_allreduce", "replicate", "embedding_rowwise", "embedding_colwise"}
-#: a fused experts module whose output is all-reduced: what its ``rowwise`` ``down_proj`` already makes it
-_REDUCED_OUTPUT = {"moe_tp_experts"}
+#: style -> (column or row, packed tensors, split dim of a fused 3-D experts tensor)
+_SPLIT = {
+    "colwise": ("column", 1, -2),
+    "rowwise": ("row", 1, -1),
+    "packed_colwise": ("column", 2, -2),
+    "packed_rowwise": ("column", 2, -1),
+}
+#: a gathered column output and a row layer that splits its whole input: followed as a pair in one module
+_GATHERED, _SPLIT_INPUT = "colwise_gather_output", "rowwise_split_input"
+_KEPT_WHOLE = {
+    "replicated_with_grad_allreduce",
+    "replicate",
+    "embedding_rowwise",
+    "embedding_colwise",
+    "mla_kv_a_proj",
+    "local_params",
+}
+#: a module whose output is all-reduced: what the ``rowwise`` rules inside it already make it
+_REDUCED_OUTPUT = {"moe_tp_experts", "all_reduce"}
 _HEAD_ATTRIBUTES = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_key_value_groups")
+_CONFIG_HEADS = ("num_attention_heads", "num_key_value_heads")
 
 
 class TpPlanError(LookupError):
@@ -78,12 +113,17 @@ def sub_model_plans(model: nn.Module) -> list[SubModelPlan]:
             plans.append(SubModelPlan(name, config, whole=f"{_describe(module, config)} has no base_model_tp_plan"))
             continue
         base = getattr(module, "base_model", module)
+        if base is module:  # its base_model_prefix names no child (Llama 4's causal LM): the child of its config
+            base = next((child for child in module.children() if getattr(child, "config", None) is config), module)
         base_name = next(n for n, m in module.named_modules() if m is base)
         prefix = ".".join(part for part in (name, base_name) if part)
         try:
             rules = _block_rules(base, plan)
         except TpPlanError as error:
             plans.append(SubModelPlan(name, config, whole=f"{_describe(module, config)}: {error}"))
+            continue
+        if not rules:
+            plans.append(SubModelPlan(name, config, whole=f"{_describe(module, config)}: its tp plan splits no block"))
             continue
         rules = {".".join(p for p in (prefix, blocks) if p): paths for blocks, paths in rules.items()}
         plans.append(SubModelPlan(name, config, rules))
@@ -127,7 +167,7 @@ def _block_rules(base: nn.Module, plan: dict[str, str]) -> dict[str, dict[str, s
     for pattern, style in plan.items():
         if style in _KEPT_WHOLE or style in _REDUCED_OUTPUT:
             continue
-        if style not in _SPLIT:
+        if style not in _SPLIT and style not in (_GATHERED, _SPLIT_INPUT):
             raise TpPlanError(f"its tp plan splits {pattern!r} as {style!r}, which tpcore does not follow")
         prefix, star, path = pattern.partition(".*.")
         if not star or "*" in path:
@@ -140,6 +180,25 @@ def _block_rules(base: nn.Module, plan: dict[str, str]) -> dict[str, dict[str, s
     return rules
 
 
+def _followed(paths: dict[str, str]) -> dict[str, tuple[str, int, int, bool]]:
+    """``{path: (column or row, packed tensors, dim of a 3-D tensor, paired)}`` for the rules a split
+    forward follows. A gathered output and a split input in one module become a column / row pair
+    (``paired``: nothing is gathered between them); either alone is left whole, as its output or
+    input is whole."""
+
+    def owners(style: str) -> set[str]:
+        return {path.rpartition(".")[0] for path, other in paths.items() if other == style}
+
+    pairs = owners(_GATHERED) & owners(_SPLIT_INPUT)
+    followed = {}
+    for path, style in paths.items():
+        if style in _SPLIT:
+            followed[path] = (*_SPLIT[style], False)
+        elif path.rpartition(".")[0] in pairs:
+            followed[path] = ("column", 1, -2, True) if style == _GATHERED else ("row", 1, -1, True)
+    return followed
+
+
 def _policy_for(instances: list[tuple[str, nn.Module, dict[str, str]]], configs: dict[str, Any]) -> type[Policy]:
     """A Policy for the class of the blocks ``(name, block, rules)``, from the rules that exist in them.
 
@@ -150,39 +209,64 @@ def _policy_for(instances: list[tuple[str, nn.Module, dict[str, str]]], configs:
         if other != paths:
             raise TpPlanError(f"the tp plans of {name!r} and {other_name!r} split {type(block).__name__} differently")
     block_configs = list({id(configs[n]): configs[n] for n, _, _ in instances}.values())
+    config = block_configs[0]
     grouped_kv = any(_kv_heads(config) != _heads(config) for config in block_configs if _heads(config))
-    columns, rows, attention_paths, intermediates = [], [], set(), {}
-    for path, style in paths.items():
-        kind, n_fused = _SPLIT[style]
-        try:
-            linear = block.get_submodule(path)
-        except AttributeError:
-            parameter = _parameter(block, path)
-            if parameter is None:
-                continue  # blocks of this class lack it (hybrid stacks)
-            # a fused experts tensor: (E, 2I, H) cut along its out features, (E, H, I) along its in features
-            spec = Layer(weight=path, dim=-2 if kind == "column" else -1, n_fused=n_fused)
+    followed = _followed(paths)
+    row_inputs = {  # a paired row layer's input width, which its column partner's packed halves fill twice
+        path.rpartition(".")[0]: linear.in_features
+        for path, (kind, _, _, paired) in followed.items()
+        if kind == "row" and paired and isinstance(linear := _module(block, path), nn.Linear)
+    }
+    columns, rows, attention_paths, full_width, intermediates = [], [], set(), set(), {}
+    for path, (kind, n_fused, tensor_dim, paired) in followed.items():
+        owner_path = path.rpartition(".")[0]
+        holders = [b for _, b, _ in instances if _module(b, path) is not None or _parameter(b, path) is not None]
+        if not holders:
+            continue  # blocks of this class lack it
+        holder, optional = holders[0], len(holders) < len(instances)  # some blocks lack it (hybrid stacks)
+        linear = _module(holder, path)
+        if linear is None:
+            parameter = _parameter(holder, path)
+            assert parameter is not None
+            if parameter.dim() == 1:  # one value per head (attention sinks)
+                columns.append(Layer(weight=path, dim=0, optional=optional, **_query_heads(grouped_kv)))
+                continue
+            # a fused experts tensor, cut along the dim the style names (``(E, 2I, H)``: -2, ``(E, H, I)``: -1,
+            # the other storage ``(E, H, 2I)``, ``(E, I, H)`` alike); its down projection makes the output partial
+            kind = "row" if path.rpartition(".")[2].startswith("down") else "column"
+            if path.endswith("gate_up_proj"):
+                n_fused = 2  # gate|up halves, whatever the style (Inkling's plan says plain ``colwise``)
+            spec = Layer(weight=path, dim=tensor_dim, n_fused=n_fused, optional=optional)
             (columns if kind == "column" else rows).append(spec)
-            owner_path = path.rpartition(".")[0]
-            size = getattr(block.get_submodule(owner_path), "intermediate_dim", None)
-            if isinstance(size, int):
+            size = getattr(holder.get_submodule(owner_path), "intermediate_dim", None)
+            if isinstance(size, int) and not optional:  # hybrid stacks: left as built (their forward reads no size)
                 intermediates[f"{owner_path}.intermediate_dim"] = size
             continue
         if not isinstance(linear, nn.Linear):
             raise TpPlanError(f"its tp plan splits {path!r}, a {type(linear).__name__}, not a Linear")
         in_attention = "attn" in path or "attention" in path
-        layout = _head_layout(block, path, linear, kind, n_fused, grouped_kv, block_configs[0]) if in_attention else {}
-        spec = Layer(weight=f"{path}.weight", bias=f"{path}.bias", n_fused=n_fused, **layout)
+        if kind == "column" and paired and not in_attention and linear.out_features == 2 * row_inputs[owner_path]:
+            n_fused = 2  # gate|up packed in one projection
+        layout = _head_layout(holder, path, linear, kind, n_fused, grouped_kv, config) if in_attention else {}
+        spec = Layer(weight=f"{path}.weight", bias=f"{path}.bias", n_fused=n_fused, optional=optional, **layout)
         (columns if kind == "column" else rows).append(spec)
         if in_attention:
-            attention_paths.add(path.rpartition(".")[0])
-    columns.extend(_per_head_parameters(block, attention_paths, block_configs[0], grouped_kv))
+            attention_paths.add(owner_path)
+            if paired:
+                full_width.add(owner_path)
+    # the first block that holds every attention the rules name (hybrid stacks mix attention kinds)
+    block = next((b for _, b, _ in instances if all(_module(b, owner) for owner in attention_paths)), block)
+    columns.extend(_per_head_parameters(block, attention_paths, config, grouped_kv))
+    norms = _full_width_norms(block, full_width, config, grouped_kv)
+    columns.extend(norms)
     attributes = {
         f"{owner}.{name}" if owner else name: name
         for owner in attention_paths
         for name in _HEAD_ATTRIBUTES
         if isinstance(getattr(block.get_submodule(owner) if owner else block, name, None), int)
     }
+    config_readers = [owner for owner in sorted(attention_paths) if _reads_config_heads(_module(block, owner))]
+    block_name = type(block).__name__
 
     def replace_arguments(config, world_size):
         """Per-rank head counts, read from the config of the block's sub-model."""
@@ -195,6 +279,8 @@ def _policy_for(instances: list[tuple[str, nn.Module, dict[str, str]]], configs:
         }
         if heads is None:
             return local_sizes
+        if norms:
+            _check_norms_see_equal_copies(block_name, heads, kv_heads, world_size)
         local = share(heads, world_size, "num_attention_heads", groups=kv_heads)
         local_kv = share(kv_heads, world_size, "num_key_value_heads")  # one, replicated, when fewer than ranks
         values = {
@@ -203,9 +289,13 @@ def _policy_for(instances: list[tuple[str, nn.Module, dict[str, str]]], configs:
             "num_key_value_heads": local_kv,
             "num_key_value_groups": local // local_kv,
         }
-        return {**{path: values[name] for path, name in attributes.items()}, **local_sizes}
+        configs = {
+            f"{owner}.config" if owner else "config": _local_configs(config, local, local_kv, world_size)
+            for owner in config_readers
+        }
+        return {**{path: values[name] for path, name in attributes.items()}, **configs, **local_sizes}
 
-    kind, config = type(block), block_configs[0]
+    kind = type(block)
     return type(
         f"{kind.__name__}PlanPolicy",
         (Policy,),
@@ -241,35 +331,77 @@ def experts_arguments(config: Any, size: int, world_size: int) -> dict[str, Any]
     return arguments
 
 
+def _module(block: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return block.get_submodule(path)
+    except AttributeError:
+        return None
+
+
+def _query_heads(grouped_kv: bool) -> dict[str, Any]:
+    """The :class:`Layer` head words of a tensor cut by query heads (in their key/value groups)."""
+    return {"heads": "num_attention_heads", **({"groups": "num_key_value_heads"} if grouped_kv else {})}
+
+
+def _reads_config_heads(module: nn.Module | None) -> bool:
+    """Whether ``module``'s forward reads a head count from ``self.config`` (Phi-3 slices its packed
+    q|k|v by ``self.config.num_attention_heads``)."""
+    try:
+        source = inspect.getsource(type(module).forward) if module is not None else ""
+    except (OSError, TypeError):
+        return False
+    return any(f"self.config.{name}" in source for name in _CONFIG_HEADS)
+
+
+def _local_configs(config: Any, heads: int | PerRank, kv_heads: int | PerRank, world_size: int) -> Any:
+    """Copies of ``config`` holding each rank's head counts: one copy when every rank's are equal, else
+    a :class:`PerRank` of copies."""
+
+    def local(rank: int) -> Any:
+        copied = copy.copy(config)
+        copied.num_attention_heads, copied.num_key_value_heads = resolve(heads, rank), resolve(kv_heads, rank)
+        return copied
+
+    if not isinstance(heads, PerRank) and not isinstance(kv_heads, PerRank):
+        return local(0)
+    return PerRank(local(rank) for rank in range(world_size))
+
+
 def _parameter(block: nn.Module, path: str) -> nn.Parameter | None:
-    """The parameter at ``path`` in ``block`` (a plan rule on a fused experts tensor), if there is one."""
+    """The parameter at ``path`` in ``block`` that a plan rule names (a fused 3-D experts tensor, or
+    a 1-D one with a value per head), if there is one."""
     owner_path, _, name = path.rpartition(".")
     try:
         owner = block.get_submodule(owner_path)
     except AttributeError:
         return None
     parameter = owner._parameters.get(name)
-    return parameter if parameter is not None and parameter.dim() == 3 else None
+    return parameter if parameter is not None and parameter.dim() in (1, 3) else None
 
 
 def _head_layout(
     block: nn.Module, path: str, linear: nn.Linear, kind: str, n_fused: int, grouped_kv: bool, config: Any
 ) -> dict[str, Any]:
-    """The head words (:class:`Layer` ``heads``, ``groups``) of an attention linear, so that uneven world
-    sizes deal it in whole heads: key/value projections by their heads, query and output projections by
-    the query heads in key/value groups; ``{}`` when its split features are not ``heads * head_dim``."""
+    """The head words (:class:`Layer` ``heads``, ``groups``, ``parts``) of an attention linear, so that
+    uneven world sizes deal it in whole heads: key/value projections by their heads, query and output
+    projections by the query heads in key/value groups, a packed ``[Q | K | V]`` by its three parts;
+    ``{}`` when its split features are not whole heads."""
     owner_path = path.rpartition(".")[0]
     owner = block.get_submodule(owner_path) if owner_path else block
     heads, kv_heads = _heads(config), _kv_heads(config)
     head_dim = getattr(owner, "head_dim", None)
     if not isinstance(heads, int) or not isinstance(head_dim, int) or n_fused != 1:
         return {}
+    kv_heads = kv_heads or heads
     features = linear.out_features if kind == "column" else linear.in_features
+    if kind == "column" and features == (heads + 2 * kv_heads) * head_dim:
+        kv = "num_key_value_heads" if grouped_kv else "num_attention_heads"
+        return {"parts": ("num_attention_heads", kv, kv), **({"groups": kv} if grouped_kv else {})}
     if kind == "column" and path.rsplit(".", 1)[-1] in ("k_proj", "v_proj") and grouped_kv:
-        return {"heads": "num_key_value_heads"} if features == (kv_heads or heads) * head_dim else {}
+        return {"heads": "num_key_value_heads"} if features == kv_heads * head_dim else {}
     if features != heads * head_dim:
         return {}
-    return {"heads": "num_attention_heads", **({"groups": "num_key_value_heads"} if grouped_kv else {})}
+    return _query_heads(grouped_kv)
 
 
 def _per_head_parameters(block: nn.Module, attention_paths: set[str], config: Any, grouped_kv: bool) -> list[Layer]:
@@ -294,6 +426,47 @@ def _per_head_parameters(block: nn.Module, attention_paths: set[str], config: An
             bias = f"{path}.bias" if isinstance(getattr(child, "bias", None), nn.Parameter) else None
             found.append(Layer(weight=f"{path}.weight", bias=bias, dim=0, heads=count, groups=groups))
     return found
+
+
+def _full_width_norms(block: nn.Module, owners: set[str], config: Any, grouped_kv: bool) -> list[Layer]:
+    """RMSNorms over the whole width of a projection whose output the plan gathers (OLMo 2's q/k norms
+    of ``heads * head_dim`` features): cut with the heads, and computed as column-split norms (one
+    all-reduce of two numbers per row instead of the gather)."""
+    heads, kv_heads = _heads(config), _kv_heads(config)
+    found = []
+    for owner_path in sorted(owners):
+        owner = block.get_submodule(owner_path) if owner_path else block
+        head_dim = getattr(owner, "head_dim", None)
+        if not isinstance(heads, int) or not isinstance(head_dim, int):
+            continue
+        for child_name, child in owner.named_children():
+            weight = getattr(child, "weight", None)
+            if isinstance(child, nn.Linear) or not isinstance(weight, nn.Parameter) or weight.dim() != 1:
+                continue
+            path = f"{owner_path}.{child_name}" if owner_path else child_name
+            if weight.shape[0] == heads * head_dim:
+                words = _query_heads(grouped_kv)
+            elif weight.shape[0] == (kv_heads or heads) * head_dim:
+                words = {"heads": "num_key_value_heads"}
+            else:
+                continue
+            found.append(Layer(weight=f"{path}.weight", replace=column_split_norm_class, **words))
+    return found
+
+
+def _check_norms_see_equal_copies(block_name: str, heads: int, kv_heads: int, world_size: int) -> None:
+    """A column-split norm sums its ranks' squares, so heads held by several ranks must be held by
+    equally many (:class:`ShardingError` otherwise: key/value heads fewer than the ranks, not dividing them)."""
+    for count, groups in ((heads, kv_heads), (kv_heads, None)):
+        held = collections.Counter(
+            unit for first, size in runs(count, world_size, groups) for unit in range(first, first + size)
+        )
+        if len(set(held.values())) > 1:
+            raise ShardingError(
+                f"{block_name} normalizes its whole q/k width: over {world_size} ranks its {kv_heads} key/value "
+                f"heads would be held by unequally many ranks; use a world size that {kv_heads} divides or "
+                "that divides it"
+            )
 
 
 def _heads(config: Any) -> int | None:
