@@ -264,6 +264,40 @@ def test_a_qkv_pack_with_fewer_kv_heads_cut_by_parts_gives_each_rank_its_heads_o
     assert_close(torch.cat(outputs, -1), packed_attention(weight, bias, q_heads))
 
 
+@FAST
+@given(
+    shape=grouped_heads(), head_dim=st.integers(1, 3), hidden=st.integers(1, 5), tokens=st.integers(1, 4), seed=seeds
+)
+def test_a_pack_of_kv_groups_cut_by_interleaved_parts_gives_each_rank_its_heads_of_the_whole_attention(
+    shape, head_dim, hidden, tokens, seed
+):
+    """Falcon's grouped ``query_key_value`` stores each key/value group's query heads, then its key and
+    value head (``view(T, groups, H / G + 2, d)``): cut group by group, each rank's piece is again such a
+    pack (whole groups, or its query heads of one group beside the group's replicated k and v), and its
+    attention gives its query heads' columns of the whole attention, the ranks dividing the heads or not."""
+    world, q_heads, kv_heads = shape
+    config = SimpleNamespace(num_attention_heads=q_heads, num_kv_heads=kv_heads)
+    parts = ("num_attention_heads", "num_kv_heads", "num_kv_heads")
+    layer = Layer(weight="query_key_value.weight", parts=parts, interleaved=True)
+    size = (q_heads + 2 * kv_heads) * head_dim
+    weight, x = randn(size, hidden, seed=seed), randn(tokens, hidden, seed=seed + 1)
+
+    def falcon_attention(weight, q_heads, kv_heads):
+        packed = (x @ weight.T).unflatten(-1, (kv_heads, q_heads // kv_heads + 2, head_dim))
+        return attention(packed[:, :, :-2].flatten(1, 2), packed[:, :, -2], packed[:, :, -1])
+
+    split, _ = layer.splits(COLUMN, config)
+    assert split == Split(0, parts=(q_heads, kv_heads, kv_heads), interleaved=True)
+    local_q = share(q_heads, world, "num_attention_heads", groups=kv_heads)
+    local_kv = share(kv_heads, world, "num_kv_heads")
+    outputs = [
+        falcon_attention(split.shard(weight, r, world), resolve(local_q, r), resolve(local_kv, r)) for r in range(world)
+    ]
+    assert_close(torch.cat(outputs, -1), falcon_attention(weight, q_heads, kv_heads))
+    if kv_heads >= world:  # whole groups: each rank's piece is one block of the tensor
+        assert all(len(split.ranges(size, r, world)[0]) == 1 for r in range(world))
+
+
 # -- interleaved: [q0 k0 v0 | q1 k1 v1 | ...] --------------------------------------------------
 
 
@@ -385,13 +419,13 @@ def test_old_positional_layer_fields_keep_their_meaning():
         ({"weight": 3}, TypeError, "weight must be an attribute path"),
         ({"dim": "1"}, TypeError, "dim must be an int"),
         ({"dim": True}, TypeError, "dim must be an int"),
-        ({"heads": 0}, TypeError, "heads must be a positive int or a config attribute name"),
-        ({"heads": ""}, TypeError, "heads must be a positive int or a config attribute name"),
+        ({"heads": 0}, TypeError, "heads must be a positive int, a config attribute name or a function"),
+        ({"heads": ""}, TypeError, "heads must be a positive int, a config attribute name or a function"),
         ({"parts": ("num_heads",)}, ValueError, "at least two"),
         ({"parts": ("a", 0)}, ValueError, "parts must list the head counts"),
-        ({"parts": (4, 2), "heads": 4}, ValueError, "drop heads= and interleaved="),
+        ({"parts": (4, 2), "heads": 4}, ValueError, "drop heads="),
         ({"parts": (4, 2, 2), "n_fused": 2}, ValueError, "n_fused=2 disagrees with the 3 parts"),
-        ({"interleaved": True}, ValueError, "interleaved pack needs heads="),
+        ({"interleaved": True}, ValueError, "interleaved pack needs heads= or parts="),
         ({"interleaved": 1, "heads": 2}, TypeError, "interleaved must be a bool"),
         ({"dim": 1, "transposed": True}, ValueError, "dim= fixes the split dimension"),
         ({"bias_dim": 1}, ValueError, "bias_dim= without a bias"),
@@ -427,6 +461,16 @@ def test_parts_given_as_a_list_are_kept_as_a_tuple():
             COLUMN,
             (Split(0, 3, 8, interleaved=True), Split(0, 3, 8, interleaved=True)),
         ),
+        (  # a count config flags choose: a function of the config
+            {"heads": "num_attention_heads", "groups": lambda config: config.num_key_value_heads // 2},
+            ROW,
+            (Split(1, heads=8, groups=1), None),
+        ),
+        (
+            {"parts": ("num_attention_heads", "num_key_value_heads", "num_key_value_heads"), "interleaved": True},
+            COLUMN,
+            (Split(0, parts=(8, 2, 2), interleaved=True), Split(0, parts=(8, 2, 2), interleaved=True)),
+        ),
     ],
 )
 def test_splits_gives_the_weight_and_bias_split_of_each_style(fields, style, expected):
@@ -443,6 +487,7 @@ def test_splits_gives_the_weight_and_bias_split_of_each_style(fields, style, exp
         ({"heads": "num_kv"}, SimpleNamespace(num_kv=2.0), "holds 2.0, not a positive int"),
         ({"heads": "num_kv"}, SimpleNamespace(num_kv=True), "holds True, not a positive int"),
         ({"parts": ("num_q", "num_kv")}, SimpleNamespace(num_q=4), "names parts 'num_kv'"),
+        ({"heads": lambda config: 0}, SimpleNamespace(), "names heads <function.*holds 0, not a positive int"),
     ],
 )
 def test_splits_names_the_config_attribute_it_cannot_read(fields, config, message):

@@ -59,6 +59,22 @@ def get_path(root: Any, path: str) -> Any:
     return obj
 
 
+def module_classes(policy: type[Policy], layer: nn.Module) -> dict[str, type[nn.Module]]:
+    """The classes ``policy.replace_modules()`` gives the modules of ``layer``, ``{path: class}``: a
+    function value is called with the module there (``None`` where the layer has none) and may
+    return ``None`` to leave it as it is."""
+    classes = {}
+    for path, given in policy.replace_modules().items():
+        if isinstance(given, type):
+            classes[path] = given
+            continue
+        module = get_path(layer, path)
+        chosen = given(module if isinstance(module, nn.Module) else None)
+        if chosen is not None:
+            classes[path] = chosen
+    return classes
+
+
 def set_path(root: Any, path: str, value: Any) -> None:
     owner_path, _, name = path.rpartition(".")
     setattr(get_path(root, owner_path), name, value)
@@ -186,7 +202,7 @@ class ShardPlan:
         policy, layer = target.policy, target.layer
         with self._calling(target):
             arguments = policy.replace_arguments(target.config, self.world_size) if rewrites else {}
-            replaced = policy.replace_modules() if rewrites else {}
+            replaced = module_classes(policy, layer) if rewrites else {}
             specs = make_megatron_layer(policy)
         for path in arguments:
             owner, _, attribute = path.rpartition(".")
@@ -428,7 +444,8 @@ def describe(split: Split | None) -> str:
     if split.heads is not None:
         words.append(f"{split.heads} heads" + (" interleaved" if split.interleaved else ""))
     if split.parts:
-        words.append("parts of " + "/".join(map(str, split.parts)) + " heads")
+        by_group = " by group" if split.interleaved else ""
+        words.append("parts of " + "/".join(map(str, split.parts)) + " heads" + by_group)
     if split.groups is not None:
         words.append(f"{split.groups} groups")
     return "cut " + ", ".join(words)

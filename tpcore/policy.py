@@ -74,13 +74,18 @@ def share(value: int, world_size: int, what: str, *, groups: int | None = None, 
     return per_rank(start if first else count for start, count in dealt)
 
 
+#: a head count in a Layer: an int, a config attribute name, or a function of the config
+Count = int | str | Callable[[Any], int]
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_count(value: Any) -> bool:
-    """A head count as a policy gives it: a positive int or the name of a config attribute."""
-    return (_is_int(value) and value >= 1) or (isinstance(value, str) and bool(value))
+    """A head count as a policy gives it: a positive int, the name of a config attribute, or a
+    function of the config (a count that config flags choose)."""
+    return (_is_int(value) and value >= 1) or (isinstance(value, str) and bool(value)) or callable(value)
 
 
 @dataclass(frozen=True)
@@ -98,20 +103,23 @@ class Layer:
             parallel layer that matches the module's type, see :mod:`tpcore.layers`), or a function
             of that module giving its class (:func:`tpcore.layers.column_split_norm_class`).
         ignore_checker: alias of ``optional``.
-        heads: how many heads each packed tensor holds, an int or the name of a config attribute,
-            for tensors that may hold fewer heads than there are ranks (grouped-query key/value
+        heads: how many heads each packed tensor holds, an int, the name of a config attribute or
+            a function of the config (where config flags choose the count, as Falcon's do), for
+            tensors that may hold fewer heads than there are ranks (grouped-query key/value
             projections): those heads are then replicated so each rank holds whole groups.
             Also makes the split check that every rank holds whole heads.
         dim: the weight's split dimension, for tensors of any rank (negative counts from the end);
             overrides the column/row default (``(E, 2I, H)`` MoE experts: 1; ``(entries, heads)``: -1).
         bias_dim: the bias's split dimension in a column group (default 0); a row bias stays whole.
-        parts: head counts of unequal packed tensors, each an int or a config attribute name
+        parts: head counts of unequal packed tensors, each a count as for ``heads``
             (``("num_attention_heads", "num_key_value_heads", "num_key_value_heads")`` for a
             grouped-query q|k|v); each part is cut by its own heads, rank ``r`` gets ``[Q_r | K_r | V_r]``.
         interleaved: the tensor packs whole heads one after another, each holding its ``n_fused``
-            tensors (``[q0 k0 v0 | q1 k1 v1 | ...]``); needs ``heads``.
-        groups: how many groups of consecutive heads stay together on a rank, an int or a config
-            attribute name (``"num_key_value_heads"`` on a query projection and on the output
+            tensors (``[q0 k0 v0 | q1 k1 v1 | ...]``); needs ``heads``. With ``parts``: the tensor
+            packs its head groups one after another, each holding ``part / groups`` heads of every
+            part (Falcon's grouped ``[q.. k v | q.. k v | ...]``).
+        groups: how many groups of consecutive heads stay together on a rank, a count as for
+            ``heads`` (``"num_key_value_heads"`` on a query projection and on the output
             projection of a grouped-query attention): with ``heads``, the heads are dealt group by
             group, as the key/value projection's heads are (see :mod:`tpcore.shares`).
         transposed: the weight is stored ``(in, out)`` (HF ``Conv1D``) instead of ``(out, in)``;
@@ -128,14 +136,14 @@ class Layer:
     reversed: bool | None = None
     replace: type[nn.Module] | Callable[[nn.Module], type[nn.Module]] | None = None
     ignore_checker: bool | None = None
-    heads: str | int | None = None
+    heads: Count | None = None
     dim: int | None = None
     bias_dim: int | None = None
-    parts: tuple[str | int, ...] | None = None
+    parts: tuple[Count, ...] | None = None
     interleaved: bool = False
     transposed: bool | None = None
     optional: bool | None = None
-    groups: str | int | None = None
+    groups: Count | None = None
 
     def __post_init__(self) -> None:
         self._alias("transposed", "reversed")
@@ -154,7 +162,8 @@ class Layer:
         for field in ("heads", "groups"):
             if getattr(self, field) is not None and not _is_count(getattr(self, field)):
                 raise TypeError(
-                    f"{name}.{field} must be a positive int or a config attribute name, got {getattr(self, field)!r}"
+                    f"{name}.{field} must be a positive int, a config attribute name or a function of the config, "
+                    f"got {getattr(self, field)!r}"
                 )
         if self.groups is not None and self.heads is None and self.parts is None:
             raise ValueError(f"{name}: groups= groups heads; give heads= (or parts=) too")
@@ -167,15 +176,15 @@ class Layer:
         if self.parts is not None:
             if not isinstance(self.parts, tuple) or len(self.parts) < 2 or not all(map(_is_count, self.parts)):
                 raise ValueError(
-                    f"{name}.parts must list the head counts (ints or config attribute names) of at least two "
-                    f"packed tensors, got {self.parts!r}; one tensor's heads go in heads="
+                    f"{name}.parts must list the head counts (ints, config attribute names or functions) of at "
+                    f"least two packed tensors, got {self.parts!r}; one tensor's heads go in heads="
                 )
-            if self.heads is not None or self.interleaved:
-                raise ValueError(f"{name}: parts give each packed tensor's heads; drop heads= and interleaved=")
+            if self.heads is not None:
+                raise ValueError(f"{name}: parts give each packed tensor's heads; drop heads=")
             if self.n_fused not in (1, len(self.parts)):
                 raise ValueError(f"{name}: n_fused={self.n_fused} disagrees with the {len(self.parts)} parts")
-        if self.interleaved and self.heads is None:
-            raise ValueError(f"{name}: an interleaved pack needs heads= (how many heads it interleaves)")
+        if self.interleaved and self.heads is None and self.parts is None:
+            raise ValueError(f"{name}: an interleaved pack needs heads= or parts= (what it interleaves)")
         if self.dim is not None and self.transposed:
             raise ValueError(f"{name}: dim= fixes the split dimension; transposed/reversed would have no effect")
         if self.bias_dim is not None and self.bias is None:
@@ -234,11 +243,11 @@ class Layer:
         layout["groups"] = groups
         return Split(weight_dim, **layout), (None if bias_dim is None else Split(bias_dim, **layout))
 
-    def _count(self, value: str | int, config: Any, field: str) -> int:
-        """A head count: ``value`` itself, or the config attribute it names."""
+    def _count(self, value: Count, config: Any, field: str) -> int:
+        """A head count: ``value`` itself, the config attribute it names, or what it gives for ``config``."""
         if _is_int(value):
             return value
-        count = getattr(config, value, None)
+        count = value(config) if callable(value) else getattr(config, value, None)
         if not _is_int(count) or count < 1:
             found = "lacks it" if count is None else f"holds {count!r}, not a positive int"
             raise ShardingError(
@@ -279,8 +288,10 @@ class Policy:
         return {}
 
     @staticmethod
-    def replace_modules() -> dict[str, type[nn.Module]]:
-        """Module classes to swap inside the layer instance, ``{path: new_class}``."""
+    def replace_modules() -> dict[str, type[nn.Module] | Callable[[nn.Module | None], type[nn.Module] | None]]:
+        """Module classes to swap inside the layer instance, ``{path: new_class}``; a value may be a
+        function of the module at ``path`` (``None`` where the layer has none, an optional module)
+        giving its class, or ``None`` to leave it."""
         return {}
 
     @staticmethod

@@ -19,7 +19,15 @@ from torch import nn
 
 from tpcore.auto import AutoPolicy
 from tpcore.comm import group_rank, group_size
-from tpcore.plan import ShardPlan, get_path, make_megatron_layer, resolve_layer, set_path, vocabulary_modules
+from tpcore.plan import (
+    ShardPlan,
+    get_path,
+    make_megatron_layer,
+    module_classes,
+    resolve_layer,
+    set_path,
+    vocabulary_modules,
+)
 from tpcore.policy import Layer, Policy, ShardingError
 
 __all__ = ["TensorReplacer"]
@@ -110,7 +118,7 @@ class TensorReplacer:
         """Give modules inside each layer of ``policy_cls`` the classes its ``replace_modules`` names."""
         for _, layer in model.named_modules():
             if policy_cls.matches(layer):
-                for path, new_class in policy_cls.replace_modules().items():
+                for path, new_class in module_classes(policy_cls, layer).items():
                     module = get_path(layer, path)
                     module.__class__ = new_class
                     if hasattr(new_class, "tp_group"):

@@ -77,6 +77,8 @@ def _shrunk(config, sizes: dict[str, int]):
         if key not in _DERIVED and key not in _sub_config_names(config) and value != getattr(defaults, key, None)
     }
     for name, value in sizes.items():
+        if isinstance(getattr(type(config), name, None), property):
+            continue  # derived from other fields (Falcon's head_dim)
         current = getattr(config, name, None)
         if isinstance(current, (list, tuple)) and all(isinstance(item, int) for item in current):
             kwargs[name] = type(current)([value] * len(current))

@@ -20,6 +20,8 @@ plain (``n_fused=1``)       the whole dimension             its ``S`` features
 ``parts=(p1, ..., pk)``     ``k`` blocks of ``pi S / sum``  ``pi`` heads (head size ``S / sum``),
                                                             in ``gcd(p1, ..., pk)`` groups
 ``interleaved`` (``heads``) the whole dimension             ``heads`` groups of ``n_fused`` tensors
+``parts`` + ``interleaved``  as ``parts``, stored group by   as ``parts``; a rank's pieces follow
+                            group                           the groups (below)
 ==========================  ==============================  ===================================
 
 So a fused ``[Q | K | V]`` gives rank ``r`` the piece ``[Q_r | K_r | V_r]`` (its fused output still
@@ -28,6 +30,13 @@ two key/value heads with their six query heads and rank 1 the third with its thr
 pack ``parts=(32, 1, 1)`` gives every rank its query heads and the one key and value head, and a
 head-interleaved ``[q0 k0 v0 | q1 k1 v1 | ...]`` gives rank ``r`` its whole heads, each with its q, k
 and v: one contiguous block. Where ``N`` divides every count the pieces are the equal ones.
+
+``parts`` with ``interleaved`` stores the ``g`` groups one after another, each packing its
+``pi / g`` heads of every part (Falcon's grouped ``query_key_value``, ``parts=(H, G, G)``:
+``[q.. k v | q.. k v | ...]``, ``H / G + 2`` heads a group). The heads are dealt as for ``parts``;
+rank ``r`` keeps, group by group, its heads of each part, so its piece is again a pack of groups
+(whole groups when ``g >= N``: one contiguous block; else its query heads of one group beside the
+group's replicated key and value heads).
 
 A vocabulary (embedding rows, LM-head rows) rarely divides by the world size (GPT-2 has 50257
 tokens), so it is ``pad``-ded instead: every rank holds ``ceil(V / N)`` rows, rank ``r`` the rows
@@ -59,7 +68,8 @@ class Split(NamedTuple):
         heads: heads in each packed tensor (replicated when fewer than the ranks); required by ``interleaved``.
         pad: pad to ``ceil(S / N)`` per rank instead of dealing whole units (vocabularies).
         parts: head counts of unequal packed tensors (``(32, 8, 8)`` for q|k|v with 8 KV heads).
-        interleaved: heads packed one after another, each holding its ``n_fused`` tensors.
+        interleaved: heads packed one after another, each holding its ``n_fused`` tensors; with
+            ``parts``, groups packed one after another, each holding its share of every part.
         groups: how many groups the heads form, dealt whole (the key/value heads of a query
             projection); must divide every head count. Default: each head its own group, or
             ``gcd(parts)`` for ``parts``.
@@ -84,6 +94,8 @@ class Split(NamedTuple):
             start = min(rank * piece, size)
             stop = min(start + piece, size)
             return [(start, stop)], piece - (stop - start)
+        if self.parts is not None and self.interleaved:
+            return self._group_ranges(size, rank, world_size), 0
         ranges = []
         for offset, length, units, groups in self._segments(size, world_size):
             unit = length // units if units else 0
@@ -154,12 +166,10 @@ class Split(NamedTuple):
         if self.parts is not None:
             if not self.parts or not all(isinstance(p, int) and p >= 1 for p in self.parts):
                 raise ValueError(f"parts {self.parts} must be positive head counts")
-            if self.heads is not None or self.interleaved or self.n_fused not in (1, len(self.parts)):
-                raise ValueError(
-                    f"parts {self.parts} give the head counts; they take no heads, interleaving or n_fused"
-                )
-        if self.interleaved and self.heads is None:
-            raise ValueError("an interleaved split needs heads (how many heads the tensor interleaves)")
+            if self.heads is not None or self.n_fused not in (1, len(self.parts)):
+                raise ValueError(f"parts {self.parts} give the head counts; they take no heads or n_fused")
+        if self.interleaved and self.heads is None and self.parts is None:
+            raise ValueError("an interleaved split needs heads or parts (what the tensor interleaves)")
         if self.groups is not None and self.heads is None and self.parts is None:
             raise ValueError("groups group heads: a split with groups needs heads or parts")
         if self.pad and (self.n_fused != 1 or self.heads is not None or self.parts or self.interleaved):
@@ -199,6 +209,28 @@ class Split(NamedTuple):
                 raise ShardingError(f"size {size}: {count} heads cannot form {groups} equal groups")
         offsets = [sum(lengths[:index]) for index in range(len(lengths))]
         return [(offset, length, count, groups) for offset, length, count in zip(offsets, lengths, counts, strict=True)]
+
+    def _group_ranges(self, size: int, rank: int, world_size: int) -> list[tuple[int, int]]:
+        """Rank ``rank``'s ranges of a ``parts`` pack stored group by group (module docstring): for each
+        group in order, its heads of each part there, adjacent ranges merged."""
+        segments = self._segments(size, world_size)
+        groups = segments[0][3] or 1  # always set for parts: gcd(parts) by default
+        counts = [units for _, _, units, _ in segments]
+        head_size = size // sum(counts)
+        per_group = [count // groups for count in counts]
+        dealt = [_runs(count, world_size, groups)[rank] for count in counts]
+        ranges: list[tuple[int, int]] = []
+        for group in range(groups):
+            offset = group * sum(per_group) * head_size
+            for (first, count), per in zip(dealt, per_group, strict=True):
+                low, high = max(first, group * per), min(first + count, (group + 1) * per)
+                if low < high:
+                    start, stop = offset + (low - group * per) * head_size, offset + (high - group * per) * head_size
+                    if ranges and ranges[-1][1] == start:
+                        start = ranges.pop()[0]
+                    ranges.append((start, stop))
+                offset += per * head_size
+        return ranges
 
 
 def _runs(units: int, world_size: int, groups: int | None) -> tuple[tuple[int, int], ...]:

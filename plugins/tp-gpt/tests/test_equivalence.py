@@ -42,8 +42,12 @@ class Architecture:
     names: tuple[str, str, str, str | None]
     heads: tuple[str, ...] = HEADS
     causal_lm: str = "ForCausalLM"
-    kv_heads: bool = False
+    #: the config keyword of grouped key/value heads, if any
+    kv_heads: str | None = None
     extra: dict = field(default_factory=dict)
+    #: the transformers class prefix (``FalconForCausalLM``), where the table's name is a variant's
+    #: (a variant's first head is in the slow matrix; its family's stays in the quick core)
+    model: str | None = None
 
     def make_config(self, hidden, heads, layers, intermediate, kv_heads=None, **overrides):
         hidden_name, heads_name, layers_name, intermediate_name = self.names
@@ -51,12 +55,15 @@ class Architecture:
         if intermediate_name:
             values[intermediate_name] = intermediate
         if self.kv_heads:
-            values["num_key_value_heads"] = kv_heads or heads
+            values[self.kv_heads] = kv_heads or heads
         special = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": None}
         return getattr(transformers, self.config)(**values, **special, **self.extra, **overrides)
 
 
 LLAMA_NAMES = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size")
+FALCON_NAMES = ("hidden_size", "num_attention_heads", "num_hidden_layers", "ffn_hidden_size")
+BIGCODE_NAMES = ("n_embd", "n_head", "n_layer", "n_inner")
+KV = "num_key_value_heads"
 ARCHITECTURES = {
     "GPT2": Architecture(
         "GPT2Config",
@@ -81,9 +88,58 @@ ARCHITECTURES = {
         extra={"max_position_embeddings": 128},
     ),
     "Bloom": Architecture("BloomConfig", ("hidden_size", "n_head", "n_layer", None)),
-    "Llama": Architecture("LlamaConfig", LLAMA_NAMES, kv_heads=True),
-    "Mistral": Architecture("MistralConfig", LLAMA_NAMES, kv_heads=True, extra={"sliding_window": 6}),
-    "Qwen2": Architecture("Qwen2Config", LLAMA_NAMES, kv_heads=True),
+    "Llama": Architecture("LlamaConfig", LLAMA_NAMES, kv_heads=KV),
+    "Mistral": Architecture("MistralConfig", LLAMA_NAMES, kv_heads=KV, extra={"sliding_window": 6}),
+    "Qwen2": Architecture("Qwen2Config", LLAMA_NAMES, kv_heads=KV),
+    # Falcon's three query_key_value layouts: grouped KV (new decoder architecture, parallel attention
+    # with two norms), multi-query (Falcon-7B: [q | k | v], parallel attention with one norm), per-head
+    # q|k|v with ALiBi and biases (Falcon-RW: sequential attention and MLP)
+    "Falcon": Architecture(
+        "FalconConfig", FALCON_NAMES, kv_heads="num_kv_heads", extra={"new_decoder_architecture": True}
+    ),
+    "FalconMultiQuery": Architecture(
+        "FalconConfig", FALCON_NAMES, model="Falcon", extra={"multi_query": True, "parallel_attn": True}
+    ),
+    "FalconALiBi": Architecture(
+        "FalconConfig",
+        FALCON_NAMES,
+        model="Falcon",
+        extra={"multi_query": False, "parallel_attn": False, "alibi": True, "bias": True},
+    ),
+    "GPTBigCode": Architecture("GPTBigCodeConfig", BIGCODE_NAMES, HEADS[:4], extra={"n_positions": 128}),
+    "GPTBigCodeMultiHead": Architecture(
+        "GPTBigCodeConfig",
+        BIGCODE_NAMES,
+        HEADS[:4],
+        model="GPTBigCode",
+        extra={"n_positions": 128, "multi_query": False},
+    ),
+    # StableLM: per-head q/k norms and the parallel residual, partial rotary (a quarter by default)
+    "StableLm": Architecture(
+        "StableLmConfig", LLAMA_NAMES, HEADS[:4], kv_heads=KV, extra={"qk_layernorm": True, "use_qkv_bias": True}
+    ),
+    "StableLmParallel": Architecture(
+        "StableLmConfig",
+        LLAMA_NAMES,
+        HEADS[:4],
+        kv_heads=KV,
+        model="StableLm",
+        extra={"use_parallel_residual": True, "partial_rotary_factor": 0.5},
+    ),
+    "OpenAIGPT": Architecture(
+        "OpenAIGPTConfig",
+        ("n_embd", "n_head", "n_layer", None),
+        ("Model", "LMHeadModel", "ForSequenceClassification", "DoubleHeadsModel"),
+        causal_lm="LMHeadModel",
+        extra={"n_positions": 128},
+    ),
+    "CTRL": Architecture(
+        "CTRLConfig",
+        ("n_embd", "n_head", "n_layer", "dff"),
+        ("Model", "LMHeadModel", "ForSequenceClassification"),
+        causal_lm="LMHeadModel",
+        extra={"n_positions": 128},
+    ),
 }
 CASES = [(arch, head) for arch, spec in ARCHITECTURES.items() for head in spec.heads]
 
@@ -96,7 +152,7 @@ def model_spec(arch, head, hidden=48, heads=12, layers=2, intermediate=96, kv_he
             [[["global", "local"], layers // 2]] if layers % 2 == 0 else [[["local"], layers]]
         )
     config = architecture.make_config(hidden, heads, layers, intermediate, kv_heads, **overrides)
-    return ModelSpec(getattr(transformers, arch + head), config, seed)
+    return ModelSpec(getattr(transformers, (architecture.model or arch) + head), config, seed)
 
 
 def left_padded(lengths: list[int], seq: int, seed: int) -> dict:
@@ -104,17 +160,24 @@ def left_padded(lengths: list[int], seq: int, seed: int) -> dict:
     return padded_batch(lengths, seq, VOCAB, seed, padding="left")
 
 
-def shaped_for(head: str, inputs: dict) -> dict:
-    """``inputs`` shaped for ``head`` (``DoubleHeadsModel`` scores two choices per row)."""
-    return with_choices(inputs) if head == "DoubleHeadsModel" else inputs
+def shaped_for(arch: str, head: str, inputs: dict) -> dict:
+    """``inputs`` shaped for ``head`` (``DoubleHeadsModel`` scores two choices per row). OpenAI-GPT's model
+    flattens ``(batch, choices, seq)`` ids but not the mask, so it gets the mask flat, one row per choice."""
+    if head != "DoubleHeadsModel":
+        return inputs
+    shaped = with_choices(inputs)
+    if arch == "OpenAIGPT":
+        shaped["attention_mask"] = shaped["attention_mask"].flatten(0, 1)
+    return shaped
 
 
 def every_head_cases():
-    """``(arch, head, world sizes)``: the first head of each architecture over 1-4 ranks, the others
-    (slow) over 2 and 3."""
+    """``(arch, head, world sizes)``: the first head of each architecture over 1-4 ranks (slow for a
+    variant of a family), the others (slow) over 2 and 3."""
     for arch, architecture in ARCHITECTURES.items():
         first, *others = architecture.heads
-        yield pytest.param(arch, first, (1, 2, 3, 4), id=arch + first)
+        variant = [pytest.mark.slow] if architecture.model else []
+        yield pytest.param(arch, first, (1, 2, 3, 4), id=arch + first, marks=variant)
         for head in others:
             yield pytest.param(arch, head, (2, 3), id=arch + head, marks=pytest.mark.slow)
 
@@ -123,7 +186,7 @@ def every_head_cases():
 def test_every_head(rank_pools, arch, head, world_sizes):
     """12 query heads (1 KV head where grouped) over each world size; padded batch of 3."""
     spec = model_spec(arch, head, kv_heads=1)
-    inputs = shaped_for(head, left_padded([7, 3, 5], seq=7, seed=2))
+    inputs = shaped_for(arch, head, left_padded([7, 3, 5], seq=7, seed=2))
     if head != "DoubleHeadsModel":
         inputs["output_hidden_states"] = True
     report = check_equivalence(spec, inputs, world_sizes=world_sizes, pools=rank_pools)
@@ -226,6 +289,21 @@ def test_smollm2_head_counts_split_over_two_ranks_with_each_kv_head_beside_its_q
     assert [plan.shard_shape("model.layers.0.self_attn.k_proj.weight", rank) for rank in (0, 1)] == [(8, 36), (4, 36)]
 
 
+def test_falcon_7b_multi_query_heads_split_over_world_sizes_up_to_71():
+    """Falcon-7B's 71 query heads and one key/value head: the plan holds up to 71 ranks (the k and v head
+    on every rank), 72 are refused; over 2 ranks ``query_key_value`` holds 36 + 2 and 35 + 2 heads."""
+    spec = model_spec("FalconMultiQuery", "ForCausalLM", hidden=142, heads=71, layers=1, intermediate=142)
+    model = spec.build()
+    for world_size in (3, 8, 70, 71):
+        tpcore.TensorReplacer(model, None, False, world_size, rank=0).validate()
+    with pytest.raises(tpcore.ShardingError, match="dense.*heads are fewer than the ranks"):
+        tpcore.TensorReplacer(model, None, False, 72, rank=0).validate()
+    plan = tpcore.TensorReplacer(model, None, False, 2, rank=0).split_plan()
+    qkv = "transformer.h.0.self_attention.query_key_value.weight"
+    assert [plan.shard_shape(qkv, rank) for rank in (0, 1)] == [(76, 142), (74, 142)]
+    assert plan.attributes["transformer.h.0.self_attention.num_heads"] == tpcore.PerRank((36, 35))
+
+
 @pytest.mark.parametrize(("heads", "kv_heads", "world_size"), [(2, 2, 3), (4, 1, 5)])
 def test_fewer_query_heads_than_ranks_are_refused_naming_the_output_projection(heads, kv_heads, world_size):
     spec = model_spec("Llama", "ForCausalLM", hidden=4 * heads, heads=heads, kv_heads=kv_heads)
@@ -246,7 +324,7 @@ def test_random_configs_match_unsplit(rank_pools, case, sizes, inputs, seed):
     ``test_every_head``'s)."""
     arch, head = case
     spec = model_spec(arch, head, sizes.hidden, sizes.heads, sizes.layers, sizes.intermediate, sizes.kv_heads, seed)
-    report = check_equivalence(spec, shaped_for(head, inputs), world_sizes=(sizes.world_size,), pools=rank_pools)
+    report = check_equivalence(spec, shaped_for(arch, head, inputs), world_sizes=(sizes.world_size,), pools=rank_pools)
     assert report[sizes.world_size]
 
 

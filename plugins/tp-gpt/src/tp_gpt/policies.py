@@ -15,6 +15,14 @@ head-count attributes that the forwards read:
   (``Layer(heads="num_key_value_heads")``) so each rank holds whole groups, and
   ``num_key_value_groups`` becomes the local query-to-KV ratio.
 
+- Falcon and GPT-BigCode (StarCoder) pack q|k|v in one projection by key/value group: each group's
+  query heads, then its key and value head (``parts=(H, G, G), interleaved=True``); the grouped
+  (new architecture), multi-query (one group: ``[q | k | v]``) and per-head (``G = H``) layouts
+  are that pack with the ``G`` their config flags give. Falcon's ALiBi attention takes its heads'
+  bias rows, as BLOOM's does (:mod:`tp_gpt.falcon`).
+- StableLM: Llama's grouped heads; its per-head q/k LayerNorms follow the heads (:mod:`tp_gpt.stablelm`).
+- OpenAI-GPT: GPT-2's Conv1D layout; CTRL: separate ``Wq``/``Wk``/``Wv``, the MLP a ``Sequential``.
+
 Heads are dealt whole (:func:`tpcore.share`), so any world size up to the head count works: GPT-2 XL's
 25 heads over 2 ranks are 13 and 12, SmolLM2's 9 query and 3 key/value heads over 2 ranks are 6 + 2
 and 3 + 1. Every attention projection names its head count (``Layer(heads=...)``) for its rows to follow.
@@ -23,6 +31,7 @@ and 3 + 1. Every attention projection names its head count (``Layer(heads=...)``
 from __future__ import annotations
 
 from tpcore import Layer, Policy, share
+from tpcore.layers import RowParallelLinear
 
 _MODELS = "transformers.models"
 
@@ -263,6 +272,169 @@ class Qwen2Policy(LlamaPolicy):
     layer_class = f"{_MODELS}.qwen2.modeling_qwen2.Qwen2DecoderLayer"
 
 
+def _falcon_key_value_heads(config) -> int:
+    """The key/value groups of Falcon's ``query_key_value``: ``num_kv_heads`` (new decoder architecture),
+    one (``multi_query``: ``[q | k | v]``), or one per query head (``[q0 k0 v0 | q1 k1 v1 | ...]``)."""
+    if config.new_decoder_architecture:
+        return config.num_kv_heads
+    return 1 if config.multi_query else config.num_attention_heads
+
+
+class FalconPolicy(Policy):
+    """Falcon decoder layer, every layout: ``self_attention.query_key_value`` packs each key/value group's
+    query heads, key and value head (:mod:`tp_gpt.falcon`); ``FalconLinear`` rows all-reduce as ``Linear``."""
+
+    layer_class = f"{_MODELS}.falcon.modeling_falcon.FalconDecoderLayer"
+
+    @staticmethod
+    def replace_arguments(config, world_size):
+        groups = _falcon_key_value_heads(config)
+        heads = share(config.num_attention_heads, world_size, "num_attention_heads", groups=groups)
+        arguments = {
+            "self_attention.num_heads": heads,
+            "self_attention.num_kv_heads": share(groups, world_size, "key/value heads"),
+        }
+        if config.alibi:
+            first = share(config.num_attention_heads, world_size, "num_attention_heads", groups=groups, first=True)
+            arguments["self_attention.first_head"] = first
+        return arguments
+
+    @staticmethod
+    def replace_modules():
+        from tp_gpt.falcon import attention_class
+
+        return {"self_attention": attention_class}
+
+    @staticmethod
+    def attn_qkv():
+        parts = ("num_attention_heads", _falcon_key_value_heads, _falcon_key_value_heads)
+        return [_linear("self_attention.query_key_value", parts=parts, interleaved=True)]
+
+    @staticmethod
+    def attn_out():
+        grouped = {"heads": "num_attention_heads", "groups": _falcon_key_value_heads}
+        return [_linear("self_attention.dense", **grouped, replace=RowParallelLinear)]
+
+    @staticmethod
+    def mlp_in():
+        return [_linear("mlp.dense_h_to_4h")]
+
+    @staticmethod
+    def mlp_out():
+        return [_linear("mlp.dense_4h_to_h", replace=RowParallelLinear)]
+
+
+def _bigcode_key_value_heads(config) -> int:
+    """GPT-BigCode's key/value heads: one (multi-query ``[q | k | v]``) or one per query head (``[q0 k0 v0 | ...]``)."""
+    return 1 if config.multi_query else config.n_head
+
+
+class GPTBigCodePolicy(Policy):
+    """GPT-BigCode (StarCoder) block: ``attn.c_attn`` a multi-query ``[q | k | v]`` or per-head q|k|v pack."""
+
+    layer_class = f"{_MODELS}.gpt_bigcode.modeling_gpt_bigcode.GPTBigCodeBlock"
+
+    @staticmethod
+    def replace_arguments(config, world_size):
+        heads = _local_heads(config, world_size, "n_head")
+        head_dim = config.n_embd // config.n_head
+        kv_heads = share(_bigcode_key_value_heads(config), world_size, "key/value heads")
+        return {
+            "attn.num_heads": heads,
+            "attn.embed_dim": heads * head_dim,
+            "attn.kv_heads": kv_heads,
+            "attn.kv_dim": kv_heads * head_dim,
+            "attn.num_key_value_groups": heads // kv_heads,
+        }
+
+    @staticmethod
+    def attn_qkv():
+        parts = ("n_head", _bigcode_key_value_heads, _bigcode_key_value_heads)
+        return [_linear("attn.c_attn", parts=parts, interleaved=True)]
+
+    @staticmethod
+    def attn_out():
+        return [_linear("attn.c_proj", heads="n_head")]
+
+    @staticmethod
+    def mlp_in():
+        return [_linear("mlp.c_fc")]
+
+    @staticmethod
+    def mlp_out():
+        return [_linear("mlp.c_proj")]
+
+
+class StableLmPolicy(LlamaPolicy):
+    """StableLM decoder layer: Llama's projections; with ``qk_layernorm`` each rank's per-head norms
+    are those of its own heads (:mod:`tp_gpt.stablelm`). Partial rotary and the parallel residual
+    act within a head or on whole hidden states, so they need nothing."""
+
+    layer_class = f"{_MODELS}.stablelm.modeling_stablelm.StableLmDecoderLayer"
+
+    @staticmethod
+    def replace_arguments(config, world_size):
+        heads = _local_heads(config, world_size, "num_attention_heads", groups="num_key_value_heads")
+        kv_heads = _local_heads(config, world_size, "num_key_value_heads")
+        arguments = {
+            "self_attn.num_heads": heads,
+            "self_attn.num_key_value_heads": kv_heads,
+            "self_attn.num_key_value_groups": heads // kv_heads,
+        }
+        if config.qk_layernorm:
+            first = _local_heads(config, world_size, "num_attention_heads", groups="num_key_value_heads", first=True)
+            first_kv = _local_heads(config, world_size, "num_key_value_heads", first=True)
+            for norm, count, start in (("q_layernorm", heads, first), ("k_layernorm", kv_heads, first_kv)):
+                arguments[f"self_attn.{norm}.num_heads"] = count
+                arguments[f"self_attn.{norm}.first_head"] = start
+        return arguments
+
+    @staticmethod
+    def replace_modules():
+        from tp_gpt.stablelm import per_head_norm_class
+
+        return {"self_attn.q_layernorm": per_head_norm_class, "self_attn.k_layernorm": per_head_norm_class}
+
+
+class OpenAIGPTPolicy(GPT2Policy):
+    """OpenAI GPT block: GPT-2's Conv1D layout; its attention views by ``n_head``, splits by ``split_size``."""
+
+    layer_class = f"{_MODELS}.openai.modeling_openai.Block"
+
+    @staticmethod
+    def replace_arguments(config, world_size):
+        heads = _local_heads(config, world_size, "n_head")
+        return {"attn.n_head": heads, "attn.split_size": heads * (config.n_embd // config.n_head)}
+
+
+class CTRLPolicy(Policy):
+    """CTRL encoder layer: ``multi_head_attention.{Wq,Wk,Wv,dense}``; ``ffn`` a ``Sequential(Linear, ReLU, Linear)``."""
+
+    layer_class = f"{_MODELS}.ctrl.modeling_ctrl.EncoderLayer"
+
+    @staticmethod
+    def replace_arguments(config, world_size):
+        heads = _local_heads(config, world_size, "n_head")
+        width = heads * (config.n_embd // config.n_head)
+        return {"multi_head_attention.num_heads": heads, "multi_head_attention.d_model_size": width}
+
+    @staticmethod
+    def attn_qkv():
+        return [_linear(f"multi_head_attention.W{name}", heads="n_head") for name in "qkv"]
+
+    @staticmethod
+    def attn_out():
+        return [_linear("multi_head_attention.dense", heads="n_head")]
+
+    @staticmethod
+    def mlp_in():
+        return [_linear("ffn.0")]
+
+    @staticmethod
+    def mlp_out():
+        return [_linear("ffn.2")]
+
+
 POLICIES = (
     GPT2Policy,
     GPTNeoPolicy,
@@ -273,4 +445,9 @@ POLICIES = (
     LlamaPolicy,
     MistralPolicy,
     Qwen2Policy,
+    FalconPolicy,
+    GPTBigCodePolicy,
+    StableLmPolicy,
+    OpenAIGPTPolicy,
+    CTRLPolicy,
 )
