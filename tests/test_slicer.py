@@ -420,7 +420,7 @@ def test_where_the_ranks_divide_every_count_the_pieces_are_the_equal_ones(split,
     ("split", "message"),
     [
         (Split(0, parts=(2, 2), heads=2), "take no heads"),
-        (Split(0, n_fused=2, parts=(2, 2, 2)), "take no heads, interleaving or n_fused"),
+        (Split(0, n_fused=2, parts=(2, 2, 2)), "take no heads or n_fused"),
         (Split(0, parts=(2, 0)), "must be positive head counts"),
         (Split(0, n_fused=3, interleaved=True), "interleaved split needs heads"),
         (Split(0, pad=True, n_fused=2), "padded"),

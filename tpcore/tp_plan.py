@@ -114,7 +114,9 @@ def sub_model_plans(model: nn.Module) -> list[SubModelPlan]:
             continue
         base = getattr(module, "base_model", module)
         if base is module:  # its base_model_prefix names no child (Llama 4's causal LM): the child of its config
-            base = next((child for child in module.children() if getattr(child, "config", None) is config), module)
+            base = next(
+                (child for child in module.children() if _is_pretrained(child) and child.config is config), module
+            )
         base_name = next(n for n, m in module.named_modules() if m is base)
         prefix = ".".join(part for part in (name, base_name) if part)
         try:
@@ -154,6 +156,14 @@ def derive_policies(model: nn.Module) -> list[type[Policy]]:
         by_class.setdefault(type(block), []).append((name, block, paths))
     configs = module_configs(model)
     return [_policy_for(instances, configs) for instances in by_class.values()]
+
+
+def _is_pretrained(module: nn.Module) -> bool:
+    """Whether ``module`` is a transformers model (not a submodule that merely keeps the config, as rotary
+    embeddings do)."""
+    from transformers import PreTrainedModel
+
+    return isinstance(module, PreTrainedModel)
 
 
 def _describe(module: nn.Module, config: Any) -> str:
