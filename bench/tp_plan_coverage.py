@@ -149,13 +149,16 @@ def check_one(model_type: str, config_class, pools, world_size: int) -> dict:
             else {}
         )
         for blocks in plan.rules:
-            rules = raw
-            block = next(iter(model.get_submodule(blocks).children()), None)
-            name = type(block).__qualname__
-            policy = next((p for p in policies if block is not None and p.layer_class.endswith(name)), None)
-            if policy is not None:
-                gathers, reduces = plan_collectives(block, rules)
-                counts.append(f"{type(block).__name__}: {gathers} + {reduces} -> {tpcore_collectives(block, policy)}")
+            # per block class, the block the plan splits most (a MoE stack's first blocks may be dense)
+            busiest: dict[type, tuple[tuple[int, int], torch.nn.Module]] = {}
+            for block in model.get_submodule(blocks).children():
+                cost = plan_collectives(block, raw)
+                if type(block) not in busiest or sum(cost) > sum(busiest[type(block)][0]):
+                    busiest[type(block)] = (cost, block)
+            for kind, ((gathers, reduces), block) in busiest.items():
+                policy = next((p for p in policies if p.layer_class.endswith(kind.__qualname__)), None)
+                if policy is not None:
+                    counts.append(f"{kind.__name__}: {gathers} + {reduces} -> {tpcore_collectives(block, policy)}")
     row["collectives"] = "; ".join(dict.fromkeys(counts))
     try:
         inputs = sample_inputs(model)

@@ -266,6 +266,13 @@ def test_composite_configs_shrink_every_sub_config_and_keep_their_own_settings()
     assert small_config(llava).vision_feature_layer == llava.vision_feature_layer
 
 
+def test_fields_a_default_config_leaves_unset_or_too_wide_get_small_values():
+    assert small_config(transformers.MinistralConfig()).head_dim == 16  # None by default, read as a number
+    assert small_config(transformers.DeepseekV2Config()).num_experts_per_tok == 2  # None by default
+    gptj = small_config(transformers.GPTJConfig())  # 64 rotary features of 16-wide heads by default
+    assert gptj.rotary_dim == 8 < gptj.n_embd // gptj.n_head
+
+
 def test_special_ids_move_into_the_vocabulary_keeping_equal_ids_equal():
     whisper = small_config(transformers.WhisperConfig())  # pad = bos = eos = 50256, decoder_start 50257
     assert whisper.vocab_size == VOCAB

@@ -18,6 +18,7 @@ from tpcore import Layer, Policy, ShardingError, TensorReplacer, divide
 from tpcore.configs import config_of
 from tpcore.layers import RowParallelLinear, VocabParallelEmbedding
 from tpcore.plan import ShardPlan
+from tpcore.policy import IfHeld
 from tpcore.skeleton import named_tensors, weightless_copy
 from tpcore.slicer import Split
 
@@ -111,6 +112,31 @@ class NoHeadsPolicy(BertPolicy):
     @staticmethod
     def attn_out():
         return [Layer(weight="attention.output.dense.weight", bias="attention.output.dense.bias")]
+
+
+class MarkedOnlyPolicy(BertPolicy):
+    """Rewrites ``attention.self.tag`` only in the layers that hold an ``attention.self.marker`` module."""
+
+    @staticmethod
+    def replace_arguments(config, world_size):
+        return {
+            **BertPolicy.replace_arguments(config, world_size),
+            "attention.self.tag": IfHeld("cut", "attention.self.marker"),
+        }
+
+
+def test_a_value_if_held_is_set_only_in_the_layer_instances_holding_its_module():
+    model = bert()
+    for layer in model.encoder.layer:
+        layer.attention.self.tag = "whole"
+    model.encoder.layer[1].attention.self.marker = torch.nn.Identity()
+    plan = ShardPlan.build(model, [MarkedOnlyPolicy], 2)
+    assert {path: value for path, value in plan.attributes.items() if path.endswith(".tag")} == {
+        "encoder.layer.1.attention.self.tag": "cut"
+    }
+    assert plan.attributes["encoder.layer.0.attention.self.num_attention_heads"] == 3  # the others as before
+    shard = plan.apply(copy.deepcopy(model), 0)
+    assert [layer.attention.self.tag for layer in shard.encoder.layer] == ["whole", "cut"]
 
 
 def test_heads_that_do_not_stay_whole_are_refused_before_anything_changes():

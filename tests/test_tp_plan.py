@@ -12,6 +12,7 @@ import tpcore
 from tpcore.auto import AutoPolicy
 from tpcore.layers import ColumnSplitRMSNorm
 from tpcore.plugins import reset_plugins
+from tpcore.samples import small_config
 from tpcore.testing import ModelSpec, check_equivalence
 
 SIZES = dict(
@@ -48,6 +49,8 @@ FULL_WIDTH_NORMS = {"OLMo2", "OLMoE"}
 
 
 def spec_for(config_class: str, model_class: str, more: dict | None = None, seed: int = 1, **sizes) -> ModelSpec:
+    if not hasattr(transformers, model_class):  # newer than the oldest transformers tpcore supports
+        pytest.skip(f"transformers {transformers.__version__} has no {model_class}")
     config = getattr(transformers, config_class)(**{**SIZES, **(more or {}), **sizes})
     config._experts_implementation = "eager"
     return ModelSpec(getattr(transformers, model_class), config, seed)
@@ -78,6 +81,45 @@ def test_a_plan_with_styles_tpcore_cannot_follow_is_refused_clearly():
         AutoPolicy().get_policy(model)
 
 
+@pytest.mark.parametrize(
+    ("config_class", "model_class", "why"),
+    [
+        # the plan cuts qkv_proj by columns, but the forward reshapes its output into 4 fixed blocks
+        ("CodeGenConfig", "CodeGenForCausalLM", r"CodeGen.*does not follow its tp plan: .*mp_num"),
+        # dt_proj is row-split, yet each local head reads its own gate from the whole output
+        ("DogeConfig", "DogeForCausalLM", r"Doge.*does not follow its tp plan: its dt_proj"),
+        # sliding-window layers double their key/value heads: the config's head counts are wrong for them
+        (
+            "MiMoV2FlashConfig",
+            "MiMoV2FlashForCausalLM",
+            r"layers.1.self_attn groups 1 query heads per key/value head, its config 2",
+        ),
+        # its plan names MLP linears its MoE blocks lack, and a split input without the gather before it
+        (
+            "MuseSparkTextConfig",
+            "MuseSparkTextModel",
+            r"rules of its tp plan that a split forward follows name no tensor of its blocks",
+        ),
+    ],
+)
+def test_a_plan_that_no_split_can_follow_is_refused_naming_why(config_class, model_class, why):
+    if not hasattr(transformers, model_class):  # newer than the oldest transformers tpcore supports
+        pytest.skip(f"transformers {transformers.__version__} has no {model_class}")
+    model = getattr(transformers, model_class)(small_config(getattr(transformers, config_class)(), (2,)))
+    with pytest.raises(tpcore.UnsupportedModelError, match=why):
+        AutoPolicy().get_policy(model)
+
+
+def test_a_full_width_q_norm_after_a_split_projection_must_be_an_rms_norm():
+    """ESM C normalizes the whole q/k width with LayerNorms after projections its plan splits: refused
+    before any rank starts (a column-split norm is an RMSNorm)."""
+    if not hasattr(transformers, "EsmcModel"):
+        pytest.skip(f"transformers {transformers.__version__} has no EsmcModel")
+    model = transformers.EsmcModel(small_config(transformers.EsmcConfig(), (2,)))
+    with pytest.raises(tpcore.ShardingError, match=r"self_attn.q_norm: no column-split norm for a EsmcLayerNorm"):
+        tpcore.TensorReplacer(model, None, False, 2, rank=0).validate()
+
+
 def test_gathered_outputs_are_split_by_their_parts_without_a_gather():
     """Phi-3's packed q|k|v is cut by its unequal parts and gate|up by its halves; OLMo 2's full-width q/k
     norms become column-split norms, and world sizes that would replicate its KV heads unequally are refused."""
@@ -93,6 +135,42 @@ def test_gathered_outputs_are_split_by_their_parts_without_a_gather():
     assert plan.shard_shape("model.layers.0.self_attn.k_norm.weight", 3) == (width,)
     with pytest.raises(tpcore.ShardingError, match=r"over 3 ranks its 2 key/value heads would be held by unequally"):
         tpcore.TensorReplacer(olmo2, None, False, 3, rank=0).validate()
+
+
+def test_a_projection_with_one_feature_per_head_is_dealt_with_the_query_heads(rank_pools):
+    """Laguna's output gate ``g_proj`` (hidden -> one value per query head) follows the query heads, 4 in 2
+    key/value groups over 3 ranks: 1 + 1 + 2 heads, as q_proj's rows and o_proj's columns."""
+    more = {
+        "num_experts": 2,
+        "num_experts_per_tok": 1,
+        "moe_intermediate_size": 16,
+        "shared_expert_intermediate_size": 16,
+    }
+    spec = spec_for("LagunaConfig", "LagunaForCausalLM", more)
+    plan = tpcore.TensorReplacer(spec.build(), None, False, 3, rank=0).split_plan()
+    attention = "model.layers.0.self_attn"
+    gates = [plan.shard_shape(f"{attention}.g_proj.weight", rank)[0] for rank in range(3)]
+    queries = [plan.shard_shape(f"{attention}.q_proj.weight", rank)[0] // SIZES["head_dim"] for rank in range(3)]
+    assert gates == queries == [1, 1, 2]
+    assert sorted(check_equivalence(spec, batch(), world_sizes=(3,), pools=rank_pools)) == [3]
+
+
+def test_a_hybrid_stack_rewrites_head_counts_only_in_the_blocks_holding_the_split_attention(rank_pools):
+    """MiniMax alternates softmax and lightning attention in blocks of one class: the first's head counts
+    are rewritten, the lightning attention (no rule names its modules) stays whole with its own."""
+    spec = spec_for(
+        "MiniMaxConfig",
+        "MiniMaxForCausalLM",
+        {"layer_types": ["full_attention", "linear_attention"], "num_local_experts": 2, "num_experts_per_tok": 1},
+    )
+    plan = tpcore.TensorReplacer(spec.build(), None, False, 2, rank=0).split_plan()
+    rewritten = {path for path in plan.attributes if ".self_attn." in path}
+    assert rewritten == {"model.layers.0.self_attn.num_key_value_groups"}
+    assert (
+        plan.shard_shape("model.layers.1.self_attn.qkv_proj.weight")
+        == plan.shapes["model.layers.1.self_attn.qkv_proj.weight"]
+    )
+    assert sorted(check_equivalence(spec, batch(), world_sizes=(2,), pools=rank_pools)) == [2]
 
 
 def test_a_plugin_policy_wins_over_the_derived_one(monkeypatch):

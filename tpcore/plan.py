@@ -36,7 +36,7 @@ from torch import nn
 
 from tpcore.configs import module_configs
 from tpcore.layers import make_vocab_parallel, row_parallel_class, set_layer_size, vocab_parallel_class
-from tpcore.policy import Layer, Policy, ShardingError
+from tpcore.policy import IfHeld, Layer, Policy, ShardingError
 from tpcore.shares import PerRank, resolve
 from tpcore.skeleton import named_tensors
 from tpcore.slicer import COLUMN, ROW, Split
@@ -204,12 +204,16 @@ class ShardPlan:
             arguments = policy.replace_arguments(target.config, self.world_size) if rewrites else {}
             replaced = module_classes(policy, layer) if rewrites else {}
             specs = make_megatron_layer(policy)
-        for path in arguments:
+        for path, value in arguments.items():
+            if isinstance(value, IfHeld):
+                if not isinstance(get_path(layer, value.module), nn.Module):
+                    continue  # this instance lacks the module (a block of a hybrid stack)
+                value = value.value
             owner, _, attribute = path.rpartition(".")
             declared = owner in replaced and hasattr(replaced[owner], attribute)  # by the class it is given
             if get_path(layer, path) is _MISSING and not declared:
                 raise self.error(target.where, f"attribute {path!r} to rewrite does not exist")
-            self.attributes[join(target.name, path)] = arguments[path]
+            self.attributes[join(target.name, path)] = value
         for path, new_class in replaced.items():
             if not isinstance(get_path(layer, path), nn.Module):
                 raise self.error(target.where, f"module {path!r} to replace does not exist")
@@ -295,6 +299,8 @@ class ShardPlan:
                 split = self.splits.get(first_name.get(id(weight), ""))
                 if weight is None or split is None or split.pad or not _is_projection(child):
                     continue
+                if split.heads is not None and weight.shape[split.dim] == split.heads * split.n_fused:
+                    continue  # one feature per head (a per-head gate), dealt in whole heads by its split
                 for size in piece_sizes(split, weight.shape[split.dim], self.world_size):
                     if size % head_dim:
                         raise self.error(

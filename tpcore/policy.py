@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 from torch import nn
 
@@ -29,7 +29,7 @@ from tpcore.shares import PerRank, per_rank, runs
 if TYPE_CHECKING:
     from tpcore.slicer import Split
 
-__all__ = ["COLUMN", "ROW", "Layer", "PerRank", "Policy", "ShardingError", "divide", "share"]
+__all__ = ["COLUMN", "ROW", "IfHeld", "Layer", "PerRank", "Policy", "ShardingError", "divide", "share"]
 
 #: Parallel styles: column splits a layer's output features, row its input features.
 COLUMN = "column"
@@ -256,6 +256,15 @@ class Layer:
         return count
 
 
+class IfHeld(NamedTuple):
+    """A :meth:`Policy.replace_arguments` value set only in the layer instances that hold ``module``
+    (a path in the layer); the others keep theirs. For stacks whose blocks of one class hold
+    different modules (hybrid stacks: an attention in some blocks, a linear attention in others)."""
+
+    value: Any
+    module: str
+
+
 class Policy:
     """How to split one transformer layer class. Subclass and override the static methods.
 
@@ -283,7 +292,8 @@ class Policy:
 
         Use :func:`share` for head counts and sizes (a value may then be a :class:`PerRank`, which
         each rank reads its own entry of), or :func:`divide` where only equal splits are right, so
-        that a world size that does not divide them fails before anything is sliced.
+        that a world size that does not divide them fails before anything is sliced. A value wrapped
+        in :class:`IfHeld` is set only where the layer instance holds the module it names.
         """
         return {}
 

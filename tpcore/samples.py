@@ -32,6 +32,8 @@ IMAGE_SIZE, PATCH_SIZE = 32, 8
 #: Whisper-like encoders take ``2 * max_source_positions`` feature frames
 AUDIO_POSITIONS = 16
 _IMAGE_TOKEN_FIELDS = ("image_token_id", "image_token_index")
+#: config fields some default configs leave ``None`` although the model reads them as numbers
+_UNSET_IN_DEFAULTS = {"head_dim", "num_experts_per_tok"}
 #: config fields that follow from others and are recomputed when a sub-config is rebuilt
 _DERIVED = {"layer_types", "head_dim", "transformers_version", "model_type", "architectures"}
 
@@ -47,6 +49,7 @@ def small_sizes(world_sizes: Sequence[int]) -> dict[str, int]:
     sizes |= dict.fromkeys(("intermediate_size", "encoder_ffn_dim", "decoder_ffn_dim", "ffn_dim", "d_ff"), 2 * hidden)
     sizes |= dict.fromkeys(("conv_dim", "conv_channels"), hidden)  # speech front ends
     sizes |= {"hidden_size": hidden, "num_key_value_heads": kv_heads, "head_dim": HEAD_DIM, "d_kv": HEAD_DIM}
+    sizes |= {"rotary_dim": HEAD_DIM // 2}  # GPT-J / CodeGen: rotary features per head
     sizes |= {"vocab_size": VOCAB, "max_position_embeddings": POSITIONS, "max_target_positions": POSITIONS}
     sizes |= {"max_source_positions": AUDIO_POSITIONS, "image_size": IMAGE_SIZE, "patch_size": PATCH_SIZE}
     # mixture of experts: 8 experts of the hidden width, 2 per token (DeepSeek: in 2 groups, 1 chosen)
@@ -84,6 +87,8 @@ def _shrunk(config, sizes: dict[str, int]):
             kwargs[name] = type(current)([value] * len(current))
         elif isinstance(current, int) and not isinstance(current, bool):
             kwargs[name] = value
+        elif name in _UNSET_IN_DEFAULTS and current is None and name in vars(config):
+            kwargs[name] = value  # left unset by the default config, which some models read as is
     if "image_size" in kwargs and "patch_size" not in kwargs:
         del kwargs["image_size"]  # a patch grid needs both
     heads, kv_heads = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)

@@ -51,6 +51,7 @@ from __future__ import annotations
 import collections
 import copy
 import inspect
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,7 +59,7 @@ from torch import nn
 
 from tpcore.configs import config_of, module_configs, sub_models
 from tpcore.layers import column_split_norm_class
-from tpcore.policy import Layer, Policy, ShardingError, share
+from tpcore.policy import IfHeld, Layer, Policy, ShardingError, share
 from tpcore.shares import PerRank, resolve, runs
 
 __all__ = ["SubModelPlan", "TpPlanError", "derive_policies", "experts_arguments", "sub_model_plans"]
@@ -84,6 +85,15 @@ _KEPT_WHOLE = {
 _REDUCED_OUTPUT = {"moe_tp_experts", "all_reduce"}
 _HEAD_ATTRIBUTES = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_key_value_groups")
 _CONFIG_HEADS = ("num_attention_heads", "num_key_value_heads")
+
+
+#: model types whose forward no split of their planned tensors keeps: the plan is not followed
+UNFOLLOWABLE_PLANS = {
+    "codegen": "its attention cuts the output of its packed qkv_proj into 4 fixed blocks (mp_num) whatever its "
+    "width, so a rank's columns are cut in the wrong places",
+    "doge": "its dt_proj (row-split in the plan) mixes every key/value head's values into each head's gate, which "
+    "the attention then reads per local head",
+}
 
 
 class TpPlanError(LookupError):
@@ -112,6 +122,14 @@ def sub_model_plans(model: nn.Module) -> list[SubModelPlan]:
         if not plan:
             plans.append(SubModelPlan(name, config, whole=f"{_describe(module, config)} has no base_model_tp_plan"))
             continue
+        if getattr(config, "model_type", None) in UNFOLLOWABLE_PLANS:
+            reason = UNFOLLOWABLE_PLANS[config.model_type]
+            plans.append(
+                SubModelPlan(
+                    name, config, whole=f"{_describe(module, config)}: tpcore does not follow its tp plan: {reason}"
+                )
+            )
+            continue
         base = getattr(module, "base_model", module)
         if base is module:  # its base_model_prefix names no child (Llama 4's causal LM): the child of its config
             base = next(
@@ -125,7 +143,13 @@ def sub_model_plans(model: nn.Module) -> list[SubModelPlan]:
             plans.append(SubModelPlan(name, config, whole=f"{_describe(module, config)}: {error}"))
             continue
         if not rules:
-            plans.append(SubModelPlan(name, config, whole=f"{_describe(module, config)}: its tp plan splits no block"))
+            plans.append(
+                SubModelPlan(
+                    name,
+                    config,
+                    whole=f"{_describe(module, config)}: its tp plan splits no block (only {', '.join(plan)})",
+                )
+            )
             continue
         rules = {".".join(p for p in (prefix, blocks) if p): paths for blocks, paths in rules.items()}
         plans.append(SubModelPlan(name, config, rules))
@@ -155,7 +179,14 @@ def derive_policies(model: nn.Module) -> list[type[Policy]]:
         block = model.get_submodule(name)
         by_class.setdefault(type(block), []).append((name, block, paths))
     configs = module_configs(model)
-    return [_policy_for(instances, configs) for instances in by_class.values()]
+    policies = [_policy_for(instances, configs) for instances in by_class.values()]
+    policies = [policy for policy in policies if policy.attn_qkv() or policy.attn_out()]
+    if not policies:
+        named = ", ".join(sorted({path for paths in rules.values() for path in paths}))
+        raise TpPlanError(
+            f"the rules of its tp plan that a split forward follows name no tensor of its blocks ({named})"
+        )
+    return policies
 
 
 def _is_pretrained(module: nn.Module) -> bool:
@@ -228,6 +259,7 @@ def _policy_for(instances: list[tuple[str, nn.Module, dict[str, str]]], configs:
         if kind == "row" and paired and isinstance(linear := _module(block, path), nn.Linear)
     }
     columns, rows, attention_paths, full_width, intermediates = [], [], set(), set(), {}
+    held_by_some: dict[str, str] = {}  # attention owner -> a split linear that some blocks lack
     for path, (kind, n_fused, tensor_dim, paired) in followed.items():
         owner_path = path.rpartition(".")[0]
         holders = [b for _, b, _ in instances if _module(b, path) is not None or _parameter(b, path) is not None]
@@ -262,15 +294,21 @@ def _policy_for(instances: list[tuple[str, nn.Module, dict[str, str]]], configs:
         (columns if kind == "column" else rows).append(spec)
         if in_attention:
             attention_paths.add(owner_path)
+            if optional:
+                held_by_some.setdefault(owner_path, path)
             if paired:
                 full_width.add(owner_path)
     # the first block that holds every attention the rules name (hybrid stacks mix attention kinds)
     block = next((b for _, b, _ in instances if all(_module(b, owner) for owner in attention_paths)), block)
+    _check_config_head_counts(instances, attention_paths, config)
     columns.extend(_per_head_parameters(block, attention_paths, config, grouped_kv))
     norms = _full_width_norms(block, full_width, config, grouped_kv)
+    # q/k norms over the whole width after projections the plan leaves split (transformers' own plan would
+    # feed them a rank's columns): computed column-split alike, or refused if they are not RMSNorms (ESM C)
+    norms += _full_width_norms(block, attention_paths - full_width, config, grouped_kv, qk_only=True)
     columns.extend(norms)
     attributes = {
-        f"{owner}.{name}" if owner else name: name
+        (f"{owner}.{name}" if owner else name, owner): name
         for owner in attention_paths
         for name in _HEAD_ATTRIBUTES
         if isinstance(getattr(block.get_submodule(owner) if owner else block, name, None), int)
@@ -300,10 +338,18 @@ def _policy_for(instances: list[tuple[str, nn.Module, dict[str, str]]], configs:
             "num_key_value_groups": local // local_kv,
         }
         configs = {
-            f"{owner}.config" if owner else "config": _local_configs(config, local, local_kv, world_size)
+            f"{owner}.config" if owner else "config": held(owner, _local_configs(config, local, local_kv, world_size))
             for owner in config_readers
         }
-        return {**{path: values[name] for path, name in attributes.items()}, **configs, **local_sizes}
+        return {
+            **{path: held(owner, values[name]) for (path, owner), name in attributes.items()},
+            **configs,
+            **local_sizes,
+        }
+
+    def held(owner: str, value: Any) -> Any:
+        """``value``, set only in the blocks holding the split attention where some blocks lack it."""
+        return IfHeld(value, held_by_some[owner]) if owner in held_by_some else value
 
     kind = type(block)
     return type(
@@ -409,7 +455,7 @@ def _head_layout(
         return {"parts": ("num_attention_heads", kv, kv), **({"groups": kv} if grouped_kv else {})}
     if kind == "column" and path.rsplit(".", 1)[-1] in ("k_proj", "v_proj") and grouped_kv:
         return {"heads": "num_key_value_heads"} if features == kv_heads * head_dim else {}
-    if features != heads * head_dim:
+    if features not in (heads * head_dim, heads):  # ``heads``: one feature per head (Laguna's output gate)
         return {}
     return _query_heads(grouped_kv)
 
@@ -438,10 +484,13 @@ def _per_head_parameters(block: nn.Module, attention_paths: set[str], config: An
     return found
 
 
-def _full_width_norms(block: nn.Module, owners: set[str], config: Any, grouped_kv: bool) -> list[Layer]:
+def _full_width_norms(
+    block: nn.Module, owners: set[str], config: Any, grouped_kv: bool, qk_only: bool = False
+) -> list[Layer]:
     """RMSNorms over the whole width of a projection whose output the plan gathers (OLMo 2's q/k norms
     of ``heads * head_dim`` features): cut with the heads, and computed as column-split norms (one
-    all-reduce of two numbers per row instead of the gather)."""
+    all-reduce of two numbers per row instead of the gather). ``qk_only``: only the children named as
+    query/key norms (``q_norm``, ``k_layernorm``, ...)."""
     heads, kv_heads = _heads(config), _kv_heads(config)
     found = []
     for owner_path in sorted(owners):
@@ -453,6 +502,8 @@ def _full_width_norms(block: nn.Module, owners: set[str], config: Any, grouped_k
             weight = getattr(child, "weight", None)
             if isinstance(child, nn.Linear) or not isinstance(weight, nn.Parameter) or weight.dim() != 1:
                 continue
+            if qk_only and (not _QK_NORM.fullmatch(child_name) or weight.shape[0] == head_dim):
+                continue  # a norm of one head's width normalizes each head on its own
             path = f"{owner_path}.{child_name}" if owner_path else child_name
             if weight.shape[0] == heads * head_dim:
                 words = _query_heads(grouped_kv)
@@ -462,6 +513,28 @@ def _full_width_norms(block: nn.Module, owners: set[str], config: Any, grouped_k
                 continue
             found.append(Layer(weight=f"{path}.weight", replace=column_split_norm_class, **words))
     return found
+
+
+_QK_NORM = re.compile(r"(q|k|query|key)_?(layer)?_?norm")
+
+
+def _check_config_head_counts(
+    instances: list[tuple[str, nn.Module, dict[str, str]]], attention_paths: set[str], config: Any
+) -> None:
+    """The head counts a derived policy rewrites come from the config: refuse attentions whose own
+    grouping differs from it (MiMo-V2-Flash doubles the key/value heads of its sliding-window layers)."""
+    heads, kv_heads = _heads(config), _kv_heads(config)
+    if not heads or not kv_heads:
+        return
+    for name, block, _ in instances:
+        for owner_path in attention_paths:
+            owner = _module(block, owner_path) if owner_path else block
+            groups = getattr(owner, "num_key_value_groups", None)
+            if isinstance(groups, int) and groups != heads // kv_heads:
+                raise TpPlanError(
+                    f"{name}.{owner_path} groups {groups} query heads per key/value head, its config "
+                    f"{heads // kv_heads}: head counts that differ by layer are not read from the config"
+                )
 
 
 def _check_norms_see_equal_copies(block_name: str, heads: int, kv_heads: int, world_size: int) -> None:
