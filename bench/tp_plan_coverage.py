@@ -102,7 +102,7 @@ def tpcore_collectives(block, policy) -> int:
 
 def first_line(error: BaseException) -> str:
     text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    return re.sub(r"\s+", " ", text)[:220]
+    return re.sub(r"\s+", " ", text)[:320]
 
 
 def check_one(model_type: str, config_class, pools, world_size: int) -> dict:

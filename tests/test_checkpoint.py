@@ -170,9 +170,10 @@ def test_parallelize_from_a_checkpoint_equals_the_unsplit_model_and_the_caller_h
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [3])
 def test_a_sharded_safetensors_bert_loads_split_over_the_ranks(tmp_path, world_size):
-    """10 heads: 5 each over 2 ranks, 4, 3 and 3 over 3 (each rank reads its own uneven slices)."""
+    """10 heads dealt 4, 3 and 3 over 3 ranks, each rank reading its own uneven slices (even splits read
+    the same way: the GPT-2 checkpoints of the tests above load over 2 ranks)."""
     config = BertConfig(
         vocab_size=97, hidden_size=40, num_hidden_layers=2, num_attention_heads=10, intermediate_size=95
     )

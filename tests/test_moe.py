@@ -14,6 +14,8 @@ import math
 import pytest
 import torch
 import transformers
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from safetensors import safe_open
 
 import tpcore
@@ -121,6 +123,51 @@ def test_deepseek_v3_latent_attention_splits_by_heads_and_matches_unsplit(rank_p
 def test_split_logits_equal_the_unsplit_models_at_one_to_four_ranks(rank_pools, name):
     report = check_equivalence(spec(name), batch(), world_sizes=(1, 2, 3, 4), pools=rank_pools)
     assert sorted(report) == [1, 2, 3, 4]
+
+
+#: each model's config field for the number of routed experts and for the size of one expert
+EXPERT_FIELDS = {
+    "mixtral": ("num_local_experts", "intermediate_size"),
+    "qwen2_moe": ("num_experts", "moe_intermediate_size"),
+    "qwen3_moe": ("num_experts", "moe_intermediate_size"),
+    "deepseek_v3": ("n_routed_experts", "moe_intermediate_size"),
+}
+
+
+@st.composite
+def moe_cases(draw):
+    """A model, a world size of 1-4 and random sizes: query heads the ranks mostly do not divide (in
+    key/value groups; DeepSeek-V3's latent attention has none), 2 or 4 experts (DeepSeek-V3: 4) of 1 or 2
+    per token, an expert size of a few features per rank, mostly dealt unevenly."""
+    name = draw(st.sampled_from(list(CONFIGS)))
+    world_size = draw(st.sampled_from([1, 2, 3, 4]))
+    heads = draw(st.integers(world_size, 2 * world_size + 1))
+    kv_heads = (
+        heads if name == "deepseek_v3" else draw(st.sampled_from([d for d in range(1, heads + 1) if heads % d == 0]))
+    )
+    experts_field, size_field = EXPERT_FIELDS[name]
+    changes = {
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "hidden_size": 8 * heads,
+        experts_field: 4 if name == "deepseek_v3" else draw(st.sampled_from([2, 4])),  # 2 groups of top-2 experts
+        "num_experts_per_tok": draw(st.integers(1, 2)),
+        # 16-byte rows for the unsplit model's grouped-mm kernels (4 fp32 features); the shares need not be
+        size_field: 4 * draw(st.integers(max(1, world_size // 2), 2 * world_size)),
+    }
+    if name == "qwen3_moe":
+        changes["head_dim"] = 8
+    return name, world_size, changes, draw(st.integers(0, 2**16))
+
+
+@pytest.mark.slow
+@settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=moe_cases())
+def test_random_moe_configs_match_unsplit(rank_pools, case):
+    name, world_size, changes, seed = case
+    model_spec = ModelSpec(getattr(transformers, CONFIGS[name][0]), config_of(name, **changes), seed)
+    report = check_equivalence(model_spec, batch(seed), world_sizes=(world_size,), pools=rank_pools)
+    assert report[world_size]
 
 
 GENERATION = {

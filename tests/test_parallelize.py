@@ -2,7 +2,7 @@
 
 Equivalence with the unsplit model through the proxy (BERT family, world sizes 2-4), output types,
 ``generate()`` (greedy and seeded sampling), validation before any process starts, fault injection
-(a raise on every rank, a killed rank, threads), lifecycle (two models at once, 20 cycles, the
+(a raise on every rank, a killed rank, threads), lifecycle (two models at once, repeated cycles, the
 caller exiting in every way), ``CUDA_VISIBLE_DEVICES`` and interactive use (a policy in
 ``__main__``, no ``if __name__ == "__main__"`` guard, a script read from stdin).
 
@@ -140,12 +140,12 @@ def mlm_batch(seed: int, lengths=(7, 3, 5), seq: int = 7) -> dict:
 
 # -- 1. equivalence ------------------------------------------------------------------------------
 
+#: one head per output shape (pooled, per span, per choice) over 2, 3 and 4 ranks; every head of the
+#: family runs through the engine in tp-bert's tests
 EQUIVALENCE = [
     ("Roberta", "ForSequenceClassification", 3),
     ("DistilBert", "ForQuestionAnswering", 4),
-    ("Electra", "ForTokenClassification", 2),
     ("Bert", "ForMultipleChoice", 2),
-    ("Bert", "Model", 3),
 ]
 
 
@@ -507,15 +507,19 @@ def test_two_models_parallelized_at_once_use_their_own_ports():
         models["bert"].deparallelize()
 
 
+#: parallelize -> call -> deparallelize cycles: enough for a leak per cycle to show in every count below
+CYCLES = 5
+
+
 @pytest.mark.slow
-def test_twenty_cycles_leave_no_process_port_or_shared_memory_behind():
+def test_repeated_cycles_leave_no_process_port_or_shared_memory_behind():
     model = tiny_bert(seed=2)
     inputs = {"input_ids": torch.tensor([[5, 6, 7, 8]])}
     expected = run_unsplit(model, **inputs)
     kids, own_listening, shm = children(), listening_of([os.getpid()]), shm_entries()
     fds, threads = len(os.listdir("/proc/self/fd")), threading.active_count()
     cycle_times, rank_listeners = [], {}
-    for _ in range(20):
+    for _ in range(CYCLES):
         started = time.monotonic()
         tpcore.parallelize(model, num_gpus=2, backend="gloo")
         pids = model._tpcore_handle.pool.pids

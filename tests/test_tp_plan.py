@@ -215,7 +215,7 @@ def derived_cases(draw):
 
 
 @pytest.mark.slow
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=derived_cases())
 def test_random_configs_of_derived_architectures_match_unsplit(rank_pools, case):
     arch, world_size, heads, kv_heads, head_dim, intermediate, lengths, seq, seed = case
