@@ -54,6 +54,18 @@ def test_untied_embeddings_are_each_split():
     assert model.get_input_embeddings().weight.shape == model.get_output_embeddings().weight.shape == (25, 48)
 
 
+def test_a_table_tied_into_several_embeddings_and_the_head_is_split_in_all_of_them():
+    """One table held by the input embedding, a second embedding and the head (BART's ``shared``,
+    ``encoder.embed_tokens``, ``decoder.embed_tokens``, ``lm_head``): all are cut by the same rows."""
+    model = gpt2_spec(50).build()
+    model.transformer.second = nn.Embedding(50, 48)
+    model.transformer.second.weight = model.transformer.wte.weight
+    TensorReplacer(model, None, False, 2, rank=1).replace_modules()
+    second, head = model.transformer.second, model.lm_head
+    assert type(second) is VocabParallelEmbedding and second.weight is model.transformer.wte.weight is head.weight
+    assert second.weight.shape == (25, 48) and (second.vocab_start, second.vocab_size) == (25, 50)
+
+
 class ShiftedEmbedding(nn.Embedding):
     def forward(self, ids):
         return super().forward(ids) + 1.0
@@ -67,8 +79,8 @@ class ScaledEmbedding(nn.Embedding):
 def test_embeddings_that_do_more_than_a_lookup_or_are_read_elsewhere_stay_whole():
     model = gpt2_spec(50, tie=False).build()
     model.transformer.wte.__class__ = ShiftedEmbedding  # its forward is more than a lookup times a scale
-    model.extra = nn.Linear(48, 50)
-    model.extra.weight = model.lm_head.weight  # another module reads the head's weight
+    model.extra = nn.Module()
+    model.extra.weight = model.lm_head.weight  # a module of no vocabulary-parallel kind reads the head's weight
     assert TensorReplacer(model, None, False, 2, rank=0).vocab_modules() == []
     TensorReplacer(model, None, False, 2, rank=0).replace_modules()
     assert model.lm_head.weight.shape == (50, 48) and type(model.lm_head) is nn.Linear

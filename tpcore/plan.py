@@ -512,9 +512,16 @@ def vocabulary_modules(model: nn.Module) -> list[nn.Module]:
     """The input and output embeddings to split over the vocabulary.
 
     A module qualifies when its type has a vocabulary-parallel class (:func:`~tpcore.layers.vocab_parallel_class`)
-    and no module but it and its parents (BERT's head keeps the decoder's bias there) holds its weight or
-    bias: a tensor that some other module reads must stay whole.
+    and no module but it, its parents (BERT's head keeps the decoder's bias there) and the other
+    vocabulary-parallel modules holding the same weight (BART's ``shared``, ``encoder.embed_tokens``,
+    ``decoder.embed_tokens`` and ``lm_head``: one tied table) holds its weight or bias: a tensor that
+    some other module reads must stay whole. Tied modules are split together or not at all.
     """
+    holders: dict[int, dict[int, nn.Module]] = {}
+    for module in model.modules():
+        for tensor in module._parameters.values():
+            if tensor is not None:
+                holders.setdefault(id(tensor), {})[id(module)] = module
     found: dict[int, nn.Module] = {}
     for getter in ("get_input_embeddings", "get_output_embeddings"):
         try:
@@ -523,20 +530,19 @@ def vocabulary_modules(model: nn.Module) -> list[nn.Module]:
             continue
         if isinstance(module, nn.Module) and vocab_parallel_class(module) is not None:
             found[id(module)] = module
+    for module in list(found.values()):  # the modules a tied table is shared with
+        for key, holder in holders.get(id(module.weight), {}).items():
+            if holder.weight is module.weight and vocab_parallel_class(holder) is not None:
+                found[key] = holder
     names = {id(module): name for name, module in model.named_modules()}
     parents = {names[key].rpartition(".")[0] for key in found if key in names}
     allowed = found.keys() | {id(module) for name, module in model.named_modules() if name in parents}
-    holders: dict[int, set[int]] = {}
-    for module in model.modules():
-        for tensor in module._parameters.values():
-            if tensor is not None:
-                holders.setdefault(id(tensor), set()).add(id(module))
     return [
         module
         for module in found.values()
         if id(module) in names
         and all(
-            holders.get(id(tensor), set()) <= allowed
+            holders.get(id(tensor), {}).keys() <= allowed
             for tensor in (module.weight, getattr(module, "bias", None))
             if tensor is not None
         )
