@@ -18,18 +18,19 @@ How the split is done lives in :mod:`tpcore.slicer` and :mod:`tpcore.layers`.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 from torch import nn
 
-from tpcore.shares import PerRank, per_rank, runs
+from tpcore.shares import PerRank, per_rank, resolve, runs
 
 if TYPE_CHECKING:
     from tpcore.slicer import Split
 
-__all__ = ["COLUMN", "ROW", "IfHeld", "Layer", "PerRank", "Policy", "ShardingError", "divide", "share"]
+__all__ = ["COLUMN", "ROW", "IfHeld", "Layer", "PerRank", "Policy", "ShardingError", "divide", "local_config", "share"]
 
 #: Parallel styles: column splits a layer's output features, row its input features.
 COLUMN = "column"
@@ -72,6 +73,23 @@ def share(value: int, world_size: int, what: str, *, groups: int | None = None, 
     except ValueError:
         raise ShardingError(f"{what} = {value} cannot form {groups} equal groups") from None
     return per_rank(start if first else count for start, count in dealt)
+
+
+def local_config(config: Any, world_size: int, **counts: int | PerRank) -> Any:
+    """A copy of ``config`` whose attributes ``counts`` hold each rank's values (ints, or
+    :class:`PerRank` from :func:`share`), for a :meth:`Policy.replace_arguments` value
+    ``{"config": ...}`` where a module's forward reads a head count from ``self.config``: one copy
+    when every rank's values are equal, else a :class:`PerRank` of copies."""
+
+    def copy_for(rank: int) -> Any:
+        copied = copy.copy(config)
+        for name, value in counts.items():
+            setattr(copied, name, resolve(value, rank))
+        return copied
+
+    if not any(isinstance(value, PerRank) for value in counts.values()):
+        return copy_for(0)
+    return PerRank(copy_for(rank) for rank in range(world_size))
 
 
 #: a head count in a Layer: an int, a config attribute name, or a function of the config

@@ -59,8 +59,8 @@ from torch import nn
 
 from tpcore.configs import config_of, module_configs, sub_models
 from tpcore.layers import column_split_norm_class
-from tpcore.policy import IfHeld, Layer, Policy, ShardingError, share
-from tpcore.shares import PerRank, resolve, runs
+from tpcore.policy import IfHeld, Layer, Policy, ShardingError, local_config, share
+from tpcore.shares import PerRank, runs
 
 __all__ = ["SubModelPlan", "TpPlanError", "derive_policies", "experts_arguments", "sub_model_plans"]
 
@@ -338,7 +338,9 @@ def _policy_for(instances: list[tuple[str, nn.Module, dict[str, str]]], configs:
             "num_key_value_groups": local // local_kv,
         }
         configs = {
-            f"{owner}.config" if owner else "config": held(owner, _local_configs(config, local, local_kv, world_size))
+            f"{owner}.config" if owner else "config": held(
+                owner, local_config(config, world_size, num_attention_heads=local, num_key_value_heads=local_kv)
+            )
             for owner in config_readers
         }
         return {
@@ -407,20 +409,6 @@ def _reads_config_heads(module: nn.Module | None) -> bool:
     except (OSError, TypeError):
         return False
     return any(f"self.config.{name}" in source for name in _CONFIG_HEADS)
-
-
-def _local_configs(config: Any, heads: int | PerRank, kv_heads: int | PerRank, world_size: int) -> Any:
-    """Copies of ``config`` holding each rank's head counts: one copy when every rank's are equal, else
-    a :class:`PerRank` of copies."""
-
-    def local(rank: int) -> Any:
-        copied = copy.copy(config)
-        copied.num_attention_heads, copied.num_key_value_heads = resolve(heads, rank), resolve(kv_heads, rank)
-        return copied
-
-    if not isinstance(heads, PerRank) and not isinstance(kv_heads, PerRank):
-        return local(0)
-    return PerRank(local(rank) for rank in range(world_size))
 
 
 def _parameter(block: nn.Module, path: str) -> nn.Parameter | None:
