@@ -13,27 +13,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from tpcore.samples import sample_inputs, small_config
-from tpcore.testing import EquivalenceError, ModelSpec, PoolCache, check_equivalence
-
-
-@dataclass(frozen=True)
-class SavedModelSpec:
-    """A model every rank loads from the same saved directory."""
-
-    path: str
-    model_class: type
-
-    def build(self) -> torch.nn.Module:
-        from transformers.utils import logging
-
-        logging.disable_progress_bar()
-        return self.model_class.from_pretrained(self.path).eval()
+from tpcore.testing import EquivalenceError, ModelSpec, PoolCache, SavedModelSpec, check_equivalence
 
 
 def resolve(model: str, world_sizes: Sequence[int] = (2,)) -> Any:

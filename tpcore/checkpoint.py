@@ -22,6 +22,7 @@ import functools
 import json
 import math
 import os
+import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -45,11 +46,13 @@ SAFETENSORS_FLOATS = {"F64": torch.float64, "F32": torch.float32, "F16": torch.f
 
 class Read(NamedTuple):
     """One model tensor to fill: its name (of :func:`~tpcore.skeleton.named_tensors`), the stored tensors
-    that make it, and how it is cut (``None``: whole)."""
+    that make it, and how it is cut (``None``: whole); or, for a parameter the model does not save
+    (``value``), the whole tensor its own init computes."""
 
     name: str
-    sources: Sources
+    sources: Sources | None
     split: Split | None
+    value: torch.Tensor | None = None
 
 
 #: bits per element of the safetensors dtypes (a dtype not listed here is not size-checked)
@@ -185,6 +188,9 @@ class Checkpoint:
         """
         device = torch.device(device) if device is not None else CPU
         sources, split = read.sources, read.split
+        if sources is None:  # computed by the model's init, not stored
+            whole = read.value
+            return _own(whole if split is None else split.shard(whole, rank, world_size), device)
         first = sources.keys[0][0]
         if device != CPU and dtype is not None and _shrinks(self._stored_dtype(first, device), dtype):
             device = CPU
@@ -257,8 +263,10 @@ class Checkpoint:
         The stored tensors of each model tensor are the ones ``from_pretrained`` would convert into it
         (:func:`tpcore.conversion.model_sources`); a tensor is found under any of its names (tied
         weights are saved once). Raises ``KeyError`` naming the parameters the files lack; a buffer
-        they lack keeps the value the model was built with. The files read are checked first
-        (:meth:`verify`), so a missing or truncated one fails here, not on a rank.
+        they lack keeps the value the model was built with, and a parameter the model declares unsaved
+        (``_keys_to_ignore_on_save``, ``_keys_to_ignore_on_load_missing``: Marian's sinusoidal positions)
+        gets the value its ``_init_weights`` computes, as ``from_pretrained`` gives it. The files read
+        are checked first (:meth:`verify`), so a missing or truncated one fails here, not on a rank.
         """
         aliases: dict[int, list[str]] = {}
         by_name: dict[str, torch.Tensor] = {}
@@ -277,13 +285,17 @@ class Checkpoint:
                 reads.append(Read(name, sources, splits.get(name)))
             elif id(tensor) in parameters:
                 missing.append(name)
+        for name, value in _computed_by_the_model(model, missing, aliases, by_name).items():
+            reads.append(Read(name, None, splits.get(name), value))
+            missing.remove(name)
         if missing:
             raise KeyError(
                 f"the checkpoint in {self.directory.name!r} lacks {len(missing)} parameters of "
                 f"{type(model).__name__}: {_listing(missing)}"
             )
-        self.verify(key for read in reads for key in read.sources.all_keys)
-        self._check_shapes(model, reads)
+        stored = [read for read in reads if read.sources is not None]
+        self.verify(key for read in stored for key in read.sources.all_keys)
+        self._check_shapes(model, stored)
         return reads
 
     def _check_shapes(self, model: nn.Module, reads: list[Read]) -> None:
@@ -457,6 +469,33 @@ def _safetensors_header(path: Path) -> dict[str, dict]:
             f"but the file has {size} bytes"
         )
     return header
+
+
+def _computed_by_the_model(
+    model: nn.Module, missing: list[str], aliases: dict[int, list[str]], by_name: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The parameters among ``missing`` that ``model`` declares it does not save or load, each as the
+    whole tensor its ``_init_weights`` gives the module holding it (built on the CPU, seeded, so every
+    rank gets the same)."""
+    patterns = [
+        *(getattr(model, "_keys_to_ignore_on_save", None) or ()),
+        *(getattr(model, "_keys_to_ignore_on_load_missing", None) or ()),
+    ]
+    init = getattr(model, "_init_weights", None)
+    if not patterns or init is None:
+        return {}
+    computed = {}
+    for name in missing:
+        names = aliases[id(by_name[name])]
+        if not any(re.search(pattern, alias) for pattern in patterns for alias in names):
+            continue
+        owner, _, leaf = name.rpartition(".")
+        module = copy.deepcopy(model.get_submodule(owner)).to_empty(device=CPU)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            init(module)
+        computed[name] = getattr(module, leaf).detach()
+    return computed
 
 
 def _load_pickle(path: Path) -> dict[str, torch.Tensor]:

@@ -163,7 +163,9 @@ def sample_inputs(model: nn.Module, batch: int = 2, seq: int = 8, seed: int = 0)
     - ``input_ids`` ``(batch, seq)`` drawn clear of every special id, row 0 right-padded with the
       pad id in its second half, with ``attention_mask`` when accepted; with ``pixel_values`` and an
       ``image_token_id``/``image_token_index``, each row starts with one image token per image feature;
-    - ``decoder_input_ids`` ``(batch, 4)`` for encoder-decoder models.
+    - ``decoder_input_ids`` ``(batch, 4)`` for encoder-decoder models, except sequence classifiers
+      (BART's pools the decoder state at each row's last eos token: their rows end in eos, and the
+      decoder reads the input ids shifted right).
     """
     accepted = forward_parameters(model)
     generator = torch.Generator().manual_seed(seed)
@@ -237,8 +239,17 @@ def _text(model, accepted, inputs, batch, seq, generator) -> dict:
 def _decoder_text(model, accepted, inputs, batch, seq, generator) -> dict:
     if "decoder_input_ids" not in accepted or not getattr(model.config, "is_encoder_decoder", False):
         return {}
+    if _pools_at_eos(model) and "input_ids" in inputs:
+        ids, mask = inputs["input_ids"].clone(), inputs.get("attention_mask", torch.ones_like(inputs["input_ids"]))
+        ids[torch.arange(len(ids)), mask.sum(1) - 1] = model.config.eos_token_id
+        return {"input_ids": ids}
     decoder = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else None
     return {"decoder_input_ids": _token_ids(model.config, decoder or model.config, (batch, 4), generator)}
+
+
+def _pools_at_eos(model) -> bool:
+    """An encoder-decoder sequence classifier, which classifies the decoder state at the eos tokens."""
+    return type(model).__name__.endswith("ForSequenceClassification") and _has_int(model.config, "eos_token_id")
 
 
 def _token_ids(config, text, shape, generator) -> torch.Tensor:

@@ -74,15 +74,17 @@ def parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = register
 
 
-def empty_model(config, model_class: type[nn.Module] | None = None) -> nn.Module:
+def empty_model(config, model_class: Any = None) -> nn.Module:
     """The model a transformers ``config`` describes, with its parameters on meta, in eval mode.
 
-    ``model_class`` defaults to the first of ``config.architectures`` (as saved by ``save_pretrained``).
+    ``model_class`` defaults to the first of ``config.architectures`` (as saved by ``save_pretrained``);
+    a transformers auto class (``AutoModel``) builds the class it maps the config to.
     """
     if model_class is None:
         model_class = _architecture(config)
     with parameters_on_meta():
-        model = model_class(config)
+        is_module = isinstance(model_class, type) and issubclass(model_class, nn.Module)
+        model = model_class(config) if is_module else model_class.from_config(config)
     return model.eval().requires_grad_(False)
 
 

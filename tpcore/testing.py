@@ -44,6 +44,7 @@ __all__ = [
     "EquivalenceError",
     "ModelSpec",
     "PoolCache",
+    "SavedModelSpec",
     "SCALE_FLOOR",
     "SplitSizes",
     "check_equivalence",
@@ -88,19 +89,37 @@ class ModelSpec:
         return self.model_class(self.config).eval()
 
 
+@dataclass(frozen=True)
+class SavedModelSpec:
+    """A model saved in a directory (``save_pretrained``): the reference loads it with
+    ``from_pretrained``, each rank reads only its own slices of the files (``ParallelEngine.parallelize(path)``)."""
+
+    path: str
+    model_class: Any  # a transformers model class, or an auto class
+
+    def build(self) -> nn.Module:
+        from transformers.utils import logging
+
+        logging.disable_progress_bar()
+        return self.model_class.from_pretrained(self.path).eval()
+
+
 def sharded_forward(
     context: RankContext, spec: ModelSpec, inputs: dict, policies=None, dtype=None, method="forward", seed=None
 ) -> tuple[Any, int]:
-    """On one rank: build ``spec``, parallelize it over the pool's group (in ``dtype``), run
-    ``model.<method>(**inputs)``; return the CPU outputs and the parameter elements the rank holds."""
+    """On one rank: build ``spec`` (or, for a :class:`SavedModelSpec`, read this rank's slices of its
+    files), parallelize it over the pool's group (in ``dtype``), run ``model.<method>(**inputs)``;
+    return the CPU outputs and the parameter elements the rank holds."""
     from tpcore.engine import ParallelEngine
 
-    model = spec.build()
     device = context.device.type  # gloo ranks may compute on CUDA
     engine = ParallelEngine(
         context.world_size, context.backend, policies, dtype=dtype, device=device, process_group=context.group
     )
-    engine.parallelize(model)
+    if isinstance(spec, SavedModelSpec):
+        model = engine.parallelize(spec.path, model_class=spec.model_class)
+    else:
+        model = engine.parallelize(spec.build())
     return run_on(model, inputs, context.device, method, seed), parameter_count(model)
 
 
