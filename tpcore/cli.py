@@ -35,7 +35,7 @@ def _plugins(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         return 0
     if not rows:
-        print("No tpcore plugins installed (pip install tp-bert, tp-gpt, tp-t5, ...).")
+        print("No tpcore plugins installed (pip install tp-bert, tp-gpt, tp-t5, tp-bart, ...).")
     for row in rows:
         status = f"  FAILED: {row['error']}" if row["error"] else ""
         print(f"{row['distribution']} {row['version']} (entry point {row['name']!r}){status}")
