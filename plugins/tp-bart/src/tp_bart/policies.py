@@ -61,8 +61,9 @@ class Attention(NamedTuple):
     #: some blocks of the class lack it (ProphetNet's decoder without cross-attention)
     optional: bool = False
 
-    def at(self, name: str) -> str:
-        return f"{self.path}.{name}" if name else self.path
+    def at(self, *names: str) -> str:
+        """The path of ``names`` (``""`` parts left out) from the block."""
+        return ".".join(part for part in (self.path, *names) if part)
 
 
 def _linear(path: str, *, optional: bool = False, **layout) -> Layer:
@@ -85,12 +86,13 @@ class BlockPolicy(Policy):
         width = heads * (config.hidden_size // total)
         arguments = {}
         for attention in cls.attentions:
-            values = dict.fromkeys(attention.counts, heads) | dict.fromkeys(attention.widths, width)
-            if attention.reshaping is not None:
-                values |= {f"{attention.reshaping}.full_width".lstrip("."): config.hidden_size}
-                values |= {f"{attention.reshaping}.local_width".lstrip("."): width}
-            for name, value in values.items():
-                arguments[attention.at(name)] = IfHeld(value, attention.path) if attention.optional else value
+            values = dict.fromkeys(map(attention.at, attention.counts), heads)
+            values |= dict.fromkeys(map(attention.at, attention.widths), width)
+            if attention.reshaping is not None:  # tpcore.reshapes: the widths its reshapes go between
+                values[attention.at(attention.reshaping, "full_width")] = config.hidden_size
+                values[attention.at(attention.reshaping, "local_width")] = width
+            for path, value in values.items():
+                arguments[path] = IfHeld(value, attention.path) if attention.optional else value
         return arguments
 
     @classmethod
