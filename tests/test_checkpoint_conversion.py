@@ -254,6 +254,7 @@ class MixtralAttention(LlamaPolicy):
         return []
 
 
+@pytest.mark.slow  # a world of its own; the engine tests above read the legacy names in the quick suite
 def test_parallelize_a_saved_vit_equals_from_pretrained(vit_dir, rank_pools):
     reference_model, _ = reference(vit_dir)
     pixels = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1))

@@ -152,6 +152,7 @@ def test_a_command_is_required(capsys):
     assert "plugins" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch and transformers
 def test_console_script(bert_version, bert_policies):
     script = Path(sys.executable).with_name("tpcore")
     command = [str(script)] if script.exists() else [shutil.which("tpcore") or "tpcore"]

@@ -169,6 +169,7 @@ def test_gloo_on_cuda_without_cuda_is_refused_before_any_rank_starts(fake_gpus, 
     assert no_rank_may_start == []
 
 
+@pytest.mark.slow  # starts a world of its own
 def test_the_default_backend_of_a_pool_with_more_ranks_than_gpus_is_gloo_on_the_cpu(fake_gpus):
     fake_gpus(1)
     with process.RankPool(2) as pool:

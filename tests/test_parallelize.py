@@ -508,7 +508,7 @@ def test_two_models_parallelized_at_once_use_their_own_ports():
 
 
 #: parallelize -> call -> deparallelize cycles: enough for a leak per cycle to show in every count below
-CYCLES = 5
+CYCLES = 3
 
 
 @pytest.mark.slow

@@ -1,14 +1,15 @@
 """A BART-family model split over 1-4 gloo ranks gives the unsplit model's outputs and tokens.
 
-Every family runs every head transformers ships for it: the first head over 1-4 ranks (the quick
-core), the others (slow) over 2 and 3. Encoders have 6 heads and decoders 4, so 3 and 4 ranks deal
-them unevenly (6 over 4: 2, 2, 1, 1; 4 over 3: 2, 1, 1), and encoder and decoder blocks read their
-own counts. Inputs are padded batches; LED's carry global attention on each row's first token,
-BigBirdPegasus' encoder runs block sparse (16 tokens in blocks of 2) and, for shorter inputs, the
-full attention it switches to. Generation (greedy and 4 beams, no repeated 3-grams, forced BOS and
-EOS) runs through the engine for every family, from a ``save_pretrained`` directory each rank
-reading its slices, and through ``tpcore.parallelize()``; ``tpcore check`` runs each class from its default config; a
-hypothesis property draws random uneven sizes.
+Every family runs every head transformers ships for it: the first head over 1-4 ranks (BART, LED
+and ProphetNet in the quick suite), the others (slow) over 2 and 3. Encoders have 6 heads and
+decoders 4, so 3 and 4 ranks deal them unevenly (6 over 4: 2, 2, 1, 1; 4 over 3: 2, 1, 1), and
+encoder and decoder blocks read their own counts. Inputs are padded batches; LED's carry global
+attention on each row's first token, BigBirdPegasus' encoder runs block sparse (16 tokens in blocks
+of 2) and, for shorter inputs, the full attention it switches to. Generation (greedy and 4 beams, no
+repeated 3-grams, forced BOS and EOS) runs through the engine for every family, beam search from a
+``save_pretrained`` directory each rank reading its slices, and both through ``tpcore.parallelize()``
+for two families; ``tpcore check`` runs each class from its default config; a hypothesis property
+draws random uneven sizes.
 """
 
 from __future__ import annotations
@@ -148,11 +149,18 @@ def generate_inputs(family: str, lengths: list[int], seq: int, seed: int, num_be
     return {**inputs, **options, "forced_bos_token_id": BOS, "forced_eos_token_id": EOS, "do_sample": False}
 
 
+#: the families whose first head runs in the quick suite: the plain layout, local widths with global
+#: attention, per-rank config copies with the n-gram attention
+QUICK = ("Bart", "LED", "ProphetNet")
+
+
 def every_head_cases():
-    """``(family, head, world sizes)``: each family's first head over 1-4 ranks, the others (slow) over 2 and 3."""
+    """``(family, head, world sizes)``: each family's first head over 1-4 ranks (in the quick suite for
+    :data:`QUICK`), the others (slow) over 2 and 3."""
     for family, head in CASES:
         if head == FAMILIES[family].heads[0]:
-            yield pytest.param(family, head, (1, 2, 3, 4), id=f"{family}{head}")
+            marks = [] if family in QUICK else [pytest.mark.slow]
+            yield pytest.param(family, head, (1, 2, 3, 4), id=f"{family}{head}", marks=marks)
         else:
             yield pytest.param(family, head, (2, 3), id=f"{family}{head}", marks=pytest.mark.slow)
 
@@ -187,17 +195,16 @@ def test_generate_tokens_match(rank_pools, family, num_beams):
 def test_generate_from_a_saved_directory_each_rank_reading_its_slices(rank_pools, tmp_path, family):
     """``save_pretrained`` (tied tables stored once, ``final_logits_bias``, Marian's unsaved sinusoidal
     positions), then each of 3 ranks reads only its slices (``ParallelEngine.parallelize(path)``):
-    greedy and beam tokens as ``from_pretrained``'s unsplit model gives them."""
+    beam-search tokens as ``from_pretrained``'s unsplit model gives them (greedy ones: the engine test above)."""
     model_class = FAMILIES[family].model_class(FAMILIES[family].generator)
     model_spec(family, FAMILIES[family].generator, seed=5).build().save_pretrained(tmp_path)
-    for num_beams in (1, 4):
-        inputs = generate_inputs(family, [6, 3, 5], 6, seed=6, num_beams=num_beams)
-        spec = SavedModelSpec(str(tmp_path), model_class)
-        report = check_equivalence(spec, inputs, world_sizes=(3,), pools=rank_pools, method="generate", rtol=0)
-        assert all(diff == 0 for diff in report[3].values())
+    inputs = generate_inputs(family, [6, 3, 5], 6, seed=6, num_beams=4)
+    spec = SavedModelSpec(str(tmp_path), model_class)
+    report = check_equivalence(spec, inputs, world_sizes=(3,), pools=rank_pools, method="generate", rtol=0)
+    assert all(diff == 0 for diff in report[3].values())
 
 
-@pytest.mark.slow  # a world per model (tp-gpt runs the one-liner in the quick suite)
+@pytest.mark.slow  # a world per model (tests/test_parallelize.py runs the one-liner in the quick suite)
 @pytest.mark.parametrize("family", ["Marian", "ProphetNet"])
 def test_generate_through_parallelize_from_a_saved_directory(tmp_path, family):
     """The one-liner over 2 ranks from a ``save_pretrained`` directory: greedy and beam tokens as the

@@ -244,20 +244,17 @@ def test_generate_tokens_match_through_parallelize(served_llama, mode):
     compare_outputs(reference(**left_padded([6, 3], seq=6, seed=5)), served(**left_padded([6, 3], seq=6, seed=5)))
 
 
-@pytest.mark.parametrize(
-    "arch",
-    [
-        pytest.param(arch, marks=[pytest.mark.slow] if arch != "GPT2" else [])
-        for arch, architecture in ARCHITECTURES.items()
-        # a variant's model class is its family's, Mistral's and Qwen2's policies are Llama's: the engine
-        # tests cover their configs
-        if not architecture.model and arch not in ("Mistral", "Qwen2")
-    ],
-)
-def test_every_architecture_through_parallelize(arch):
-    """The one-liner on 2 ranks, for every model class: logits within tolerance and 12 greedy tokens
-    identical; 5 heads (Llama: one key/value head) are dealt 3 and 2, each rank's skeleton shaped for
-    its own share."""
+#: one of each layout the one-liner's skeletons carry: Conv1D (GPT-2), one key/value head replicated
+#: (Llama), config-chosen layouts (Falcon), multi-query (GPT-BigCode), interleaved q|k|v with ALiBi
+#: (BLOOM); the engine tests run every architecture, the same plan on the same rank code
+THROUGH_PARALLELIZE = ("GPT2", "Llama", "Falcon", "GPTBigCode", "Bloom")
+
+
+@pytest.mark.slow  # a world per architecture (tests/test_parallelize.py runs the one-liner in the quick suite)
+@pytest.mark.parametrize("arch", THROUGH_PARALLELIZE)
+def test_layouts_through_parallelize(arch):
+    """The one-liner on 2 ranks: logits within tolerance and 12 greedy tokens identical; 5 heads
+    (Llama: one key/value head) are dealt 3 and 2, each rank's skeleton shaped for its own share."""
     spec = model_spec(arch, ARCHITECTURES[arch].causal_lm, hidden=40, heads=5, kv_heads=1, seed=7)
     reference = spec.build()
     inputs = left_padded([5, 3], seq=5, seed=8)
