@@ -6,19 +6,23 @@ Single-process: every rank's shard is built here with an explicit rank, no proce
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tp_bert.policies import BertPolicy
 from tp_gpt.policies import GPT2Policy
 from transformers import AlbertConfig, AlbertModel, BertConfig, BertModel, GPT2Config, GPT2LMHeadModel
 from transformers.models.albert.modeling_albert import AlbertLayer
 
-from tpcore import Layer, Policy, ShardingError, TensorReplacer, divide
+from tpcore import Layer, Policy, ShardingError, TensorReplacer, divide, share
 from tpcore.configs import config_of
 from tpcore.layers import RowParallelLinear, VocabParallelEmbedding
 from tpcore.plan import ShardPlan
 from tpcore.policy import IfHeld
+from tpcore.shares import resolve
 from tpcore.skeleton import named_tensors, weightless_copy
 from tpcore.slicer import Split
 
@@ -264,3 +268,76 @@ def test_a_per_head_parameter_left_whole_while_heads_are_cut_is_refused():
         ShardPlan.build(model, [ForgetsTheNorms], 2)
     plan = TensorReplacer(model, None, False, 2, rank=0).split_plan()  # its tp plan, with the norms following the heads
     assert plan.shard_shape("model.layers.0.self_attn.q_norm.weight") == (2, 8)
+
+
+# -- blocks of one class with counts of their own (Policy.layer_config) ---------------------------
+
+
+class StageBlock(torch.nn.Module):
+    """Heads of ``head_dim`` features merged then projected back: ``o(q(x))``, row-parallel in ``o``."""
+
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.num_heads = heads
+        self.q, self.o = torch.nn.Linear(width, width), torch.nn.Linear(width, width)
+
+
+class Stages(torch.nn.Module):
+    """Blocks of one class at widths and head counts of their own (Swin's stages)."""
+
+    def __init__(self, stages: list[tuple[int, int]]):
+        super().__init__()
+        self.config = None  # no count of the model's own applies to every block
+        self.blocks = torch.nn.ModuleList(StageBlock(width, heads) for width, heads in stages)
+
+
+class StagePolicy(Policy):
+    layer_class = StageBlock
+
+    @classmethod
+    def layer_config(cls, config, layer):
+        return SimpleNamespace(hidden_size=layer.q.in_features, num_attention_heads=layer.num_heads)
+
+    @staticmethod
+    def replace_arguments(config, world_size):
+        return {"num_heads": share(config.num_attention_heads, world_size, "num_attention_heads")}
+
+    @staticmethod
+    def attn_qkv():
+        return [Layer("q.weight", "q.bias", heads="num_attention_heads")]
+
+    @staticmethod
+    def attn_out():
+        return [Layer("o.weight", "o.bias", heads="num_attention_heads")]
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    world=st.integers(1, 4),
+    stages=st.lists(st.tuples(st.integers(1, 6), st.integers(1, 3)), min_size=1, max_size=3),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_blocks_of_one_class_are_each_cut_by_their_own_heads_and_their_pieces_sum_to_the_whole(world, stages, seed):
+    """Each block's ``layer_config`` gives its own heads and width: every rank holds whole heads of that
+    block (``share(heads_i, N)`` of ``head_dim_i`` rows), and the ranks' row-parallel partial sums
+    ``o_r(q_r(x))`` add up to the whole block's ``o(q(x))``."""
+    sizes = [(max(heads, world) * head_dim, max(heads, world)) for heads, head_dim in stages]
+    model = Stages(sizes)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator))
+    plan = ShardPlan.build(model, [StagePolicy], world)
+    for index, (width, heads) in enumerate(sizes):
+        block, name = model.blocks[index], f"blocks.{index}"
+        x = torch.randn(3, width, generator=generator)
+        partial = torch.zeros(3, width)
+        for rank in range(world):
+            rows = plan.share(f"{name}.q.weight", block.q.weight, rank)
+            own_heads = resolve(plan.attributes[f"{name}.num_heads"], rank)
+            assert rows.shape == (own_heads * (width // heads), width)
+            q = x @ rows.T + plan.share(f"{name}.q.bias", block.q.bias, rank)
+            partial += q @ plan.share(f"{name}.o.weight", block.o.weight, rank).T
+        assert sum(resolve(plan.attributes[f"{name}.num_heads"], r) for r in range(world)) == heads
+        expected = block.q(x) @ block.o.weight.T
+        assert torch.allclose(partial, expected, atol=1e-4 * max(1.0, expected.abs().max().item()))

@@ -25,6 +25,7 @@ the model, the world size, the layer and the tensor.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import re
 from collections.abc import Iterator
@@ -34,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tpcore.configs import module_configs
+from tpcore.configs import module_configs, sub_models
 from tpcore.layers import make_vocab_parallel, row_parallel_class, set_layer_size, vocab_parallel_class
 from tpcore.policy import IfHeld, Layer, Policy, ShardingError
 from tpcore.shares import PerRank, resolve
@@ -173,11 +174,12 @@ class ShardPlan:
             if other is not policy:  # two policies would split the same tensors twice
                 both = f"{other.policy_name()} and {policy.policy_name()}"
                 raise ShardingError(f"policies {both} both apply to {policy.layer_class_name()}")
-            found = [
-                Target(name, module, policy, configs[name])
-                for name, module in model.named_modules()
-                if policy.matches(module)
-            ]
+            found = []
+            for name, module in model.named_modules():
+                if policy.matches(module):
+                    target = Target(name, module, policy, configs[name])
+                    with self._calling(target):  # the instance's own counts, where its blocks differ
+                        found.append(dataclasses.replace(target, config=policy.layer_config(target.config, module)))
             if not found:
                 raise ShardingError(
                     f"policy {policy.policy_name()} applies to {policy.layer_class_name()}, "
@@ -509,7 +511,7 @@ def resolve_layer(layer: nn.Module, spec: Layer) -> tuple[Any, Any] | tuple[()] 
 
 
 def vocabulary_modules(model: nn.Module) -> list[nn.Module]:
-    """The input and output embeddings to split over the vocabulary.
+    """The input and output embeddings to split over the vocabulary: the model's and its sub-models'.
 
     A module qualifies when its type has a vocabulary-parallel class (:func:`~tpcore.layers.vocab_parallel_class`)
     and no module but it, its parents (BERT's head keeps the decoder's bias there) and the other
@@ -523,13 +525,14 @@ def vocabulary_modules(model: nn.Module) -> list[nn.Module]:
             if tensor is not None:
                 holders.setdefault(id(tensor), {})[id(module)] = module
     found: dict[int, nn.Module] = {}
-    for getter in ("get_input_embeddings", "get_output_embeddings"):
-        try:
-            module = getattr(model, getter)()
-        except (AttributeError, NotImplementedError):
-            continue
-        if isinstance(module, nn.Module) and vocab_parallel_class(module) is not None:
-            found[id(module)] = module
+    for owner in sub_models(model).values():  # a composite model's towers name their own (CLIP's text tower)
+        for getter in ("get_input_embeddings", "get_output_embeddings"):
+            try:
+                module = getattr(owner, getter)()
+            except (AttributeError, NotImplementedError):
+                continue
+            if isinstance(module, nn.Module) and vocab_parallel_class(module) is not None:
+                found[id(module)] = module
     for module in list(found.values()):  # the modules a tied table is shared with
         for key, holder in holders.get(id(module.weight), {}).items():
             if holder.weight is module.weight and vocab_parallel_class(holder) is not None:

@@ -304,6 +304,14 @@ class Policy:
             raise TypeError(f"policy {cls.__name__} names no layer class: set layer_class")
         return cls.layer_class
 
+    @classmethod
+    def layer_config(cls, config: Any, layer: nn.Module) -> Any:
+        """The config one layer instance is split by: ``config`` (its sub-model's) unless blocks of
+        this class differ in their counts (Swin's stages: heads and widths of their own), where a
+        policy returns a copy holding the instance's own (read from ``layer``). What
+        :meth:`replace_arguments` and every :class:`Layer` count of the instance read."""
+        return config
+
     @staticmethod
     def replace_arguments(config: Any, world_size: int) -> dict[str, Any]:
         """Attributes of one layer instance to set per rank, ``{path: value}``.

@@ -2,7 +2,7 @@
 
 Every model here has encoder blocks (self-attention, MLP) and decoder blocks (self-attention,
 cross-attention, MLP); a policy applies to each block class and names its attentions
-(:class:`Attention`) and its MLP:
+(:class:`tpcore.blocks.Attention`) and its MLP (:class:`tpcore.blocks.BlockPolicy`):
 
 - each attention's query, key and value projections column parallel, its output projection row
   parallel, heads dealt whole (:func:`tpcore.share`: 6 heads over 4 ranks as 2, 2, 1, 1), the
@@ -36,92 +36,21 @@ logits, whole.
 from __future__ import annotations
 
 import functools
-from typing import ClassVar, NamedTuple
 
 from torch import nn
 
-from tpcore import Layer, Policy, share
-from tpcore.policy import IfHeld, local_config
+from tpcore import Policy, share
+from tpcore.blocks import Attention, BlockPolicy
+from tpcore.policy import local_config
 from tpcore.reshapes import local_width_class
 
 _MODELS = "transformers.models"
 
 
-class Attention(NamedTuple):
-    """One attention of a block, by paths relative to the block."""
+class EncoderBlockPolicy(BlockPolicy):
+    """An encoder block: self-attention of the encoder's heads."""
 
-    path: str
-    projections: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
-    output: str = "out_proj"
-    #: attributes (relative to ``path``) holding the head count, and those holding heads x head_dim
-    counts: tuple[str, ...] = ("num_heads",)
-    widths: tuple[str, ...] = ()
-    #: the module (relative to ``path``; "" for the attention) whose forward reshapes to its input's width
-    reshaping: str | None = None
-    #: some blocks of the class lack it (ProphetNet's decoder without cross-attention)
-    optional: bool = False
-
-    def at(self, *names: str) -> str:
-        """The path of ``names`` (``""`` parts left out) from the block."""
-        return ".".join(part for part in (self.path, *names) if part)
-
-
-def _linear(path: str, *, optional: bool = False, **layout) -> Layer:
-    return Layer(weight=f"{path}.weight", bias=f"{path}.bias", ignore_checker=optional, **layout)
-
-
-class BlockPolicy(Policy):
-    """An encoder or decoder block: its :class:`Attention` s split by heads, its MLP by features."""
-
-    #: the config attribute holding the block's head count
-    heads: ClassVar[str] = "encoder_attention_heads"
-    attentions: ClassVar[tuple[Attention, ...]] = (Attention("self_attn"),)
-    mlp_inputs: ClassVar[tuple[str, ...]] = ("fc1",)
-    mlp_outputs: ClassVar[tuple[str, ...]] = ("fc2",)
-
-    @classmethod
-    def replace_arguments(cls, config, world_size):
-        total = getattr(config, cls.heads)
-        heads = share(total, world_size, cls.heads)
-        width = heads * (config.hidden_size // total)
-        arguments = {}
-        for attention in cls.attentions:
-            values = dict.fromkeys(map(attention.at, attention.counts), heads)
-            values |= dict.fromkeys(map(attention.at, attention.widths), width)
-            if attention.reshaping is not None:  # tpcore.reshapes: the widths its reshapes go between
-                values[attention.at(attention.reshaping, "full_width")] = config.hidden_size
-                values[attention.at(attention.reshaping, "local_width")] = width
-            for path, value in values.items():
-                arguments[path] = IfHeld(value, attention.path) if attention.optional else value
-        return arguments
-
-    @classmethod
-    def replace_modules(cls):
-        return {
-            attention.at(attention.reshaping): local_width_class
-            for attention in cls.attentions
-            if attention.reshaping is not None
-        }
-
-    @classmethod
-    def attn_qkv(cls):
-        return [
-            _linear(attention.at(name), optional=attention.optional, heads=cls.heads)
-            for attention in cls.attentions
-            for name in attention.projections
-        ]
-
-    @classmethod
-    def attn_out(cls):
-        return [_linear(a.at(a.output), optional=a.optional, heads=cls.heads) for a in cls.attentions]
-
-    @classmethod
-    def mlp_in(cls):
-        return [_linear(path) for path in cls.mlp_inputs]
-
-    @classmethod
-    def mlp_out(cls):
-        return [_linear(path) for path in cls.mlp_outputs]
+    heads = "encoder_attention_heads"
 
 
 class DecoderBlockPolicy(BlockPolicy):
@@ -138,7 +67,7 @@ def _block(module: str, name: str) -> str:
 # -- BART's own layout ------------------------------------------------------------------------------
 
 
-class BartEncoderLayerPolicy(BlockPolicy):
+class BartEncoderLayerPolicy(EncoderBlockPolicy):
     layer_class = _block("bart", "BartEncoderLayer")
 
 
@@ -146,7 +75,7 @@ class BartDecoderLayerPolicy(DecoderBlockPolicy):
     layer_class = _block("bart", "BartDecoderLayer")
 
 
-class MBartEncoderLayerPolicy(BlockPolicy):
+class MBartEncoderLayerPolicy(EncoderBlockPolicy):
     layer_class = _block("mbart", "MBartEncoderLayer")
 
 
@@ -154,7 +83,7 @@ class MBartDecoderLayerPolicy(DecoderBlockPolicy):
     layer_class = _block("mbart", "MBartDecoderLayer")
 
 
-class MarianEncoderLayerPolicy(BlockPolicy):
+class MarianEncoderLayerPolicy(EncoderBlockPolicy):
     layer_class = _block("marian", "MarianEncoderLayer")
 
 
@@ -162,7 +91,7 @@ class MarianDecoderLayerPolicy(DecoderBlockPolicy):
     layer_class = _block("marian", "MarianDecoderLayer")
 
 
-class PegasusEncoderLayerPolicy(BlockPolicy):
+class PegasusEncoderLayerPolicy(EncoderBlockPolicy):
     layer_class = _block("pegasus", "PegasusEncoderLayer")
 
 
@@ -170,7 +99,7 @@ class PegasusDecoderLayerPolicy(DecoderBlockPolicy):
     layer_class = _block("pegasus", "PegasusDecoderLayer")
 
 
-class BlenderbotEncoderLayerPolicy(BlockPolicy):
+class BlenderbotEncoderLayerPolicy(EncoderBlockPolicy):
     layer_class = _block("blenderbot", "BlenderbotEncoderLayer")
 
 
@@ -178,7 +107,7 @@ class BlenderbotDecoderLayerPolicy(DecoderBlockPolicy):
     layer_class = _block("blenderbot", "BlenderbotDecoderLayer")
 
 
-class BlenderbotSmallEncoderLayerPolicy(BlockPolicy):
+class BlenderbotSmallEncoderLayerPolicy(EncoderBlockPolicy):
     layer_class = _block("blenderbot_small", "BlenderbotSmallEncoderLayer")
 
 
@@ -186,7 +115,7 @@ class BlenderbotSmallDecoderLayerPolicy(DecoderBlockPolicy):
     layer_class = _block("blenderbot_small", "BlenderbotSmallDecoderLayer")
 
 
-class M2M100EncoderLayerPolicy(BlockPolicy):
+class M2M100EncoderLayerPolicy(EncoderBlockPolicy):
     layer_class = _block("m2m_100", "M2M100EncoderLayer")
 
 
@@ -194,7 +123,7 @@ class M2M100DecoderLayerPolicy(DecoderBlockPolicy):
     layer_class = _block("m2m_100", "M2M100DecoderLayer")
 
 
-class PLBartEncoderLayerPolicy(BlockPolicy):
+class PLBartEncoderLayerPolicy(EncoderBlockPolicy):
     layer_class = _block("plbart", "PLBartEncoderLayer")
 
 
@@ -205,7 +134,7 @@ class PLBartDecoderLayerPolicy(DecoderBlockPolicy):
 # -- attentions that merge heads into their input's width -------------------------------------------
 
 
-class PegasusXEncoderLayerPolicy(BlockPolicy):
+class PegasusXEncoderLayerPolicy(EncoderBlockPolicy):
     """Global-local self-attention over the tokens and the global tokens, one set of projections."""
 
     layer_class = _block("pegasus_x", "PegasusXEncoderLayer")
@@ -216,7 +145,7 @@ class PegasusXDecoderLayerPolicy(DecoderBlockPolicy):
     layer_class = _block("pegasus_x", "PegasusXDecoderLayer")
 
 
-class FSMTEncoderLayerPolicy(BlockPolicy):
+class FSMTEncoderLayerPolicy(EncoderBlockPolicy):
     layer_class = _block("fsmt", "EncoderLayer")
     attentions = (Attention("self_attn", reshaping=""),)
 
@@ -229,7 +158,7 @@ class FSMTDecoderLayerPolicy(DecoderBlockPolicy):
 _LONGFORMER = tuple(f"longformer_self_attn.{name}" for name in ("query", "key", "value"))
 
 
-class LEDEncoderLayerPolicy(BlockPolicy):
+class LEDEncoderLayerPolicy(EncoderBlockPolicy):
     """Longformer self-attention: sliding-window ``query``/``key``/``value`` and the global tokens'
     ``*_global`` projections, one ``output``."""
 
@@ -272,7 +201,7 @@ def _keeping_local_heads(cls: type[nn.Module]) -> type[nn.Module]:
     return type(f"LocalHeads{cls.__name__}", (cls,), namespace)
 
 
-class BigBirdPegasusEncoderLayerPolicy(BlockPolicy):
+class BigBirdPegasusEncoderLayerPolicy(EncoderBlockPolicy):
     layer_class = _block("bigbird_pegasus", "BigBirdPegasusEncoderLayer")
     attentions = (
         Attention(
@@ -350,7 +279,7 @@ def _whole_lookup_subclass(cls: type[nn.Module]) -> type[nn.Module]:
     return type(f"WholeLookup{cls.__name__}", (cls,), namespace)
 
 
-class ProphetNetEncoderLayerPolicy(BlockPolicy):
+class ProphetNetEncoderLayerPolicy(EncoderBlockPolicy):
     layer_class = _block("prophetnet", "ProphetNetEncoderLayer")
     heads = "num_encoder_attention_heads"
     attentions = (_prophetnet_attention("self_attn"),)

@@ -1,0 +1,107 @@
+"""The block most transformers share, said once: attentions split by heads, an MLP by features.
+
+A :class:`BlockPolicy` applies to a block class (an encoder layer, a decoder layer, a ViT layer)
+and names its :class:`Attention` s and its MLP; it derives the policy methods from them:
+
+- each attention's query, key and value projections (or their packed ``qkv``) column parallel, its
+  output projection row parallel, heads dealt whole (:func:`tpcore.share`: 6 heads over 4 ranks as
+  2, 2, 1, 1), the attributes holding its head count and its width (``heads x head_dim``) set per
+  rank, and the modules that reshape to their input's width given
+  :func:`tpcore.reshapes.local_width_class`;
+- the MLP's input projections column parallel, its output projections row parallel.
+
+The block's heads are the config attribute ``heads`` and its head dim ``hidden_size // heads`` of
+the config the policy is given (:meth:`tpcore.Policy.layer_config` gives a block its own, where
+blocks of one class differ). Families subclass it in their plugins; the core names no family.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, NamedTuple
+
+from tpcore.policy import IfHeld, Layer, Policy, share
+from tpcore.reshapes import local_width_class
+
+__all__ = ["Attention", "BlockPolicy", "linear"]
+
+
+class Attention(NamedTuple):
+    """One attention of a block, by paths relative to the block."""
+
+    path: str
+    projections: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
+    output: str = "out_proj"
+    #: attributes (relative to ``path``) holding the head count, and those holding heads x head_dim
+    counts: tuple[str, ...] = ("num_heads",)
+    widths: tuple[str, ...] = ()
+    #: the module (relative to ``path``; "" for the attention) whose forward reshapes to its input's width
+    reshaping: str | None = None
+    #: some blocks of the class lack it (a decoder without cross-attention, a layout of another version)
+    optional: bool = False
+    #: how many tensors each projection packs (3: one ``qkv`` of ``[q | k | v]``)
+    packed: int = 1
+
+    def at(self, *names: str) -> str:
+        """The path of ``names`` (``""`` parts left out) from the block."""
+        return ".".join(part for part in (self.path, *names) if part)
+
+
+def linear(path: str, *, optional: bool = False, **layout) -> Layer:
+    """The :class:`~tpcore.Layer` of the ``nn.Linear`` at ``path``: its weight and bias (a Linear
+    without bias is fine)."""
+    return Layer(weight=f"{path}.weight", bias=f"{path}.bias", ignore_checker=optional, **layout)
+
+
+class BlockPolicy(Policy):
+    """A block: its :class:`Attention` s split by heads, its MLP by features."""
+
+    #: the config attribute holding the block's head count
+    heads: ClassVar[str] = "num_attention_heads"
+    attentions: ClassVar[tuple[Attention, ...]] = (Attention("self_attn"),)
+    mlp_inputs: ClassVar[tuple[str, ...]] = ("fc1",)
+    mlp_outputs: ClassVar[tuple[str, ...]] = ("fc2",)
+
+    @classmethod
+    def replace_arguments(cls, config, world_size):
+        total = getattr(config, cls.heads)
+        heads = share(total, world_size, cls.heads)
+        width = heads * (config.hidden_size // total)
+        arguments = {}
+        for attention in cls.attentions:
+            values = dict.fromkeys(map(attention.at, attention.counts), heads)
+            values |= dict.fromkeys(map(attention.at, attention.widths), width)
+            if attention.reshaping is not None:  # tpcore.reshapes: the widths its reshapes go between
+                values[attention.at(attention.reshaping, "full_width")] = config.hidden_size
+                values[attention.at(attention.reshaping, "local_width")] = width
+            held = attention.at(attention.projections[0])  # an optional attention is where its projections are
+            for path, value in values.items():
+                arguments[path] = IfHeld(value, held) if attention.optional else value
+        return arguments
+
+    @classmethod
+    def replace_modules(cls):
+        return {
+            attention.at(attention.reshaping): local_width_class
+            for attention in cls.attentions
+            if attention.reshaping is not None
+        }
+
+    @classmethod
+    def attn_qkv(cls):
+        return [
+            linear(attention.at(name), optional=attention.optional, heads=cls.heads, n_fused=attention.packed)
+            for attention in cls.attentions
+            for name in attention.projections
+        ]
+
+    @classmethod
+    def attn_out(cls):
+        return [linear(a.at(a.output), optional=a.optional, heads=cls.heads) for a in cls.attentions]
+
+    @classmethod
+    def mlp_in(cls):
+        return [linear(path) for path in cls.mlp_inputs]
+
+    @classmethod
+    def mlp_out(cls):
+        return [linear(path) for path in cls.mlp_outputs]
