@@ -10,6 +10,9 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -46,6 +49,38 @@ def parameter_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+@dataclass
+class SplitRun:
+    """What :func:`run_split` measured: the split model's result, how long ``parallelize`` took, the
+    whole model's and each rank's parameter bytes."""
+
+    result: Any
+    ready_s: float
+    whole_bytes: int
+    rank_bytes: dict[str, int]
+
+    def print_memory(self, replicated: str) -> None:
+        """Each rank's parameter memory against the whole model's; ``replicated`` says what stays whole."""
+        print(f"\nparameter memory: whole model {self.whole_bytes / 2**20:.1f} MiB")
+        for device, held in self.rank_bytes.items():
+            print(f"  {device}: {held / 2**20:.1f} MiB ({held / self.whole_bytes:.0%} of the whole model)")
+        print(replicated)
+
+
+def run_split(model, ranks: int, run: Callable[[Any], Any]) -> SplitRun:
+    """``run(model)`` on ``model`` split over ``ranks`` CPU ranks by the one line, then deparallelized."""
+    import tpcore
+
+    whole_bytes = parameter_bytes(model)
+    started = time.perf_counter()
+    model = tpcore.parallelize(model, num_gpus=ranks)  # the one line
+    ready = time.perf_counter() - started
+    try:
+        return SplitRun(run(model), ready, whole_bytes, model.memory_allocated())
+    finally:
+        model.deparallelize()
+
+
 def load(path: str):
     from transformers import AutoModel
     from transformers.utils import logging
@@ -62,26 +97,16 @@ def main(argv: list[str] | None = None) -> None:
 
     from transformers import AutoTokenizer
 
-    import tpcore
-
     path = model_path()
     batch = dict(AutoTokenizer.from_pretrained(path)(SENTENCES, padding=True, return_tensors="pt"))
     model = load(path)
     reference = embed(model, batch)
-    whole_bytes = parameter_bytes(model)
-
-    started = time.perf_counter()
-    model = tpcore.parallelize(model, num_gpus=args.ranks)  # the one line
-    ready = time.perf_counter() - started
-    try:
-        split = embed(model, batch)
-        rank_bytes = model.memory_allocated()
-    finally:
-        model.deparallelize()
+    measured = run_split(model, args.ranks, lambda split_model: embed(split_model, batch))
+    split = measured.result
 
     print(
         f"all-MiniLM-L6-v2 (BERT, 6 layers, 12 heads) split over {args.ranks} CPU ranks with gloo "
-        f"(ready in {ready:.1f} s)\n"
+        f"(ready in {measured.ready_s:.1f} s)\n"
     )
     print("cosine similarity             split    unsplit")
     for i in range(len(SENTENCES)):
@@ -92,11 +117,10 @@ def main(argv: list[str] | None = None) -> None:
     for i, sentence in enumerate(SENTENCES, 1):
         print(f"  {i}: {sentence}")
     print(f"\nmax abs difference of the embeddings, split vs unsplit: {(split - reference).abs().max().item():.2e}")
-    print(f"\nparameter memory: whole model {whole_bytes / 2**20:.1f} MiB")
-    for device, held in rank_bytes.items():
-        print(f"  {device}: {held / 2**20:.1f} MiB ({held / whole_bytes:.0%} of the whole model)")
-    print("  (attention and MLP weights are split, the word embedding over the vocabulary;")
-    print("   position embeddings, layer norms and the pooler are replicated)")
+    measured.print_memory(
+        "  (attention and MLP weights are split, the word embedding over the vocabulary;\n"
+        "   position embeddings, layer norms and the pooler are replicated)"
+    )
 
 
 if __name__ == "__main__":

@@ -163,7 +163,8 @@ def sample_inputs(model: nn.Module, batch: int = 2, seq: int = 8, seed: int = 0)
     - ``input_ids`` ``(batch, seq)`` drawn clear of every special id, row 0 right-padded with the
       pad id in its second half, with ``attention_mask`` when accepted; with ``pixel_values`` and an
       ``image_token_id``/``image_token_index``, each row starts with one image token per image feature;
-    - ``decoder_input_ids`` ``(batch, 4)`` for encoder-decoder models, except sequence classifiers
+    - ``decoder_input_ids`` ``(batch, 4)`` where accepted (encoder-decoder models, BLIP's answer
+      decoder), except encoder-decoder sequence classifiers
       (BART's pools the decoder state at each row's last eos token: their rows end in eos, and the
       decoder reads the input ids shifted right).
     """
@@ -237,7 +238,7 @@ def _text(model, accepted, inputs, batch, seq, generator) -> dict:
 
 
 def _decoder_text(model, accepted, inputs, batch, seq, generator) -> dict:
-    if "decoder_input_ids" not in accepted or not getattr(model.config, "is_encoder_decoder", False):
+    if "decoder_input_ids" not in accepted:  # encoder-decoders, and decoders of answers (BLIP's)
         return {}
     if _pools_at_eos(model) and "input_ids" in inputs:
         ids, mask = inputs["input_ids"].clone(), inputs.get("attention_mask", torch.ones_like(inputs["input_ids"]))
