@@ -93,6 +93,13 @@ def demo(session: nox.Session) -> None:
 
 
 @nox.session(reuse_venv=True)
+def demo_vision(session: nox.Session) -> None:
+    """Run tp_vision.demo: a CLIP (random-init: no PyPI package ships vision weights) split over 2 CPU ranks."""
+    install(session, *editable_project())
+    session.run("python", "-m", "tp_vision.demo", *session.posargs)
+
+
+@nox.session(reuse_venv=True)
 def bench(session: nox.Session) -> None:
     """The benchmarks in bench/ (results written to bench/results/); run them on an otherwise idle machine."""
     install(session, *editable_project())

@@ -193,8 +193,8 @@ def reduce_partial_sums(context, parts, with_dtype_sent=False):
 
 
 class ViTLayerPolicy(Policy):
-    """Test-only, shared by the check and checkpoint tests: the transformers 5.24 ViT block (q/k/v/o
-    projections, fc1/fc2); no plugin covers ViT yet."""
+    """Test-only, shared by the check and checkpoint tests: the ViT block (q/k/v/o projections,
+    fc1/fc2), passed as ``custom_policies`` so that the core's tests do not lean on tp-vision's."""
 
     layer_class = "transformers.models.vit.modeling_vit.ViTLayer"
 

@@ -345,7 +345,7 @@ def test_check_passes_through_a_tp_plan_whose_gathers_tpcore_leaves_out(name, ra
     assert "2 ranks: PASS" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("name", ["CLIPModel", "WhisperForConditionalGeneration"])
+@pytest.mark.parametrize("name", ["SamModel", "WhisperForConditionalGeneration"])
 def test_check_a_model_no_policy_covers_says_so_before_any_rank_starts(name, spawned, capsys):
     assert run_check(name, [2]) == 2
     out = capsys.readouterr().out

@@ -119,14 +119,25 @@ class CLIPLayerPolicy(Policy):
         return [_linear("mlp.fc2")]
 
 
-@pytest.fixture
-def no_plugins(monkeypatch):
-    """Plugin autoload off (the tp-plan fallback alone), restored after the test."""
-    monkeypatch.setenv("TPCORE_DISABLE_PLUGIN_AUTOLOAD", "1")
+def _plugins_under(monkeypatch, name: str, value: str):
+    """The plugin registry reloaded with the environment switch ``name`` set to ``value``, then restored."""
+    monkeypatch.setenv(name, value)
     reset_plugins()
     yield
-    monkeypatch.delenv("TPCORE_DISABLE_PLUGIN_AUTOLOAD")
+    monkeypatch.delenv(name)
     reset_plugins()
+
+
+@pytest.fixture
+def no_plugins(monkeypatch):
+    """Plugin autoload off (the tp-plan fallback alone)."""
+    yield from _plugins_under(monkeypatch, "TPCORE_DISABLE_PLUGIN_AUTOLOAD", "1")
+
+
+@pytest.fixture
+def only_tp_gpt(monkeypatch):
+    """tp-gpt the only plugin loaded (tp-vision would cover the CLIP tower)."""
+    yield from _plugins_under(monkeypatch, "TPCORE_PLUGINS", "tp-gpt")
 
 
 # -- which config a module belongs to (pure) -------------------------------------------------------
@@ -274,8 +285,7 @@ def test_a_composite_model_no_plan_covers_is_refused_naming_each_sub_model(no_pl
 # -- plugins for some layer classes, tp plans for the rest (pure) ------------------------------------
 
 
-def test_llava_with_tp_gpt_splits_the_language_model_and_keeps_the_vision_tower_whole():
-    reset_plugins()
+def test_llava_with_tp_gpt_splits_the_language_model_and_keeps_the_vision_tower_whole(only_tp_gpt):
     model = llava()
     (policy,) = AutoPolicy().get_policy(model)
     assert policy.__name__ == "LlamaPolicy"  # tp-gpt's, not the derived one for the same class
@@ -285,9 +295,8 @@ def test_llava_with_tp_gpt_splits_the_language_model_and_keeps_the_vision_tower_
     assert TensorReplacer(model, None, num_gpus=2, rank=1).validate() == [policy]
 
 
-def test_a_tower_no_plugin_covers_follows_its_own_tp_plan(monkeypatch):
+def test_a_tower_no_plugin_covers_follows_its_own_tp_plan(monkeypatch, only_tp_gpt):
     clip_tower_plans(monkeypatch)  # CLIPVisionConfig now has a plan; tp-gpt covers the Llama layers
-    reset_plugins()
     policies = AutoPolicy().get_policy(llava())
     assert [p.policy_name() for p in policies] == ["LlamaPolicy", "CLIPEncoderLayer (tp plan of clip_vision_model)"]
 
@@ -301,10 +310,9 @@ def test_a_derived_policy_around_a_plugin_covered_layer_is_dropped(monkeypatch, 
     assert AutoPolicy().get_policy(llava()) == [LlamaAttentionPolicy]
 
 
-def test_plugins_command_lists_what_splits_each_sub_model_and_what_stays_whole(capsys, monkeypatch):
+def test_plugins_command_lists_what_splits_each_sub_model_and_what_stays_whole(capsys, monkeypatch, only_tp_gpt):
     import tpcore.check
 
-    reset_plugins()
     spec = ModelSpec(transformers.LlavaForConditionalGeneration, llava_config())
     monkeypatch.setattr(tpcore.check, "resolve", lambda name: spec)
     assert main(["plugins", "--model", "LlavaForConditionalGeneration"]) == 0

@@ -140,6 +140,7 @@ def test_source_tree_metadata_makes_the_entry_points_visible(tmp_path):
         "tpcore:tp_bert",
         "tpcore:tp_gpt",
         "tpcore:tp_t5",
+        "tpcore:tp_vision",
     ]
 
 
@@ -151,12 +152,16 @@ def test_wheels_are_taken_only_when_every_distribution_has_one(tmp_path):
     with pytest.raises(SystemExit, match="no wheel of tp-t5"):
         gpu_env._wheels(tmp_path)
     (tmp_path / "tp_t5-0.1.0-py3-none-any.whl").touch()
+    with pytest.raises(SystemExit, match="no wheel of tp-vision"):
+        gpu_env._wheels(tmp_path)
+    (tmp_path / "tp_vision-0.1.0-py3-none-any.whl").touch()
     assert [wheel.name.split("-")[0] for wheel in gpu_env._wheels(tmp_path)] == [
         "tpcore",
         "tp_bart",
         "tp_bert",
         "tp_gpt",
         "tp_t5",
+        "tp_vision",
     ]
     assert gpu_env._wheels(tmp_path / "absent") == []
 

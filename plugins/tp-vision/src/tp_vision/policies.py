@@ -1,0 +1,233 @@
+"""Policies for image encoders and vision-language models (transformers 5.x).
+
+Every model here is a stack of transformer blocks (:class:`tpcore.blocks.BlockPolicy`): each
+attention's query, key and value projections column parallel and its output projection row
+parallel, heads dealt whole (6 heads over 4 ranks as 2, 2, 1, 1); the MLP's input projection
+column parallel, its output projection row parallel. The patch embedding (a convolution), the
+position embeddings, the class tokens, the norms and the task heads stay whole. What differs:
+
+- ViT, DeiT, BEiT, DINOv2: ``attention.{q,k,v,o}_proj``, ``mlp.fc1``/``mlp.fc2`` (DINOv2's SwiGLU
+  MLP: ``gate_proj``/``up_proj``, ``down_proj``). BEiT's relative position bias tables
+  ``(entries, heads)``, one per block or one the blocks share, are split by heads
+  (:class:`BeitRelativePositionBiasPolicy`). DINOv2 as transformers 5.17 lays it out
+  (``attention.attention.{query,key,value}``, ``attention.output.dense``, SwiGLU ``weights_in``
+  packing gate and up) is split too.
+- Swin: each stage has its own width and head count; a block is split by its own
+  (:meth:`SwinLayerPolicy.layer_config`), its relative position bias table by heads. The patch
+  merging between stages stays whole.
+- CLIP and SigLIP: text and vision towers of their own configs (``self_attn``, ``mlp``), so a LLaVA
+  model's CLIP or SigLIP tower is split here and its language model by tp-gpt. SigLIP's attention
+  pooling head (``torch.nn.MultiheadAttention``, one per model) stays whole.
+- BLIP: the vision encoder packs ``qkv`` (``[q | k | v]``) and reshapes to the input's width
+  (:func:`local_heads_blip_attention`); the text side is BERT-like, with cross-attention in the
+  decoder.
+- DETR: encoder and decoder blocks of ``encoder_attention_heads`` / ``decoder_attention_heads``;
+  the convolutional backbone, the query embeddings, the box heads and the segmentation head's
+  attention map stay whole.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import torch
+from torch import nn
+
+from tpcore import Layer, Policy
+from tpcore.blocks import Attention, BlockPolicy, linear
+
+_MODELS = "transformers.models"
+
+
+def _block(module: str, name: str) -> str:
+    return f"{_MODELS}.{module}.modeling_{module}.{name}"
+
+
+class ViTStyleLayerPolicy(BlockPolicy):
+    """A ViT block: ``attention.{q,k,v,o}_proj``, ``mlp.fc1``/``mlp.fc2``."""
+
+    attentions = (Attention("attention", output="o_proj", counts=("num_attention_heads",)),)
+    mlp_inputs = ("mlp.fc1",)
+    mlp_outputs = ("mlp.fc2",)
+
+
+class ViTLayerPolicy(ViTStyleLayerPolicy):
+    layer_class = _block("vit", "ViTLayer")
+
+
+class DeiTLayerPolicy(ViTStyleLayerPolicy):
+    layer_class = _block("deit", "DeiTLayer")
+
+
+class BeitLayerPolicy(ViTStyleLayerPolicy):
+    layer_class = _block("beit", "BeitLayer")
+
+
+class BeitRelativePositionBiasPolicy(Policy):
+    """BEiT's relative position bias, ``(entries, heads)``: in each block's attention, or one that
+    the encoder gives every block (``use_shared_relative_position_bias``); a rank keeps its heads'
+    columns."""
+
+    layer_class = _block("beit", "BeitRelativePositionBias")
+
+    @staticmethod
+    def attn_qkv():
+        return [Layer(weight="relative_position_bias_table", dim=-1, heads="num_attention_heads")]
+
+
+class Dinov2LayerPolicy(BlockPolicy):
+    """DINOv2's block, in the layout of recent transformers or of 5.17 (``attention.attention``,
+    ``attention.output.dense``), with either MLP (``fc1``/``fc2`` or SwiGLU)."""
+
+    layer_class = _block("dinov2", "Dinov2Layer")
+    attentions = (
+        Attention("attention", output="o_proj", counts=("num_attention_heads",), optional=True),
+        Attention(
+            "attention",
+            projections=("attention.query", "attention.key", "attention.value"),
+            output="output.dense",
+            counts=("attention.num_attention_heads",),
+            widths=("attention.all_head_size",),
+            optional=True,
+        ),
+    )
+
+    @classmethod
+    def mlp_in(cls):
+        swiglu = [linear("mlp.gate_proj", optional=True), linear("mlp.up_proj", optional=True)]
+        return [linear("mlp.fc1", optional=True), *swiglu, linear("mlp.weights_in", optional=True, n_fused=2)]
+
+    @classmethod
+    def mlp_out(cls):
+        return [linear(f"mlp.{name}", optional=True) for name in ("fc2", "down_proj", "weights_out")]
+
+
+class SwinLayerPolicy(ViTStyleLayerPolicy):
+    """A Swin block: the ViT layout at its stage's width and head count, and the relative position
+    bias table of its window, ``(entries, heads)``, split by heads."""
+
+    layer_class = _block("swin", "SwinLayer")
+
+    @classmethod
+    def layer_config(cls, config, layer):
+        """The config with this block's stage width and head count (``config.num_heads`` lists
+        every stage's)."""
+        own = copy.copy(config)
+        own.hidden_size = layer.attention.q_proj.in_features
+        own.num_attention_heads = layer.attention.num_attention_heads
+        return own
+
+    @classmethod
+    def attn_qkv(cls):
+        table = "attention.relative_position_bias.relative_position_bias_table"
+        return [*super().attn_qkv(), Layer(weight=table, dim=-1, heads=cls.heads)]
+
+
+# -- two towers: CLIP, SigLIP -------------------------------------------------------------------------
+
+
+class CLIPEncoderLayerPolicy(BlockPolicy):
+    """A block of CLIP's text or vision tower (each tower's own config) and of LLaVA's CLIP tower."""
+
+    layer_class = _block("clip", "CLIPEncoderLayer")
+    mlp_inputs = ("mlp.fc1",)
+    mlp_outputs = ("mlp.fc2",)
+
+
+class SiglipEncoderLayerPolicy(CLIPEncoderLayerPolicy):
+    layer_class = _block("siglip", "SiglipEncoderLayer")
+
+
+# -- BLIP ------------------------------------------------------------------------------------------------
+
+
+def local_heads_blip_attention(module: nn.Module | None) -> type[nn.Module] | None:
+    """For BLIP's vision attention, which splits its packed ``qkv`` into heads of
+    ``input width // num_heads`` features: a subclass whose forward splits it into the rank's
+    ``num_heads`` heads of ``head_dim`` and merges them into ``embed_dim`` (the rank's width).
+    Math as unsplit: ``softmax(q k^T * scale) v`` per head, then ``projection``."""
+    return None if module is None else _local_heads_subclass(type(module))
+
+
+@functools.cache
+def _local_heads_subclass(cls: type[nn.Module]) -> type[nn.Module]:
+    def forward(self, hidden_states: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        batch, length, _ = hidden_states.shape
+        packed = self.qkv(hidden_states).reshape(batch, length, 3, self.num_heads, self.head_dim)
+        query, key, value = packed.permute(2, 0, 3, 1, 4)  # each [batch, heads, length, head_dim]
+        probs = self.dropout(nn.functional.softmax(query @ key.transpose(-1, -2) * self.scale, dim=-1))
+        context = (probs @ value).permute(0, 2, 1, 3).reshape(batch, length, self.embed_dim)
+        return self.projection(context), probs
+
+    namespace = {"__module__": __name__, "__doc__": local_heads_blip_attention.__doc__, "forward": forward}
+    return type(f"LocalHeads{cls.__name__}", (cls,), namespace)
+
+
+class BlipEncoderLayerPolicy(CLIPEncoderLayerPolicy):
+    """A block of BLIP's vision encoder: packed ``qkv``, output ``projection``."""
+
+    layer_class = _block("blip", "BlipEncoderLayer")
+    attentions = (Attention("self_attn", projections=("qkv",), output="projection", widths=("embed_dim",), packed=3),)
+
+    @staticmethod
+    def replace_modules():
+        return {"self_attn": local_heads_blip_attention}
+
+
+def _bert_attention(path: str, optional: bool = False) -> Attention:
+    return Attention(
+        path,
+        projections=("self.query", "self.key", "self.value"),
+        output="output.dense",
+        counts=("self.num_attention_heads",),
+        widths=("self.all_head_size",),
+        optional=optional,
+    )
+
+
+class BlipTextLayerPolicy(BlockPolicy):
+    """A block of BLIP's BERT-like text model; the decoder's blocks cross-attend to the image."""
+
+    layer_class = "transformers.models.blip.modeling_blip_text.BlipTextLayer"
+    attentions = (_bert_attention("attention"), _bert_attention("crossattention", optional=True))
+    mlp_inputs = ("intermediate.dense",)
+    mlp_outputs = ("output.dense",)
+
+
+# -- DETR --------------------------------------------------------------------------------------------------
+
+
+class DetrEncoderLayerPolicy(BlockPolicy):
+    layer_class = _block("detr", "DetrEncoderLayer")
+    heads = "encoder_attention_heads"
+    attentions = (Attention("self_attn", output="o_proj", counts=()),)
+    mlp_inputs = ("mlp.fc1",)
+    mlp_outputs = ("mlp.fc2",)
+
+
+class DetrDecoderLayerPolicy(DetrEncoderLayerPolicy):
+    """Self-attention over the object queries, cross-attention to the encoded image."""
+
+    layer_class = _block("detr", "DetrDecoderLayer")
+    heads = "decoder_attention_heads"
+    attentions = (
+        Attention("self_attn", output="o_proj", counts=()),
+        Attention("encoder_attn", output="o_proj", counts=()),
+    )
+
+
+POLICIES = (
+    ViTLayerPolicy,
+    DeiTLayerPolicy,
+    BeitLayerPolicy,
+    BeitRelativePositionBiasPolicy,
+    Dinov2LayerPolicy,
+    SwinLayerPolicy,
+    CLIPEncoderLayerPolicy,
+    SiglipEncoderLayerPolicy,
+    BlipEncoderLayerPolicy,
+    BlipTextLayerPolicy,
+    DetrEncoderLayerPolicy,
+    DetrDecoderLayerPolicy,
+)
