@@ -140,10 +140,9 @@ def mlm_batch(seed: int, lengths=(7, 3, 5), seq: int = 7) -> dict:
 
 # -- 1. equivalence ------------------------------------------------------------------------------
 
-#: one head per output shape (pooled, per span, per choice) over 2, 3 and 4 ranks; every head of the
+#: per span and per choice over 4 and 2 ranks (uneven worlds: tests/test_uneven.py); every head of the
 #: family runs through the engine in tp-bert's tests
 EQUIVALENCE = [
-    ("Roberta", "ForSequenceClassification", 3),
     ("DistilBert", "ForQuestionAnswering", 4),
     ("Bert", "ForMultipleChoice", 2),
 ]
@@ -560,15 +559,13 @@ CALLER = textwrap.dedent(
 
     if mode.endswith("-call"):
         model.encoder.register_forward_pre_hook(stall)
-    tpcore.parallelize(model, num_gpus=1, backend="gloo")  # one rank each: seven callers share two cores
+    tpcore.parallelize(model, num_gpus=1, backend="gloo")  # one rank each: five callers share two cores
     print(json.dumps(model._tpcore_handle.pool.pids), flush=True)
     ids = torch.tensor([[5, 6, 7]])
-    if mode in ("exit", "raise"):
+    if mode == "exit":
         model(input_ids=ids)
         print("READY", flush=True)
         sys.stdin.readline()  # the test says when
-        if mode == "raise":
-            raise RuntimeError("uncaught in the caller")
     else:
         print("READY", flush=True)
         if mode.endswith("-idle"):
@@ -654,11 +651,9 @@ class Script:
 #: mode -> (signal to send once READY, to the whole process group as a terminal's Ctrl-C does)
 EXITS = {
     "exit": (None, False),
-    "raise": (None, False),
     "sigint-idle": (signal.SIGINT, False),
     "sigint-call": (signal.SIGINT, False),
     "ctrl-c-call": (signal.SIGINT, True),
-    "sigkill-idle": (signal.SIGKILL, False),
     "sigkill-call": (signal.SIGKILL, False),
 }
 
@@ -670,8 +665,8 @@ CALLER_END_S, RANKS_GONE_S = 120, 30
 
 @pytest.mark.slow
 def test_the_caller_exiting_in_any_way_leaves_no_orphans(tmp_path, time_to_error):
-    """Every way a caller ends, run side by side: normal exit, uncaught exception, SIGINT (to the caller
-    only, or to its process group like Ctrl-C in a terminal) while idle or mid-call, SIGKILL.
+    """The ways a caller ends, run side by side: normal exit, SIGINT (to the caller only, or to its
+    process group like Ctrl-C in a terminal) while idle or mid-call, SIGKILL mid-call.
 
     The callers start with SIGINT ignored, as a background job does, and set what they need themselves.
     The ranks must be gone within ``RANKS_GONE_S`` of the caller's end (of the signal, for a signalled caller).
@@ -698,7 +693,7 @@ def test_the_caller_exiting_in_any_way_leaves_no_orphans(tmp_path, time_to_error
     watcher = threading.Thread(target=monitor, daemon=True)
     watcher.start()
     try:
-        for mode in EXITS:  # one at a time: seven callers and their ranks starting at once swamp two cores
+        for mode in EXITS:  # one at a time: five callers and their ranks starting at once swamp two cores
             callers[mode] = Script([sys.executable, str(script), mode], stdin_text="", sigint_ignored=True)
             rank_pids[mode] = json.loads(callers[mode].next_line(300))
         for caller in callers.values():
@@ -731,11 +726,9 @@ def test_the_caller_exiting_in_any_way_leaves_no_orphans(tmp_path, time_to_error
             time_to_error(f"ranks gone after the caller's {mode}", timings[mode])
             if not timings[mode] <= RANKS_GONE_S:
                 failures.append(f"{mode}: ranks {rank_pids[mode]} alive {RANKS_GONE_S} s after the caller ended")
-            wanted = {"exit": code == 0, "raise": code == 1, "sigkill-idle": code == -9, "sigkill-call": code == -9}
+            wanted = {"exit": code == 0, "sigkill-call": code == -9}
             if not wanted.get(mode, code != 0):
                 failures.append(f"{mode}: exit code {code}; stderr:\n{caller.stderr[-2000:]}")
-            if mode == "raise" and "uncaught in the caller" not in caller.stderr:
-                failures.append(f"raise: the caller's exception is not on its stderr:\n{caller.stderr[-2000:]}")
         assert not failures, "\n".join(failures)
     finally:
         stop.set()
