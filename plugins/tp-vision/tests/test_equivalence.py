@@ -239,10 +239,7 @@ def head_inputs(spec: ModelSpec, batch: int = 3, seq: int = 7, seed: int = 2) ->
     image token per image feature), every hidden state asked for where the head returns them."""
     model = spec.build()
     inputs = sample_inputs(model, batch=batch, seq=seq, seed=seed)
-    accepted = forward_parameters(model)
-    if "decoder_input_ids" in accepted and "decoder_input_ids" not in inputs:  # BLIP's answer decoder
-        inputs["decoder_input_ids"] = inputs["input_ids"][:, :4]
-    if "output_hidden_states" in accepted:
+    if "output_hidden_states" in forward_parameters(model):
         inputs["output_hidden_states"] = True
     return inputs
 
