@@ -196,7 +196,8 @@ def test_inputs_follow_what_forward_accepts():
     assert shapes["CLIPModel"] == {"pixel_values": (2, 3, 32, 32), "input_ids": (2, 8), "attention_mask": (2, 8)}
     assert shapes["WhisperForConditionalGeneration"] == {"input_features": (2, 80, 32), "decoder_input_ids": (2, 4)}
     assert shapes["Speech2TextForConditionalGeneration"]["input_features"] == (2, 32, 80)
-    assert shapes["Wav2Vec2Model"] == {"input_values": (2, 16 * 320)}  # 16 frames of its 320-sample hop
+    waveforms = (2, 16 * 320)  # 16 frames of its 320-sample hop
+    assert shapes["Wav2Vec2Model"] == {"input_values": waveforms, "attention_mask": waveforms}
     assert shapes["T5ForConditionalGeneration"]["decoder_input_ids"] == (2, 4)
     assert shapes["Qwen3ForCausalLM"] == {"input_ids": (2, 8), "attention_mask": (2, 8)}
 
@@ -345,7 +346,7 @@ def test_check_passes_through_a_tp_plan_whose_gathers_tpcore_leaves_out(name, ra
     assert "2 ranks: PASS" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("name", ["SamModel", "WhisperForConditionalGeneration"])
+@pytest.mark.parametrize("name", ["SamModel", "SpeechT5ForSpeechToText"])
 def test_check_a_model_no_policy_covers_says_so_before_any_rank_starts(name, spawned, capsys):
     assert run_check(name, [2]) == 2
     out = capsys.readouterr().out

@@ -136,6 +136,7 @@ def test_source_tree_metadata_makes_the_entry_points_visible(tmp_path):
     assert entry_points(paths[:-1]) == []  # the sources alone carry no metadata
     assert entry_points(paths) == [
         "pytest11:tpcore.pytest_plugin",
+        "tpcore:tp_audio",
         "tpcore:tp_bart",
         "tpcore:tp_bert",
         "tpcore:tp_gpt",
@@ -145,8 +146,8 @@ def test_source_tree_metadata_makes_the_entry_points_visible(tmp_path):
 
 
 def test_wheels_are_taken_only_when_every_distribution_has_one(tmp_path):
-    names = ["tpcore-0.1.0-py3-none-any.whl", "tp_bart-0.1.0-py3-none-any.whl", "tp_bert-0.1.0-py3-none-any.whl"]
-    names.append("tp_gpt-0.1.0-py3-none-any.whl")
+    names = ["tpcore-0.1.0-py3-none-any.whl", "tp_audio-0.1.0-py3-none-any.whl", "tp_bart-0.1.0-py3-none-any.whl"]
+    names += ["tp_bert-0.1.0-py3-none-any.whl", "tp_gpt-0.1.0-py3-none-any.whl"]
     for name in names:
         (tmp_path / name).touch()
     with pytest.raises(SystemExit, match="no wheel of tp-t5"):
@@ -157,6 +158,7 @@ def test_wheels_are_taken_only_when_every_distribution_has_one(tmp_path):
     (tmp_path / "tp_vision-0.1.0-py3-none-any.whl").touch()
     assert [wheel.name.split("-")[0] for wheel in gpu_env._wheels(tmp_path)] == [
         "tpcore",
+        "tp_audio",
         "tp_bart",
         "tp_bert",
         "tp_gpt",

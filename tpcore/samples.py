@@ -32,8 +32,8 @@ IMAGE_SIZE, PATCH_SIZE = 32, 8
 #: Whisper-like encoders take ``2 * max_source_positions`` feature frames
 AUDIO_POSITIONS = 16
 _IMAGE_TOKEN_FIELDS = ("image_token_id", "image_token_index")
-#: config fields some default configs leave ``None`` although the model reads them as numbers
-_UNSET_IN_DEFAULTS = {"head_dim", "num_experts_per_tok"}
+#: config fields some default configs leave ``None`` although the model reads them as numbers (CTC heads: vocab_size)
+_UNSET_IN_DEFAULTS = {"head_dim", "num_experts_per_tok", "vocab_size"}
 #: config fields that follow from others and are recomputed when a sub-config is rebuilt
 _DERIVED = {"layer_types", "head_dim", "transformers_version", "model_type", "architectures"}
 
@@ -158,8 +158,12 @@ def sample_inputs(model: nn.Module, batch: int = 2, seq: int = 8, seed: int = 0)
 
     - ``pixel_values``: ``(batch, num_channels, H, W)`` at the (vision) config's ``image_size``;
     - ``input_features``: ``(batch, num_mel_bins, 2 * max_source_positions)`` (Whisper-like) or
-      ``(batch, frames, features)`` (``input_feat_per_channel * input_channels`` or ``feature_size``);
-    - ``input_values``: waveforms ``(batch, samples)``, ``samples`` a multiple of the conv strides;
+      ``(batch, frames, features)`` (``input_feat_per_channel * input_channels``,
+      ``feature_projection_input_dim`` or ``feature_size``,
+      row 0 padded in its second half, with ``attention_mask`` when accepted);
+    - ``input_values``: waveforms ``(batch, samples)``, ``samples`` a multiple of the conv strides
+      (``2 * seq`` frames, and the context of an x-vector head's time-delay layers), row 0 zero in
+      its second half, with ``attention_mask`` when accepted;
     - ``input_ids`` ``(batch, seq)`` drawn clear of every special id, row 0 right-padded with the
       pad id in its second half, with ``attention_mask`` when accepted; with ``pixel_values`` and an
       ``image_token_id``/``image_token_index``, each row starts with one image token per image feature;
@@ -204,18 +208,36 @@ def _audio_features(model, accepted, inputs, batch, seq, generator) -> dict:
         shape = (batch, config.num_mel_bins, 2 * config.max_source_positions)
     elif getattr(config, "input_feat_per_channel", None):
         shape = (batch, 4 * seq, config.input_feat_per_channel * getattr(config, "input_channels", 1))
+    elif getattr(config, "feature_projection_input_dim", None):  # w2v-BERT: stacked frames
+        shape = (batch, 4 * seq, config.feature_projection_input_dim)
     elif getattr(config, "feature_size", None):
         shape = (batch, 4 * seq, config.feature_size)
     else:
         raise ValueError(f"{type(config).__name__} names no audio feature size (num_mel_bins, feature_size, ...)")
-    return {"input_features": torch.randn(*shape, generator=generator)}
+    features = torch.randn(*shape, generator=generator)
+    if "attention_mask" not in accepted or getattr(config, "num_mel_bins", None):  # Whisper's encoder takes no mask
+        return {"input_features": features}
+    mask = torch.ones(shape[:2], dtype=torch.long)
+    mask[0, shape[1] // 2 :] = 0  # row 0's frames padded on the right
+    return {"input_features": features * mask[..., None], "attention_mask": mask}
 
 
 def _waveforms(model, accepted, inputs, batch, seq, generator) -> dict:
     if "input_values" not in accepted:
         return {}
-    hop = math.prod(getattr(model.config, "conv_stride", None) or (160,))
-    return {"input_values": torch.randn(batch, 2 * seq * hop, generator=generator)}
+    config = model.config
+    hop = math.prod(getattr(config, "conv_stride", None) or (160,))
+    frames = 2 * seq
+    if hasattr(model, "tdnn"):  # an x-vector head: its time-delay layers consume this much context
+        frames += sum(
+            (kernel - 1) * dilation for kernel, dilation in zip(config.tdnn_kernel, config.tdnn_dilation, strict=True)
+        )
+    values = torch.randn(batch, frames * hop, generator=generator)
+    if "attention_mask" not in accepted:
+        return {"input_values": values}
+    mask = torch.ones_like(values, dtype=torch.long)
+    mask[0, values.shape[1] // 2 :] = 0  # row 0 is half silence: padded on the right
+    return {"input_values": values * mask, "attention_mask": mask}
 
 
 def _text(model, accepted, inputs, batch, seq, generator) -> dict:
