@@ -15,8 +15,9 @@ nothing would otherwise pass trivially).
 
 Hypothesis strategies for a plugin's property tests (they need hypothesis, the ``test`` extra):
 :func:`split_sizes` draws config sizes that split over a drawn world size (evenly, or with
-``uneven=True`` mostly not), :func:`padded_batches`
-draws padded batches of token ids, :func:`seeds` the init seed::
+``uneven=True`` mostly not), :func:`padded_batches` draws padded batches of token ids,
+:func:`sample_batches` batches of any modality (images, waveforms, audio features) built from a
+model's config, :func:`seeds` the init seed::
 
     @given(sizes=split_sizes(), inputs=padded_batches(vocab_size=64), seed=seeds())
     def test_my_family(rank_pools, sizes, inputs, seed):
@@ -40,6 +41,7 @@ from tpcore.transfer import to_cpu, to_device
 __all__ = [
     "DEFAULT_RTOL",
     "HALF_PRECISION_RTOL",
+    "MEDIA_INPUTS",
     "check_model",
     "EquivalenceError",
     "ModelSpec",
@@ -52,6 +54,7 @@ __all__ = [
     "flatten_outputs",
     "padded_batch",
     "padded_batches",
+    "sample_batches",
     "seeds",
     "sharded_forward",
     "split_sizes",
@@ -265,19 +268,27 @@ def check_model(
     rtol: float = DEFAULT_RTOL,
 ) -> None:
     """The one-line check for policy authors: ``model_class(config)`` split over each world size
-    equals the unsplit model for hypothesis-drawn batches (sizes, token ids, right padding, and
-    decoder ids for encoder-decoder models). Raises :class:`EquivalenceError` on the first
+    equals the unsplit model for hypothesis-drawn batches: for a text model, sizes, token ids,
+    right padding, and decoder ids for encoder-decoder models; for a model of images or audio
+    (its forward takes ``pixel_values``, ``input_features`` or ``input_values``),
+    :func:`sample_batches` built from its config. Raises :class:`EquivalenceError` on the first
     difference, naming the output, the world size, the rank and the amount."""
     from hypothesis import given, settings
 
+    from tpcore.samples import forward_parameters
+
     spec = ModelSpec(model_class, config)
-    vocab = min(int(getattr(config, "vocab_size", 64) or 64), 512)
-    decoder = (1, 12) if getattr(config, "is_encoder_decoder", False) else None
+    if forward_parameters(spec.build()) & MEDIA_INPUTS:
+        batches = sample_batches(spec)
+    else:
+        vocab = min(int(getattr(config, "vocab_size", 64) or 64), 512)
+        decoder = (1, 12) if getattr(config, "is_encoder_decoder", False) else None
+        batches = padded_batches(vocab, batch=(1, 3), seq=(1, 12), decoder_seq=decoder)
     own_pools = pools is None
     pools = pools or PoolCache()
 
     @settings(max_examples=max_examples, deadline=None, database=None)
-    @given(inputs=padded_batches(vocab, batch=(1, 3), seq=(1, 12), decoder_seq=decoder))
+    @given(inputs=batches)
     def holds(inputs):
         check_equivalence(spec, inputs, world_sizes, policies=policies, pools=pools, rtol=rtol)
 
@@ -401,6 +412,27 @@ def padded_batches(vocab_size: int, *, batch=(1, 3), seq=(1, 9), decoder_seq=Non
         return inputs
 
     return draw_batch()
+
+
+#: the inputs of image and audio models, for which :func:`check_model` draws :func:`sample_batches`
+MEDIA_INPUTS = frozenset({"pixel_values", "input_features", "input_values"})
+
+
+def sample_batches(spec: ModelSpec, *, batch=(1, 3), seq=(2, 9)):
+    """Strategy of :func:`tpcore.samples.sample_inputs` batches for ``spec``'s model, any modality
+    (images, waveforms or audio features with a padded row, token ids, decoder ids): ``batch`` rows
+    and a length ``seq`` (inclusive ranges; audio takes ``2 * seq`` frames or more), from a drawn seed."""
+    from hypothesis import strategies as st
+
+    from tpcore.samples import sample_inputs
+
+    model = spec.build()
+    return st.builds(
+        lambda rows, length, seed: sample_inputs(model, batch=rows, seq=length, seed=seed),
+        st.integers(*batch),
+        st.integers(*seq),
+        seeds(),
+    )
 
 
 def seeds():

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 import tpcore
 from tpcore.check import run_check
 from tpcore.samples import forward_parameters, sample_inputs
-from tpcore.testing import HALF_PRECISION_RTOL, ModelSpec, SavedModelSpec, check_equivalence, seeds
+from tpcore.testing import HALF_PRECISION_RTOL, ModelSpec, SavedModelSpec, check_equivalence, sample_batches, seeds
 
 ENCODER_HEADS, DECODER_HEADS, HEAD_DIM = 6, 4, 8
 VOCAB = 1024
@@ -434,3 +434,22 @@ def test_cuda_nccl_matches_unsplit(nccl_rank_pools, family, world_size, dtype):
         dtype=dtype,
     )
     assert report[world_size]
+
+
+@pytest.mark.slow
+def test_check_model_draws_audio_batches(tp_check):
+    """``tpcore.testing.check_model`` (the ``tp_check`` fixture) on speech models: drawn waveforms with
+    a padded row (WavLM), log-mel features and decoder ids (Whisper)."""
+    tp_check(transformers.WavLMForCTC, model_spec("WavLM", "ForCTC").config, world_sizes=(2, 3), max_examples=4)
+    tp_check(transformers.WhisperModel, model_spec("Whisper", "Model").config, world_sizes=(2,), max_examples=3)
+
+
+@settings(max_examples=10, deadline=None)
+@given(data=st.data())
+def test_sample_batches_draw_waveforms_of_drawn_sizes_with_a_padded_row(data):
+    """1-3 waveforms of 2 x (2-9) frames of the 10-sample hop; row 0's second half is padding."""
+    batch = data.draw(sample_batches(model_spec("WavLM", "ForCTC"), batch=(1, 3), seq=(2, 9)))
+    rows, samples = batch["input_values"].shape
+    assert 1 <= rows <= 3 and samples % 20 == 0 and 40 <= samples <= 180
+    assert batch["attention_mask"][0].sum() == samples // 2 and batch["attention_mask"][1:].all()
+    assert not batch["input_values"][0, samples // 2 :].any()
