@@ -9,6 +9,7 @@ batches and padding masks from the strategies in ``tpcore.testing``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
@@ -17,6 +18,7 @@ import transformers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import tpcore
 from tpcore.testing import (
     HALF_PRECISION_RTOL,
     ModelSpec,
@@ -42,6 +44,10 @@ class Architecture:
         "vocab_size",
     )
     extra: dict = field(default_factory=dict)
+    #: (head, inputs) -> the inputs with what else the architecture takes (VisualBERT's image regions)
+    more_inputs: Callable[[str, dict], dict] | None = None
+    #: the model classes' prefix, where the name is a variant's (``EsmRotary``: ``Esm``)
+    prefix: str | None = None
 
     def make_config(self, hidden, heads, layers, intermediate, vocab, **overrides):
         values = dict(zip(self.names, (hidden, heads, layers, intermediate, vocab), strict=True))
@@ -53,6 +59,25 @@ ROBERTA_HEADS = (*BERT_HEADS, "ForCausalLM", "ForMultipleChoice")
 PRETRAINING_HEADS = ("ForPreTraining", "ForNextSentencePrediction")
 DISTILBERT_NAMES = ("dim", "n_heads", "n_layers", "hidden_dim", "vocab_size")
 SPECIAL_TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+
+VISUAL_FEATURES, REGIONS = 16, 4
+DEBERTA_V3 = {"relative_attention": True, "pos_att_type": ["p2c", "c2p"], "position_buckets": 8}
+
+
+def image_regions(head: str, inputs: dict) -> dict:
+    """VisualBERT's inputs: ``REGIONS`` seeded region features per row (per choice) after the tokens,
+    the last region of row 0 masked; the alignment head also maps each position to a region."""
+    rows = inputs["input_ids"].shape[:-1]  # (batch,) or (batch, choices)
+    generator = torch.Generator().manual_seed(9)
+    mask = torch.ones(*rows, REGIONS, dtype=torch.long)
+    mask[0, ..., -1] = 0
+    regions = {"visual_embeds": torch.randn(*rows, REGIONS, VISUAL_FEATURES, generator=generator)}
+    regions["visual_attention_mask"] = mask
+    if head == "ForRegionToPhraseAlignment":
+        positions = inputs["input_ids"].shape[-1] + REGIONS
+        regions["region_to_phrase_position"] = torch.randint(0, REGIONS, (*rows, positions), generator=generator)
+    return inputs | regions
+
 
 ARCHITECTURES = {
     "Bert": Architecture("BertConfig", (*BERT_HEADS, "LMHeadModel", "ForMultipleChoice", *PRETRAINING_HEADS)),
@@ -86,7 +111,43 @@ ARCHITECTURES = {
     "Xmod": Architecture("XmodConfig", ROBERTA_HEADS, extra={"default_language": "en_XX"}),
     "Esm": Architecture("EsmConfig", BERT_HEADS[:4], extra={"pad_token_id": 1}),
     "EsmRotary": Architecture(
-        "EsmConfig", BERT_HEADS[:2], extra={"pad_token_id": 1, "position_embedding_type": "rotary"}
+        "EsmConfig", BERT_HEADS[:2], extra={"pad_token_id": 1, "position_embedding_type": "rotary"}, prefix="Esm"
+    ),
+    "Albert": Architecture(
+        "AlbertConfig",
+        (*BERT_HEADS, "ForMultipleChoice", "ForPreTraining"),
+        extra={"embedding_size": 24, "num_hidden_groups": 1},
+    ),
+    "Deberta": Architecture(
+        "DebertaConfig",
+        BERT_HEADS,
+        extra={"relative_attention": True, "pos_att_type": ["c2p", "p2c"], "max_relative_positions": 8},
+    ),
+    "DebertaV2": Architecture(  # as DeBERTa-v3 checkpoints: buckets, keys shared with the content
+        "DebertaV2Config",
+        (*BERT_HEADS, "ForMultipleChoice"),
+        extra={**DEBERTA_V3, "share_att_key": True, "norm_rel_ebd": "layer_norm"},
+    ),
+    "DebertaV2Conv": Architecture(  # as DeBERTa-v2 xlarge: position projections of its own, a convolution
+        "DebertaV2Config",
+        BERT_HEADS[:2],
+        extra={**DEBERTA_V3, "share_att_key": False, "conv_kernel_size": 3},
+        prefix="DebertaV2",
+    ),
+    "RoFormer": Architecture("RoFormerConfig", ROBERTA_HEADS, extra={"embedding_size": 24}),
+    "Tapas": Architecture("TapasConfig", ("Model", "ForMaskedLM", "ForSequenceClassification", "ForQuestionAnswering")),
+    "VisualBert": Architecture(
+        "VisualBertConfig",
+        (
+            "Model",
+            "ForPreTraining",
+            "ForQuestionAnswering",
+            "ForVisualReasoning",
+            "ForMultipleChoice",
+            "ForRegionToPhraseAlignment",
+        ),
+        extra={"visual_embedding_dim": VISUAL_FEATURES},
+        more_inputs=image_regions,
     ),
     "Luke": Architecture(
         "LukeConfig", (*BERT_HEADS, "ForMultipleChoice"), extra={"entity_vocab_size": 16, "entity_emb_size": 8}
@@ -110,14 +171,16 @@ def model_spec(arch: str, head: str, hidden: int, heads: int, layers: int, inter
     if head in ("ForCausalLM", "LMHeadModel", "Decoder"):
         overrides["is_decoder"] = True
     config = architecture.make_config(hidden, heads, layers, intermediate, VOCAB, **overrides)
-    return ModelSpec(getattr(transformers, arch.removesuffix("Rotary") + head), config, seed)
+    return ModelSpec(getattr(transformers, (architecture.prefix or arch) + head), config, seed)
 
 
-def make_inputs(head: str, inputs: dict) -> dict:
-    """``inputs`` (a :func:`tpcore.testing.padded_batch`) shaped for ``head``, with hidden states."""
+def make_inputs(arch: str, head: str, inputs: dict) -> dict:
+    """``inputs`` (a :func:`tpcore.testing.padded_batch`) shaped for ``head``, with what else the
+    architecture takes, and hidden states."""
     if head == "ForMultipleChoice":
         inputs = with_choices(inputs)
-    return {**inputs, "output_hidden_states": True}
+    more = ARCHITECTURES[arch].more_inputs
+    return {**(more(head, inputs) if more else inputs), "output_hidden_states": True}
 
 
 def every_head_cases():
@@ -134,7 +197,7 @@ def every_head_cases():
 def test_every_head(rank_pools, arch, head, world_sizes):
     """12 heads split over each world size; batch of 3 with padding."""
     spec = model_spec(arch, head, hidden=48, heads=12, layers=2, intermediate=96, seed=1)
-    inputs = make_inputs(head, padded_batch([7, 3, 5], 7, VOCAB, seed=2))
+    inputs = make_inputs(arch, head, padded_batch([7, 3, 5], 7, VOCAB, seed=2))
     report = check_equivalence(spec, inputs, world_sizes=world_sizes, pools=rank_pools)
     assert sorted(report) == list(world_sizes)
     assert all("hidden_states.0" in diffs for diffs in report.values())
@@ -160,7 +223,7 @@ def test_cross_attention_decoders(rank_pools, arch, head):
     """Decoders with cross-attention over encoder states: both attentions are split."""
     spec = model_spec(arch, head, hidden=48, heads=12, layers=2, intermediate=96, seed=3)
     spec.config.add_cross_attention = True
-    inputs = make_inputs(head, padded_batch([6, 2], 6, VOCAB, seed=4))
+    inputs = make_inputs(arch, head, padded_batch([6, 2], 6, VOCAB, seed=4))
     # MegatronBert reshapes cross-attention keys with the decoder's length: keep both equal.
     encoder_length = 6
     inputs["encoder_hidden_states"] = torch.randn(2, encoder_length, 48, generator=torch.Generator().manual_seed(5))
@@ -182,7 +245,7 @@ def test_random_configs_match_unsplit(rank_pools, case, sizes, inputs, seed):
     ``test_every_head``'s)."""
     arch, head = case
     spec = model_spec(arch, head, sizes.hidden, sizes.heads, sizes.layers, sizes.intermediate, seed)
-    report = check_equivalence(spec, make_inputs(head, inputs), world_sizes=(sizes.world_size,), pools=rank_pools)
+    report = check_equivalence(spec, make_inputs(arch, head, inputs), world_sizes=(sizes.world_size,), pools=rank_pools)
     assert report[sizes.world_size]
 
 
@@ -196,7 +259,7 @@ def test_cuda_nccl_matches_unsplit(nccl_rank_pools, arch, head, world_size, dtyp
     if visible < world_size:
         pytest.skip(f"world size {world_size} needs {world_size} GPUs; this machine has {visible}")
     spec = model_spec(arch, head, hidden=48, heads=12, layers=2, intermediate=96, seed=1)
-    inputs = make_inputs(head, padded_batch([7, 3, 5], 7, VOCAB, seed=2))
+    inputs = make_inputs(arch, head, padded_batch([7, 3, 5], 7, VOCAB, seed=2))
     report = check_equivalence(
         spec, inputs, world_sizes=(world_size,), pools=nccl_rank_pools, rtol=HALF_PRECISION_RTOL[dtype], dtype=dtype
     )
@@ -213,7 +276,7 @@ def test_luke_entity_aware_attention(rank_pools, head):
     """LUKE with entity inputs, so the word-to-entity, entity-to-word and entity-to-entity queries run."""
     spec = model_spec("Luke", head, hidden=48, heads=12, layers=2, intermediate=96, seed=6)
     spec.config.use_entity_aware_attention = True
-    inputs = make_inputs("Model", padded_batch([6, 4], 6, VOCAB, seed=7))
+    inputs = make_inputs("Luke", "Model", padded_batch([6, 4], 6, VOCAB, seed=7))
     entities = 2
     inputs["entity_ids"] = torch.tensor([[3, 5], [7, 2]])
     inputs["entity_attention_mask"] = torch.ones(2, entities, dtype=torch.long)
@@ -223,3 +286,11 @@ def test_luke_entity_aware_attention(rank_pools, head):
         inputs["entity_end_positions"] = torch.tensor([[1, 3], [3, 0]])
     report = check_equivalence(spec, inputs, world_sizes=(2, 4), pools=rank_pools)
     assert any(name.startswith("entity_") or name == "logits" for name in report[4])
+
+
+def test_deberta_talking_heads_are_refused_with_the_reason():
+    """Talking heads project every head's scores onto every head: no rank holds what its heads need."""
+    spec = model_spec("Deberta", "Model", hidden=48, heads=12, layers=1, intermediate=96, seed=0)
+    spec.config.talking_head = True
+    with pytest.raises(tpcore.ShardingError, match="talking_head=True mixes the scores of all heads"):
+        tpcore.TensorReplacer(spec.build(), None, False, 2, rank=0).validate()

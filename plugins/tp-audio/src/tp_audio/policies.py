@@ -19,8 +19,9 @@ task heads (CTC, classifiers, x-vector TDNNs) stay whole. What differs:
   ``(heads, head_dim)`` split by heads; rotary embeddings rotate the block's input in all heads
   (:func:`whole_rotary_attention`). The convolution module stays whole. Wav2Vec2-BERT's blocks are
   Conformer blocks.
-- SEW-D: DeBERTa-v2's disentangled attention (``attention.self.{query,key,value}_proj`` and, when not
-  shared, ``pos_{key,query}_proj`` over the encoder's relative embeddings, which stay whole).
+- SEW-D: DeBERTa-v2's blocks (tp-bert's :class:`~tp_bert.policies.DebertaV2Policy`): disentangled
+  attention, ``attention.self.{query,key,value}_proj`` and, when not shared, ``pos_{key,query}_proj``
+  over the encoder's relative embeddings, which stay whole.
 - Whisper and Speech2Text: BART's encoder and decoder blocks (tp-bart's
   :class:`~tp_bart.policies.EncoderBlockPolicy`, :class:`~tp_bart.policies.DecoderBlockPolicy`);
   the decoder's token embedding and the LM head tied to it are split over the vocabulary by
@@ -34,6 +35,7 @@ import functools
 import torch
 from torch import nn
 from tp_bart.policies import DecoderBlockPolicy, EncoderBlockPolicy
+from tp_bert.policies import DebertaV2Policy
 
 from tpcore import Layer, share
 from tpcore.blocks import Attention, BlockPolicy, linear
@@ -245,29 +247,10 @@ class Wav2Vec2BertEncoderLayerPolicy(Wav2Vec2ConformerEncoderLayerPolicy):
 # -- SEW-D: disentangled attention ----------------------------------------------------------------------------
 
 
-class SEWDLayerPolicy(BlockPolicy):
-    """DeBERTa-v2's block: content projections and, unless ``share_att_key``, position projections of
-    the relative embeddings, all by heads; ``attention.output.dense`` row parallel."""
+class SEWDLayerPolicy(DebertaV2Policy):
+    """DeBERTa-v2's block (tp-bert's :class:`~tp_bert.policies.DebertaV2Policy`)."""
 
     layer_class = _block("sew_d", "SEWDLayer")
-    attentions = (
-        Attention(
-            "attention",
-            projections=("self.query_proj", "self.key_proj", "self.value_proj"),
-            output="output.dense",
-            counts=("self.num_attention_heads",),
-            widths=("self.all_head_size",),
-        ),
-    )
-    mlp_inputs = ("intermediate.dense",)
-    mlp_outputs = ("output.dense",)
-
-    @classmethod
-    def attn_qkv(cls):
-        positions = [
-            linear(f"attention.self.pos_{name}_proj", optional=True, heads=cls.heads) for name in ("key", "query")
-        ]
-        return [*super().attn_qkv(), *positions]
 
 
 # -- speech to text: BART's blocks ------------------------------------------------------------------------------

@@ -5,10 +5,10 @@ Most of the family shares BERT's layer layout (``attention.self.{query,key,value
 ``crossattention`` of the same shape): their policies subclass :class:`BertPolicy` and only name
 their layer class. That covers BERT, RoBERTa, XLM-RoBERTa, CamemBERT, ELECTRA, Data2VecText,
 ERNIE, RoBERTa-PreLayerNorm, XLM-RoBERTa-XL, Megatron-BERT, LayoutLM, MarkupLM, Splinter, RemBERT,
-BertGeneration, RoCBert, X-MOD and ESM. Where these differ from BERT nothing more needs a split:
-LayerNorms (pre- or post-), X-MOD's language adapters and the embeddings (LayoutLM's boxes,
-MarkupLM's xpaths, RoCBert's shapes and pronunciations) see whole hidden states, and ESM's rotary
-embeddings act within each head.
+BertGeneration, RoCBert, X-MOD, ESM, RoFormer, TAPAS and VisualBERT. Where these differ from BERT
+nothing more needs a split: LayerNorms (pre- or post-), X-MOD's language adapters and the embeddings (LayoutLM's boxes,
+MarkupLM's xpaths, RoCBert's shapes and pronunciations, TAPAS' table positions, VisualBERT's visual
+embeddings) see whole hidden states, and ESM's and RoFormer's rotary embeddings act within each head.
 
 The others have their own policies:
 
@@ -19,6 +19,11 @@ The others have their own policies:
 - NomicBERT and EuroBERT: Llama's layout (``self_attn.{q,k,v,o}_proj``, a gated MLP
   ``mlp.{gate,up,down}_proj``); EuroBERT's key/value heads (GQA) must split evenly too.
 - ModernBERT: a fused ``attn.Wqkv`` (q|k|v) and a fused ``mlp.Wi`` (input|gate).
+- ALBERT: one layer instance that every depth runs (``attention.{query,key,value,dense}``,
+  ``ffn``/``ffn_output``), split once.
+- DeBERTa: ``in_proj`` packing each head's q, k and v together, per-head ``q_bias``/``v_bias``,
+  relative position projections by heads; DeBERTa-v2/v3: separate projections, position
+  projections of their own or shared with the content ones.
 
 Every attention here infers its head count from the projection's output (``view(..., -1,
 head_dim)``); the head-count attributes that some forwards still read (``all_head_size`` in
@@ -30,7 +35,7 @@ follow; EuroBERT's query heads stay with their key/value heads (``groups``).
 
 from __future__ import annotations
 
-from tpcore import Layer, Policy, share
+from tpcore import Layer, Policy, ShardingError, share
 
 _MODELS = "transformers.models"
 
@@ -163,6 +168,101 @@ class XmodPolicy(BertPolicy):
 
 class EsmPolicy(BertPolicy):
     layer_class = f"{_MODELS}.esm.modeling_esm.EsmLayer"
+
+
+class RoFormerPolicy(BertPolicy):
+    """RoFormer: BERT's layout; its rotary position embeddings turn each head's query and key."""
+
+    layer_class = f"{_MODELS}.roformer.modeling_roformer.RoFormerLayer"
+
+
+class TapasPolicy(BertPolicy):
+    layer_class = f"{_MODELS}.tapas.modeling_tapas.TapasLayer"
+
+
+class VisualBertPolicy(BertPolicy):
+    layer_class = f"{_MODELS}.visual_bert.modeling_visual_bert.VisualBertLayer"
+
+
+class AlbertPolicy(Policy):
+    """ALBERT's one layer, which every depth runs again: ``attention.{query,key,value}``,
+    ``attention.dense``, ``ffn``/``ffn_output``. The factorized embedding (``embedding_size``) and its
+    mapping to the hidden width stay whole."""
+
+    layer_class = f"{_MODELS}.albert.modeling_albert.AlbertLayer"
+
+    @staticmethod
+    def replace_arguments(config, world_size):
+        return _head_arguments("attention", config, world_size)
+
+    @staticmethod
+    def attn_qkv():
+        return [_linear(f"attention.{name}", heads=_HEADS) for name in ("query", "key", "value")]
+
+    @staticmethod
+    def attn_out():
+        return [_linear("attention.dense", heads=_HEADS)]
+
+    @staticmethod
+    def mlp_in():
+        return [_linear("ffn")]
+
+    @staticmethod
+    def mlp_out():
+        return [_linear("ffn_output")]
+
+
+#: relative position projections: content to position (keys), position to content (queries)
+_DEBERTA_POSITIONS = ("pos_proj", "pos_q_proj")
+_DEBERTA_V2_POSITIONS = ("pos_key_proj", "pos_query_proj")
+
+
+class DebertaPolicy(BertPolicy):
+    """DeBERTa's disentangled attention: ``in_proj`` packs each head's query, key and value one head
+    after another (``[q0 k0 v0 | q1 k1 v1 | ...]``), with per-head ``q_bias``/``v_bias``; the relative
+    position projections ``pos_proj`` (content to position) and ``pos_q_proj`` (position to content)
+    split by heads over the encoder's relative embeddings, which stay whole. Talking heads
+    (``talking_head``) mix every head's scores and are refused."""
+
+    layer_class = f"{_MODELS}.deberta.modeling_deberta.DebertaLayer"
+
+    @staticmethod
+    def replace_arguments(config, world_size):
+        if getattr(config, "talking_head", False) and world_size > 1:
+            raise ShardingError(
+                "DeBERTa with talking_head=True mixes the scores of all heads (head_logits_proj), "
+                "so its heads cannot be split over ranks"
+            )
+        return _head_arguments("attention.self", config, world_size)
+
+    @staticmethod
+    def attn_qkv():
+        packed = Layer(weight="attention.self.in_proj.weight", n_fused=3, interleaved=True, heads=_HEADS)
+        biases = [Layer(weight=f"attention.self.{name}", dim=0, heads=_HEADS) for name in ("q_bias", "v_bias")]
+        positions = [_linear(f"attention.self.{name}", optional=True, heads=_HEADS) for name in _DEBERTA_POSITIONS]
+        return [packed, *biases, *positions]
+
+    @staticmethod
+    def attn_out():
+        return _out("attention")
+
+
+class DebertaV2Policy(BertPolicy):
+    """DeBERTa-v2 (and v3 checkpoints): ``attention.self.{query,key,value}_proj`` and, unless
+    ``share_att_key``, the relative position projections ``pos_key_proj``/``pos_query_proj``, all by
+    heads; the encoder's relative embeddings and its convolution stay whole."""
+
+    layer_class = f"{_MODELS}.deberta_v2.modeling_deberta_v2.DebertaV2Layer"
+
+    @staticmethod
+    def attn_qkv():
+        content = [_linear(f"attention.self.{name}_proj", heads=_HEADS) for name in ("query", "key", "value")]
+        positions = [_linear(f"attention.self.{name}", optional=True, heads=_HEADS) for name in _DEBERTA_V2_POSITIONS]
+        return content + positions
+
+    @staticmethod
+    def attn_out():
+        return _out("attention")
 
 
 class LukePolicy(BertPolicy):
@@ -341,6 +441,12 @@ POLICIES = (
     RoCBertPolicy,
     XmodPolicy,
     EsmPolicy,
+    AlbertPolicy,
+    DebertaPolicy,
+    DebertaV2Policy,
+    RoFormerPolicy,
+    TapasPolicy,
+    VisualBertPolicy,
     LukePolicy,
     MPNetPolicy,
     MPNetEncoderPolicy,
