@@ -29,6 +29,8 @@ RESERVED_IDS = 16
 LOW_IDS = 3
 POSITIONS = 128
 IMAGE_SIZE, PATCH_SIZE = 32, 8
+#: image regions per row for the models that read detected regions beside the text (LXMERT, VisualBERT)
+REGIONS = 4
 #: Whisper-like encoders take ``2 * max_source_positions`` feature frames
 AUDIO_POSITIONS = 16
 _IMAGE_TOKEN_FIELDS = ("image_token_id", "image_token_index")
@@ -48,6 +50,7 @@ def small_sizes(world_sizes: Sequence[int]) -> dict[str, int]:
     sizes |= dict.fromkeys(("num_attention_heads", "encoder_attention_heads", "decoder_attention_heads"), heads)
     sizes |= dict.fromkeys(("intermediate_size", "encoder_ffn_dim", "decoder_ffn_dim", "ffn_dim", "d_ff"), 2 * hidden)
     sizes |= dict.fromkeys(("conv_dim", "conv_channels"), hidden)  # speech front ends
+    sizes |= dict.fromkeys(("true_hidden_size", "intra_bottleneck_size"), hidden)  # MobileBERT's bottleneck
     sizes |= {"hidden_size": hidden, "num_key_value_heads": kv_heads, "head_dim": HEAD_DIM, "d_kv": HEAD_DIM}
     sizes |= {"rotary_dim": HEAD_DIM // 2}  # GPT-J / CodeGen: rotary features per head
     sizes |= {"vocab_size": VOCAB, "max_position_embeddings": POSITIONS, "max_target_positions": POSITIONS}
@@ -170,12 +173,14 @@ def sample_inputs(model: nn.Module, batch: int = 2, seq: int = 8, seed: int = 0)
     - ``decoder_input_ids`` ``(batch, 4)`` where accepted (encoder-decoder models, BLIP's answer
       decoder), except encoder-decoder sequence classifiers
       (BART's pools the decoder state at each row's last eos token: their rows end in eos, and the
-      decoder reads the input ids shifted right).
+      decoder reads the input ids shifted right);
+    - ``visual_feats`` and ``visual_pos`` (LXMERT) or ``visual_embeds`` (VisualBERT): ``REGIONS``
+      region features per row.
     """
     accepted = forward_parameters(model)
     generator = torch.Generator().manual_seed(seed)
     inputs: dict[str, torch.Tensor] = {}
-    for build in (_pixels, _audio_features, _waveforms, _text, _decoder_text):
+    for build in (_pixels, _audio_features, _waveforms, _text, _decoder_text, _image_regions):
         inputs |= build(model, accepted, inputs, batch, seq, generator)
     if not inputs:
         raise ValueError(
@@ -268,6 +273,20 @@ def _decoder_text(model, accepted, inputs, batch, seq, generator) -> dict:
         return {"input_ids": ids}
     decoder = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else None
     return {"decoder_input_ids": _token_ids(model.config, decoder or model.config, (batch, 4), generator)}
+
+
+def _image_regions(model, accepted, inputs, batch, seq, generator) -> dict:
+    """Features of detected image regions beside the text: LXMERT's (with their boxes), VisualBERT's."""
+    config = model.config
+    if "visual_feats" in accepted and getattr(config, "visual_feat_dim", None):
+        features = torch.randn(batch, REGIONS, config.visual_feat_dim, generator=generator)
+        return {
+            "visual_feats": features,
+            "visual_pos": torch.rand(batch, REGIONS, config.visual_pos_dim, generator=generator),
+        }
+    if "visual_embeds" in accepted and getattr(config, "visual_embedding_dim", None):
+        return {"visual_embeds": torch.randn(batch, REGIONS, config.visual_embedding_dim, generator=generator)}
+    return {}
 
 
 def _pools_at_eos(model) -> bool:

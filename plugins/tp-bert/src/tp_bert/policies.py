@@ -24,6 +24,15 @@ The others have their own policies:
 - DeBERTa: ``in_proj`` packing each head's q, k and v together, per-head ``q_bias``/``v_bias``,
   relative position projections by heads; DeBERTa-v2/v3: separate projections, position
   projections of their own or shared with the content ones.
+- Longformer: sliding-window and global (``*_global``) projections; its attention merges heads into
+  its input's width (:func:`tpcore.reshapes.local_width_class`).
+- LXMERT: language and vision layers (BERT's, the width attribute ``head_size``) and
+  cross-modality layers (one cross-attention both streams run, a self-attention and a
+  feed-forward per stream).
+- MobileBERT: attention and feed-forwards at the bottleneck width (every extra ``FFNLayer`` too);
+  its LM head calls its decoder (:func:`decoder_called_lm_head`) so the vocabulary split applies.
+- Funnel: ``{q,k,v}_head``, ``post_proj`` and the relative attention's per-head terms by heads;
+  the attention reads ``n_head`` from a per-rank config copy.
 
 Every attention here infers its head count from the projection's output (``view(..., -1,
 head_dim)``); the head-count attributes that some forwards still read (``all_head_size`` in
@@ -35,7 +44,14 @@ follow; EuroBERT's query heads stay with their key/value heads (``groups``).
 
 from __future__ import annotations
 
+import functools
+
+import torch
+from torch import nn
+
 from tpcore import Layer, Policy, ShardingError, share
+from tpcore.blocks import Attention, BlockPolicy
+from tpcore.policy import local_config
 
 _MODELS = "transformers.models"
 
@@ -265,6 +281,159 @@ class DebertaV2Policy(BertPolicy):
         return _out("attention")
 
 
+_LONGFORMER = ("query", "key", "value", "query_global", "key_global", "value_global")
+
+
+class LongformerPolicy(BlockPolicy):
+    """Longformer: sliding-window ``attention.self.{query,key,value}`` and the global tokens'
+    ``*_global`` projections, by heads; the attention merges heads into its input's width
+    (:func:`tpcore.reshapes.local_width_class`)."""
+
+    layer_class = f"{_MODELS}.longformer.modeling_longformer.LongformerLayer"
+    attentions = (
+        Attention(
+            "attention",
+            projections=tuple(f"self.{name}" for name in _LONGFORMER),
+            output="output.dense",
+            counts=("self.num_heads",),
+            reshaping="self",
+        ),
+    )
+    mlp_inputs = ("intermediate.dense",)
+    mlp_outputs = ("output.dense",)
+
+
+def _lxmert_attention(path: str, inner: str = "self") -> Attention:
+    return Attention(
+        path,
+        projections=tuple(f"{inner}.{name}" for name in ("query", "key", "value")),
+        output="output.dense",
+        counts=(f"{inner}.num_attention_heads",),
+        widths=(f"{inner}.head_size",),
+    )
+
+
+class LxmertLayerPolicy(BlockPolicy):
+    """A LXMERT language or vision layer: BERT's, its width attribute named ``head_size``."""
+
+    layer_class = f"{_MODELS}.lxmert.modeling_lxmert.LxmertLayer"
+    attentions = (_lxmert_attention("attention"),)
+    mlp_inputs = ("intermediate.dense",)
+    mlp_outputs = ("output.dense",)
+
+
+class LxmertXLayerPolicy(BlockPolicy):
+    """A LXMERT cross-modality layer: one cross-attention that both streams run (language to vision
+    and back), a self-attention and a feed-forward per stream."""
+
+    layer_class = f"{_MODELS}.lxmert.modeling_lxmert.LxmertXLayer"
+    attentions = (
+        _lxmert_attention("visual_attention", inner="att"),
+        _lxmert_attention("lang_self_att"),
+        _lxmert_attention("visn_self_att"),
+    )
+    mlp_inputs = ("lang_inter.dense", "visn_inter.dense")
+    mlp_outputs = ("lang_output.dense", "visn_output.dense")
+
+
+class MobileBertPolicy(BertPolicy):
+    """MobileBERT: attention and feed-forward at the bottleneck width ``true_hidden_size``; the
+    bottleneck projections in and out of it, and the NoNorms, stay whole."""
+
+    layer_class = f"{_MODELS}.mobilebert.modeling_mobilebert.MobileBertLayer"
+
+    @staticmethod
+    def replace_arguments(config, world_size):
+        heads = _local_heads(config, world_size)
+        width = heads * (config.true_hidden_size // config.num_attention_heads)
+        return {"attention.self.num_attention_heads": heads, "attention.self.all_head_size": width}
+
+    @staticmethod
+    def attn_qkv():
+        return _qkv("attention")
+
+    @staticmethod
+    def attn_out():
+        return _out("attention")
+
+
+class MobileBertFFNPolicy(Policy):
+    """One of MobileBERT's extra feed-forwards (``num_feedforward_networks - 1`` per layer)."""
+
+    layer_class = f"{_MODELS}.mobilebert.modeling_mobilebert.FFNLayer"
+
+    @staticmethod
+    def mlp_in():
+        return [_linear("intermediate.dense")]
+
+    @staticmethod
+    def mlp_out():
+        return [_linear("output.dense")]
+
+
+def decoder_called_lm_head(module: nn.Module | None) -> type[nn.Module] | None:
+    """For MobileBERT's LM head, which multiplies by ``cat([decoder.weight.t(), dense.weight])`` itself:
+    a subclass whose forward calls ``decoder`` (so a decoder split over the vocabulary gathers its
+    logits). The same sum: ``decoder(h[..., :E]) + h[..., E:] @ dense.weight``, ``E`` the embedding size."""
+    return None if module is None else _decoder_called_subclass(type(module))
+
+
+@functools.cache
+def _decoder_called_subclass(cls: type[nn.Module]) -> type[nn.Module]:
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        hidden = self.transform(hidden_states)
+        embedding_size = self.decoder.in_features
+        return self.decoder(hidden[..., :embedding_size]) + hidden[..., embedding_size:] @ self.dense.weight
+
+    namespace = {"__module__": __name__, "__doc__": decoder_called_lm_head.__doc__, "forward": forward}
+    return type(f"DecoderCalled{cls.__name__}", (cls,), namespace)
+
+
+class MobileBertLMHeadPolicy(Policy):
+    """MobileBERT's LM head: its decoder (tied to the word embeddings) is split over the vocabulary by
+    tpcore's core once the head calls it (:func:`decoder_called_lm_head`)."""
+
+    layer_class = f"{_MODELS}.mobilebert.modeling_mobilebert.MobileBertLMPredictionHead"
+
+    @staticmethod
+    def replace_modules():
+        return {"": decoder_called_lm_head}
+
+
+class FunnelLayerPolicy(Policy):
+    """A Funnel layer: ``attention.{q,k,v}_head`` and ``post_proj``, the relative attention's per-head
+    terms (``r_w_bias``, ``r_r_bias``, ``r_s_bias`` ``(heads, d_head)``, ``r_kernel`` ``(d_model, heads,
+    d_head)``, ``seg_embed`` ``(2, heads, d_head)``) by heads; ``ffn.linear_1``/``linear_2``. The
+    attention reads ``n_head`` from its config: it gets a copy holding the rank's count."""
+
+    layer_class = f"{_MODELS}.funnel.modeling_funnel.FunnelLayer"
+
+    @staticmethod
+    def replace_arguments(config, world_size):
+        return {"attention.config": local_config(config, world_size, n_head=_local_heads(config, world_size, "n_head"))}
+
+    @staticmethod
+    def attn_qkv():
+        projections = [_linear(f"attention.{name}_head", heads="n_head") for name in "qkv"]
+        per_head = [
+            Layer(weight=f"attention.{name}", dim=0, heads="n_head") for name in ("r_w_bias", "r_r_bias", "r_s_bias")
+        ]
+        per_head += [Layer(weight=f"attention.{name}", dim=1, heads="n_head") for name in ("r_kernel", "seg_embed")]
+        return projections + per_head
+
+    @staticmethod
+    def attn_out():
+        return [_linear("attention.post_proj", heads="n_head")]
+
+    @staticmethod
+    def mlp_in():
+        return [_linear("ffn.linear_1")]
+
+    @staticmethod
+    def mlp_out():
+        return [_linear("ffn.linear_2")]
+
+
 class LukePolicy(BertPolicy):
     """LUKE layer: BERT's, plus queries for word-to-entity, entity-to-word and entity-to-entity
     attention (present when ``config.use_entity_aware_attention``)."""
@@ -447,6 +616,13 @@ POLICIES = (
     RoFormerPolicy,
     TapasPolicy,
     VisualBertPolicy,
+    LongformerPolicy,
+    LxmertLayerPolicy,
+    LxmertXLayerPolicy,
+    MobileBertPolicy,
+    MobileBertFFNPolicy,
+    MobileBertLMHeadPolicy,
+    FunnelLayerPolicy,
     LukePolicy,
     MPNetPolicy,
     MPNetEncoderPolicy,
