@@ -17,12 +17,16 @@ blocks of one class differ). Families subclass it in their plugins; the core nam
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import ClassVar, NamedTuple
+
+from torch import nn
 
 from tpcore.policy import IfHeld, Layer, Policy, share
 from tpcore.reshapes import local_width_class
 
-__all__ = ["Attention", "BlockPolicy", "linear"]
+__all__ = ["Attention", "BlockPolicy", "keeping_local_attributes", "linear"]
 
 
 class Attention(NamedTuple):
@@ -105,3 +109,31 @@ class BlockPolicy(Policy):
     @classmethod
     def mlp_out(cls):
         return [linear(path) for path in cls.mlp_outputs]
+
+
+def keeping_local_attributes(
+    method: str, child: str, names: tuple[str, ...]
+) -> Callable[[nn.Module | None], type[nn.Module] | None]:
+    """For :meth:`~tpcore.Policy.replace_modules`, where a module's ``method`` builds its ``child`` anew
+    from the config (BigBird's ``set_attention_type``, switching between block-sparse and full
+    attention, keeps the projections but reads the head count from the config): a class function
+    giving the module a subclass whose ``method`` carries the child's per-rank ``names`` (head
+    counts, widths) over to the new child."""
+
+    def class_for(module: nn.Module | None) -> type[nn.Module] | None:
+        return None if module is None else _keeping_subclass(type(module), method, child, names)
+
+    return class_for
+
+
+@functools.cache
+def _keeping_subclass(cls: type[nn.Module], method: str, child: str, names: tuple[str, ...]) -> type[nn.Module]:
+    def rebuild(self, *args, **kwargs):
+        local = {name: getattr(getattr(self, child), name) for name in names}
+        result = getattr(cls, method)(self, *args, **kwargs)
+        for name, value in local.items():
+            setattr(getattr(self, child), name, value)
+        return result
+
+    doc = f"``{cls.__qualname__}`` whose ``{method}`` keeps ``{child}``'s per-rank {', '.join(names)}."
+    return type(f"Local{cls.__name__}", (cls,), {"__module__": __name__, "__doc__": doc, method: rebuild})

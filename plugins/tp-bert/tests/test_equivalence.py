@@ -137,6 +137,9 @@ ARCHITECTURES = {
     "EsmRotary": Architecture(
         "EsmConfig", BERT_HEADS[:2], extra={"pad_token_id": 1, "position_embedding_type": "rotary"}, prefix="Esm"
     ),
+    "BigBird": Architecture(  # blocks of 2 tokens, 1 random block: block sparse above 14 tokens
+        "BigBirdConfig", (*ROBERTA_HEADS, "ForPreTraining"), extra={"block_size": 2, "num_random_blocks": 1}
+    ),
     "Albert": Architecture(
         "AlbertConfig",
         (*BERT_HEADS, "ForMultipleChoice", "ForPreTraining"),
@@ -344,3 +347,17 @@ def test_deberta_talking_heads_are_refused_with_the_reason():
     spec.config.talking_head = True
     with pytest.raises(tpcore.ShardingError, match="talking_head=True mixes the scores of all heads"):
         tpcore.TensorReplacer(spec.build(), None, False, 2, rank=0).validate()
+
+
+@pytest.mark.parametrize("head", ["Model", pytest.param("ForMaskedLM", marks=pytest.mark.slow)])
+def test_bigbird_block_sparse_attention(rank_pools, head):
+    """20 tokens in blocks of 2 (above the 14 below which BigBird switches to full attention): the
+    block-sparse path, its global, sliding and random blocks, over 2-4 ranks."""
+    spec = model_spec("BigBird", head, hidden=48, heads=12, layers=2, intermediate=96, seed=8)
+    inputs = make_inputs("BigBird", head, padded_batch([20, 13], 20, VOCAB, seed=9))
+    model = spec.build()
+    with torch.inference_mode():
+        model(**inputs)
+    assert model.base_model.attention_type == "block_sparse"  # no switch to full attention (7 tokens would)
+    report = check_equivalence(spec, inputs, world_sizes=(2, 3, 4), pools=rank_pools)
+    assert sorted(report) == [2, 3, 4]

@@ -21,8 +21,8 @@ NLLB, which is M2M100) and PLBart need nothing else: their attention merges head
 - BigBirdPegasus' encoder attention is block sparse (``self.{query,key,value}``, ``output``); its
   random blocks are a constant in eval mode, the same for every head, so a rank's heads attend as
   they do unsplit. An input too short for blocks switches the encoder to full attention, which
-  builds new attention modules from the config; :func:`keeps_local_heads` carries the rank's head
-  counts over to them.
+  builds new attention modules from the config; ``keeps_local_heads``
+  (:func:`tpcore.blocks.keeping_local_attributes`) carries the rank's head counts over to them.
 - ProphetNet (``{query,key,value}_proj``, ``out_proj``, ``feed_forward.{intermediate,output}``): its
   encoder and decoder stacks build attention masks for the config's head counts and read a per-rank
   config copy; the n-gram self-attention's relative position projection stays whole
@@ -40,7 +40,7 @@ import functools
 from torch import nn
 
 from tpcore import Policy, share
-from tpcore.blocks import Attention, BlockPolicy
+from tpcore.blocks import Attention, BlockPolicy, keeping_local_attributes
 from tpcore.policy import local_config
 from tpcore.reshapes import local_width_class
 
@@ -182,23 +182,8 @@ class LEDDecoderLayerPolicy(DecoderBlockPolicy):
 # -- block-sparse attention -------------------------------------------------------------------------
 
 
-def keeps_local_heads(module: nn.Module | None) -> type[nn.Module] | None:
-    """For BigBirdPegasus' encoder attention: a subclass whose ``set_attention_type`` (block sparse to
-    full or back, which builds the new attention from the config's head count) keeps the rank's
-    ``num_attention_heads`` and ``all_head_size`` on the new attention."""
-    return None if module is None else _keeping_local_heads(type(module))
-
-
-@functools.cache
-def _keeping_local_heads(cls: type[nn.Module]) -> type[nn.Module]:
-    def set_attention_type(self, value: str) -> None:
-        local = {name: getattr(self.self, name) for name in ("num_attention_heads", "all_head_size")}
-        cls.set_attention_type(self, value)
-        for name, count in local.items():
-            setattr(self.self, name, count)
-
-    namespace = {"set_attention_type": set_attention_type, "__module__": __name__, "__doc__": keeps_local_heads.__doc__}
-    return type(f"LocalHeads{cls.__name__}", (cls,), namespace)
+#: BigBirdPegasus' encoder attention rebuilds its ``self`` when it switches between block-sparse and full attention
+keeps_local_heads = keeping_local_attributes("set_attention_type", "self", ("num_attention_heads", "all_head_size"))
 
 
 class BigBirdPegasusEncoderLayerPolicy(EncoderBlockPolicy):

@@ -19,6 +19,8 @@ The others have their own policies:
 - NomicBERT and EuroBERT: Llama's layout (``self_attn.{q,k,v,o}_proj``, a gated MLP
   ``mlp.{gate,up,down}_proj``); EuroBERT's key/value heads (GQA) must split evenly too.
 - ModernBERT: a fused ``attn.Wqkv`` (q|k|v) and a fused ``mlp.Wi`` (input|gate).
+- BigBird: BERT's layout, block-sparse attention; the switch to full attention for short inputs
+  rebuilds the attention, keeping the rank's head counts.
 - ALBERT: one layer instance that every depth runs (``attention.{query,key,value,dense}``,
   ``ffn``/``ffn_output``), split once.
 - DeBERTa: ``in_proj`` packing each head's q, k and v together, per-head ``q_bias``/``v_bias``,
@@ -50,7 +52,7 @@ import torch
 from torch import nn
 
 from tpcore import Layer, Policy, ShardingError, share
-from tpcore.blocks import Attention, BlockPolicy
+from tpcore.blocks import Attention, BlockPolicy, keeping_local_attributes
 from tpcore.policy import local_config
 
 _MODELS = "transformers.models"
@@ -198,6 +200,24 @@ class TapasPolicy(BertPolicy):
 
 class VisualBertPolicy(BertPolicy):
     layer_class = f"{_MODELS}.visual_bert.modeling_visual_bert.VisualBertLayer"
+
+
+#: BigBird's attention builds its ``self`` anew from the config when it switches between block-sparse and full
+_KEEPS_LOCAL_HEADS = keeping_local_attributes("set_attention_type", "self", (_HEADS, "all_head_size"))
+
+
+class BigBirdPolicy(BertPolicy):
+    """BigBird: BERT's layout, its self-attention block sparse (``attention.self.{query,key,value}``).
+    In eval mode its random blocks are the same for every head, so a rank's heads attend as they do
+    unsplit; an input too short for blocks switches the model to full attention, which rebuilds the
+    attention from the config: the rank's head counts are carried over
+    (:func:`tpcore.blocks.keeping_local_attributes`)."""
+
+    layer_class = f"{_MODELS}.big_bird.modeling_big_bird.BigBirdLayer"
+
+    @staticmethod
+    def replace_modules():
+        return {"attention": _KEEPS_LOCAL_HEADS, "crossattention": _KEEPS_LOCAL_HEADS}
 
 
 class AlbertPolicy(Policy):
@@ -610,6 +630,7 @@ POLICIES = (
     RoCBertPolicy,
     XmodPolicy,
     EsmPolicy,
+    BigBirdPolicy,
     AlbertPolicy,
     DebertaPolicy,
     DebertaV2Policy,
