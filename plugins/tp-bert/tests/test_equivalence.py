@@ -140,6 +140,11 @@ ARCHITECTURES = {
     "BigBird": Architecture(  # blocks of 2 tokens, 1 random block: block sparse above 14 tokens
         "BigBirdConfig", (*ROBERTA_HEADS, "ForPreTraining"), extra={"block_size": 2, "num_random_blocks": 1}
     ),
+    "ConvBert": Architecture(  # 12 heads, half of them attention heads, the rest span-based convolution
+        "ConvBertConfig",
+        (*BERT_HEADS, "ForMultipleChoice"),
+        extra={"embedding_size": 24, "head_ratio": 2, "conv_kernel_size": 3},
+    ),
     "Albert": Architecture(
         "AlbertConfig",
         (*BERT_HEADS, "ForMultipleChoice", "ForPreTraining"),
@@ -359,5 +364,18 @@ def test_bigbird_block_sparse_attention(rank_pools, head):
     with torch.inference_mode():
         model(**inputs)
     assert model.base_model.attention_type == "block_sparse"  # no switch to full attention (7 tokens would)
+    report = check_equivalence(spec, inputs, world_sizes=(2, 3, 4), pools=rank_pools)
+    assert sorted(report) == [2, 3, 4]
+
+
+@pytest.mark.slow
+def test_convbert_cross_attention(rank_pools):
+    """A ConvBERT decoder's cross-attention (attention and span-based convolution heads) over 2-4 ranks;
+    unpadded and over encoder states of the decoder's length, as transformers' ConvBERT needs (it adds
+    the decoder's mask to the cross-attention scores; its convolution runs over the decoder's positions)."""
+    spec = model_spec("ConvBert", "Model", hidden=48, heads=12, layers=2, intermediate=96, seed=11)
+    spec.config.is_decoder = spec.config.add_cross_attention = True
+    inputs = make_inputs("ConvBert", "Model", padded_batch([6, 6], 6, VOCAB, seed=12))
+    inputs["encoder_hidden_states"] = torch.randn(2, 6, 48, generator=torch.Generator().manual_seed(13))
     report = check_equivalence(spec, inputs, world_sizes=(2, 3, 4), pools=rank_pools)
     assert sorted(report) == [2, 3, 4]
