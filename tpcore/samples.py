@@ -51,7 +51,13 @@ def small_sizes(world_sizes: Sequence[int]) -> dict[str, int]:
     sizes |= dict.fromkeys(("intermediate_size", "encoder_ffn_dim", "decoder_ffn_dim", "ffn_dim", "d_ff"), 2 * hidden)
     sizes |= dict.fromkeys(("conv_dim", "conv_channels"), hidden)  # speech front ends
     sizes |= dict.fromkeys(("true_hidden_size", "intra_bottleneck_size"), hidden)  # MobileBERT's bottleneck
-    sizes |= {"hidden_size": hidden, "num_key_value_heads": kv_heads, "head_dim": HEAD_DIM, "d_kv": HEAD_DIM}
+    sizes |= {
+        "hidden_size": hidden,
+        "num_key_value_heads": kv_heads,
+        "head_dim": HEAD_DIM,
+        "d_kv": HEAD_DIM,
+        "d_head": HEAD_DIM,
+    }
     sizes |= {"rotary_dim": HEAD_DIM // 2}  # GPT-J / CodeGen: rotary features per head
     sizes |= {"vocab_size": VOCAB, "max_position_embeddings": POSITIONS, "max_target_positions": POSITIONS}
     sizes |= {"max_source_positions": AUDIO_POSITIONS, "image_size": IMAGE_SIZE, "patch_size": PATCH_SIZE}

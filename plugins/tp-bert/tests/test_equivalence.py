@@ -100,6 +100,9 @@ def detected_regions(head: str, inputs: dict) -> dict:
     return inputs | regions
 
 
+XLM_NAMES = ("emb_dim", "n_heads", "n_layers", "intermediate_size", "vocab_size")  # its FFN is 4 x emb_dim wide
+XLNET_NAMES = ("d_model", "n_head", "n_layer", "d_inner", "vocab_size")
+QA_SIMPLE_HEADS = ("ForSequenceClassification", "ForTokenClassification", "ForQuestionAnsweringSimple")
 FUNNEL_NAMES = ("d_model", "n_head", "num_decoder_layers", "d_inner", "vocab_size")
 LXMERT_NAMES = ("hidden_size", "num_attention_heads", "l_layers", "intermediate_size", "vocab_size")
 
@@ -207,6 +210,17 @@ ARCHITECTURES = {
             "block_sizes": [sizes["num_decoder_layers"]] * 2,
         },
     ),
+    "XLM": Architecture(
+        "XLMConfig",
+        ("Model", "WithLMHeadModel", *QA_SIMPLE_HEADS, "ForQuestionAnswering", "ForMultipleChoice"),
+        names=XLM_NAMES,
+    ),
+    "XLNet": Architecture(
+        "XLNetConfig",
+        ("Model", "LMHeadModel", *QA_SIMPLE_HEADS, "ForQuestionAnswering", "ForMultipleChoice"),
+        names=XLNET_NAMES,
+        derived=lambda sizes: {"d_head": sizes["d_model"] // sizes["n_head"]},
+    ),
     "Luke": Architecture(
         "LukeConfig", (*BERT_HEADS, "ForMultipleChoice"), extra={"entity_vocab_size": 16, "entity_emb_size": 8}
     ),
@@ -225,7 +239,7 @@ CASES = [(arch, head) for arch, spec in ARCHITECTURES.items() for head in spec.h
 
 def model_spec(arch: str, head: str, hidden: int, heads: int, layers: int, intermediate: int, seed: int) -> ModelSpec:
     architecture = ARCHITECTURES[arch]
-    overrides = {"num_labels": 2 if head == "ForQuestionAnswering" else 3}
+    overrides = {"num_labels": 2 if head.startswith("ForQuestionAnswering") else 3}
     if head in ("ForCausalLM", "LMHeadModel", "Decoder"):
         overrides["is_decoder"] = True
     config = architecture.make_config(hidden, heads, layers, intermediate, VOCAB, **overrides)

@@ -36,6 +36,9 @@ The others have their own policies:
   feed-forward per stream).
 - MobileBERT: attention and feed-forwards at the bottleneck width (every extra ``FFNLayer`` too);
   its LM head calls its decoder (:func:`decoder_called_lm_head`) so the vocabulary split applies.
+- XLM: no layer class; policies for its attention (``{q,k,v,out}_lin``) and feed-forward classes.
+- XLNet: 3-D projection parameters cut on their heads dimension, the output's sum over the heads
+  all-reduced (:func:`reduced_output_attention`).
 - Funnel: ``{q,k,v}_head``, ``post_proj`` and the relative attention's per-head terms by heads;
   the attention reads ``n_head`` from a per-rank config copy.
 
@@ -56,7 +59,7 @@ from torch import nn
 
 from tpcore import Layer, Policy, ShardingError, share
 from tpcore.blocks import Attention, BlockPolicy, keeping_local_attributes
-from tpcore.layers import RowParallelLinear
+from tpcore.layers import RowParallelLinear, reduce_partial_sums
 from tpcore.policy import IfHeld, local_config
 
 _MODELS = "transformers.models"
@@ -546,6 +549,91 @@ class FunnelLayerPolicy(Policy):
         return [_linear("ffn.linear_2")]
 
 
+class XLMAttentionPolicy(Policy):
+    """XLM has no layer class: its encoder holds lists of attentions and feed-forwards. One attention
+    (self-attention, or a decoder's attention to the encoder): ``{q,k,v,out}_lin`` by ``n_heads``."""
+
+    layer_class = f"{_MODELS}.xlm.modeling_xlm.MultiHeadAttention"
+
+    @staticmethod
+    def replace_arguments(config, world_size):
+        return {"n_heads": _local_heads(config, world_size, "n_heads")}
+
+    @staticmethod
+    def attn_qkv():
+        return [_linear(f"{name}_lin", heads="n_heads") for name in "qkv"]
+
+    @staticmethod
+    def attn_out():
+        return [_linear("out_lin", heads="n_heads")]
+
+
+class XLMFeedForwardPolicy(Policy):
+    layer_class = f"{_MODELS}.xlm.modeling_xlm.TransformerFFN"
+
+    @staticmethod
+    def mlp_in():
+        return [_linear("lin1")]
+
+    @staticmethod
+    def mlp_out():
+        return [_linear("lin2")]
+
+
+def reduced_output_attention(module: nn.Module | None) -> type[nn.Module] | None:
+    """For XLNet's attention, whose output projection is a parameter ``o`` ``(d_model, heads, d_head)``
+    contracted over the heads (``einsum("ibnd,hnd->ibh")``) before the residual: a subclass whose
+    ``post_attention`` all-reduces that sum of the rank's heads, then adds the residual and normalizes."""
+    return None if module is None else _reduced_output_subclass(type(module))
+
+
+@functools.cache
+def _reduced_output_subclass(cls: type[nn.Module]) -> type[nn.Module]:
+    def post_attention(self, h: torch.Tensor, attn_vec: torch.Tensor, residual: bool = True) -> torch.Tensor:
+        attn_out = reduce_partial_sums(torch.einsum("ibnd,hnd->ibh", attn_vec, self.o), self.tp_group)
+        attn_out = self.dropout(attn_out)
+        return self.layer_norm(attn_out + h if residual else attn_out)
+
+    namespace = {
+        "__module__": __name__,
+        "__doc__": reduced_output_attention.__doc__,
+        "post_attention": post_attention,
+        "tp_group": None,
+    }
+    return type(f"ReducedOutput{cls.__name__}", (cls,), namespace)
+
+
+class XLNetPolicy(Policy):
+    """XLNet's two-stream relative attention: the 3-D projections ``q``, ``k``, ``v``, ``o``, ``r``
+    ``(d_model, heads, d_head)``, the per-head biases ``r_{w,r,s}_bias`` ``(heads, d_head)`` and the
+    segment embedding ``seg_embed`` ``(2, heads, d_head)`` cut on their heads dimension; the output's sum
+    over the heads all-reduced (:func:`reduced_output_attention`); ``ff.layer_1``/``ff.layer_2``."""
+
+    layer_class = f"{_MODELS}.xlnet.modeling_xlnet.XLNetLayer"
+
+    @staticmethod
+    def replace_arguments(config, world_size):
+        return {"rel_attn.n_head": _local_heads(config, world_size, "n_head")}
+
+    @staticmethod
+    def replace_modules():
+        return {"rel_attn": reduced_output_attention}
+
+    @staticmethod
+    def attn_qkv():
+        projections = [Layer(weight=f"rel_attn.{name}", dim=1, heads="n_head") for name in "qkvor"]
+        biases = [Layer(weight=f"rel_attn.r_{name}_bias", dim=0, heads="n_head") for name in "wrs"]
+        return [*projections, *biases, Layer(weight="rel_attn.seg_embed", dim=1, heads="n_head")]
+
+    @staticmethod
+    def mlp_in():
+        return [_linear("ff.layer_1")]
+
+    @staticmethod
+    def mlp_out():
+        return [_linear("ff.layer_2")]
+
+
 class LukePolicy(BertPolicy):
     """LUKE layer: BERT's, plus queries for word-to-entity, entity-to-word and entity-to-entity
     attention (present when ``config.use_entity_aware_attention``)."""
@@ -737,6 +825,9 @@ POLICIES = (
     MobileBertFFNPolicy,
     MobileBertLMHeadPolicy,
     FunnelLayerPolicy,
+    XLMAttentionPolicy,
+    XLMFeedForwardPolicy,
+    XLNetPolicy,
     LukePolicy,
     MPNetPolicy,
     MPNetEncoderPolicy,
