@@ -22,6 +22,7 @@ import tpcore
 from tpcore.testing import (
     HALF_PRECISION_RTOL,
     ModelSpec,
+    SavedModelSpec,
     check_equivalence,
     padded_batch,
     padded_batches,
@@ -221,6 +222,7 @@ ARCHITECTURES = {
         names=XLNET_NAMES,
         derived=lambda sizes: {"d_head": sizes["d_model"] // sizes["n_head"]},
     ),
+    "IBert": Architecture("IBertConfig", (*BERT_HEADS, "ForMultipleChoice")),
     "Luke": Architecture(
         "LukeConfig", (*BERT_HEADS, "ForMultipleChoice"), extra={"entity_vocab_size": 16, "entity_emb_size": 8}
     ),
@@ -392,4 +394,24 @@ def test_convbert_cross_attention(rank_pools):
     inputs = make_inputs("ConvBert", "Model", padded_batch([6, 6], 6, VOCAB, seed=12))
     inputs["encoder_hidden_states"] = torch.randn(2, 6, 48, generator=torch.Generator().manual_seed(13))
     report = check_equivalence(spec, inputs, world_sizes=(2, 3, 4), pools=rank_pools)
+    assert sorted(report) == [2, 3, 4]
+
+
+@pytest.mark.parametrize("head", ["ForMaskedLM", pytest.param("ForSequenceClassification", marks=pytest.mark.slow)])
+def test_ibert_integer_mode(rank_pools, tmp_path, head):
+    """I-BERT with ``quant_mode=True``: its activation ranges calibrated by training-mode forwards, saved,
+    then each of 2-4 ranks reads its slices; integer GELU, softmax and layer norm on integer-valued
+    activations give the unsplit outputs."""
+    spec = model_spec("IBert", head, hidden=48, heads=12, layers=2, intermediate=96, seed=14)
+    spec.config.quant_mode = True
+    model = spec.build().train()
+    inputs = make_inputs("IBert", head, padded_batch([7, 3, 5], 7, VOCAB, seed=15))
+    with torch.no_grad():
+        for seed in range(3):  # each quantizer keeps the running range of what it sees
+            model(**make_inputs("IBert", head, padded_batch([7, 7], 7, VOCAB, seed=seed)))
+    ranges = [buffer for name, buffer in model.named_buffers() if name.endswith("activation.x_max")]
+    assert ranges and all(bool((upper > 0).all()) for upper in ranges)  # calibrated: integer mode is live
+    model.eval().save_pretrained(tmp_path)
+    saved = SavedModelSpec(str(tmp_path), spec.model_class)
+    report = check_equivalence(saved, inputs, world_sizes=(2, 3, 4), pools=rank_pools)
     assert sorted(report) == [2, 3, 4]
