@@ -51,6 +51,7 @@ def small_sizes(world_sizes: Sequence[int]) -> dict[str, int]:
     sizes |= dict.fromkeys(("intermediate_size", "encoder_ffn_dim", "decoder_ffn_dim", "ffn_dim", "d_ff"), 2 * hidden)
     sizes |= dict.fromkeys(("conv_dim", "conv_channels"), hidden)  # speech front ends
     sizes |= dict.fromkeys(("true_hidden_size", "intra_bottleneck_size"), hidden)  # MobileBERT's bottleneck
+    sizes |= {"attention_head_size": HEAD_DIM, "axial_pos_embds_dim": hidden // 2}  # Reformer: 2 factors sum to hidden
     sizes |= {
         "hidden_size": hidden,
         "num_key_value_heads": kv_heads,

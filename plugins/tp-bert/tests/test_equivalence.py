@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tpcore
+from tpcore.check import run_check
 from tpcore.testing import (
     HALF_PRECISION_RTOL,
     ModelSpec,
@@ -101,6 +102,7 @@ def detected_regions(head: str, inputs: dict) -> dict:
     return inputs | regions
 
 
+REFORMER_CHUNKS = {"lsh_attn_chunk_length": 4, "local_attn_chunk_length": 4, "max_position_embeddings": 64}
 XLM_NAMES = ("emb_dim", "n_heads", "n_layers", "intermediate_size", "vocab_size")  # its FFN is 4 x emb_dim wide
 XLNET_NAMES = ("d_model", "n_head", "n_layer", "d_inner", "vocab_size")
 QA_SIMPLE_HEADS = ("ForSequenceClassification", "ForTokenClassification", "ForQuestionAnsweringSimple")
@@ -223,6 +225,16 @@ ARCHITECTURES = {
         derived=lambda sizes: {"d_head": sizes["d_model"] // sizes["n_head"]},
     ),
     "IBert": Architecture("IBertConfig", (*BERT_HEADS, "ForMultipleChoice")),
+    "Reformer": Architecture(  # chunks of 4 tokens: the LSH attention hashes (2 rounds into 2 buckets)
+        "ReformerConfig",
+        ("Model", "ForMaskedLM", "ModelWithLMHead", "ForSequenceClassification", "ForQuestionAnswering"),
+        names=("hidden_size", "num_attention_heads", "num_hidden_layers", "feed_forward_size", "vocab_size"),
+        extra={**REFORMER_CHUNKS, "num_buckets": 2, "num_hashes": 2, "hash_seed": 3, "axial_pos_embds": False},
+        derived=lambda sizes: {
+            "attention_head_size": sizes["hidden_size"] // sizes["num_attention_heads"],
+            "attn_layers": ["local", "lsh"] * sizes["num_hidden_layers"],
+        },
+    ),
     "Luke": Architecture(
         "LukeConfig", (*BERT_HEADS, "ForMultipleChoice"), extra={"entity_vocab_size": 16, "entity_emb_size": 8}
     ),
@@ -242,7 +254,7 @@ CASES = [(arch, head) for arch, spec in ARCHITECTURES.items() for head in spec.h
 def model_spec(arch: str, head: str, hidden: int, heads: int, layers: int, intermediate: int, seed: int) -> ModelSpec:
     architecture = ARCHITECTURES[arch]
     overrides = {"num_labels": 2 if head.startswith("ForQuestionAnswering") else 3}
-    if head in ("ForCausalLM", "LMHeadModel", "Decoder"):
+    if head in ("ForCausalLM", "LMHeadModel", "Decoder", "ModelWithLMHead"):
         overrides["is_decoder"] = True
     config = architecture.make_config(hidden, heads, layers, intermediate, VOCAB, **overrides)
     return ModelSpec(getattr(transformers, (architecture.prefix or arch) + head), config, seed)
@@ -307,7 +319,7 @@ def test_cross_attention_decoders(rank_pools, arch, head):
 
 
 @pytest.mark.slow
-@settings(max_examples=190, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     case=st.sampled_from(CASES),
     sizes=split_sizes(world_sizes=(2, 3, 4, 5), uneven=True),
@@ -415,3 +427,41 @@ def test_ibert_integer_mode(rank_pools, tmp_path, head):
     saved = SavedModelSpec(str(tmp_path), spec.model_class)
     report = check_equivalence(saved, inputs, world_sizes=(2, 3, 4), pools=rank_pools)
     assert sorted(report) == [2, 3, 4]
+
+
+def test_reformer_draws_each_heads_rotations_from_the_global_generator_as_unsplit(rank_pools):
+    """Without ``hash_seed`` the LSH rotations come from the global generator, seeded before each run:
+    every rank draws all heads' rotations (the unsplit count) and hashes with its own heads' over 2-4 ranks."""
+    spec = model_spec("Reformer", "Model", hidden=48, heads=12, layers=2, intermediate=96, seed=16)
+    spec.config.hash_seed = None
+    inputs = make_inputs("Reformer", "Model", padded_batch([7, 3, 5], 7, VOCAB, seed=17))
+    report = check_equivalence(spec, inputs, world_sizes=(2, 3, 4), pools=rank_pools, seed=18)
+    assert sorted(report) == [2, 3, 4]
+    model = spec.build()
+    torch.manual_seed(18)
+    first = model(**inputs).last_hidden_state
+    torch.manual_seed(19)
+    assert not torch.allclose(first, model(**inputs).last_hidden_state)  # the draws matter: the hashing runs
+
+
+#: every architecture's first head, as ``tpcore check`` names it (variants of one class once), but two whose
+#: default configs do not run unsplit: X-MOD's names no default language, ESM's no pad token
+CHECKED_CLASSES = [
+    name
+    for name in dict.fromkeys((spec.prefix or arch) + spec.heads[0] for arch, spec in ARCHITECTURES.items())
+    if name not in ("XmodModel", "EsmModel")
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", CHECKED_CLASSES)
+def test_tpcore_check_passes_from_the_default_config(rank_pools, capsys, name):
+    """``tpcore check CLASS`` on the default config shrunk (MobileBERT's bottleneck, Reformer's axial
+    position factors and XLNet's head width too; LXMERT's and VisualBERT's region features)."""
+    assert run_check(name, (2, 3), pools=rank_pools) == 0, capsys.readouterr().out
+
+
+def test_mobilebert_lm_head_is_split_over_the_vocabulary_with_the_embeddings():
+    spec = model_spec("MobileBert", "ForMaskedLM", hidden=48, heads=12, layers=1, intermediate=96, seed=0)
+    plan = tpcore.TensorReplacer(spec.build(), None, False, 4, rank=0).split_plan()
+    assert plan.vocab == {"mobilebert.embeddings.word_embeddings": VOCAB, "cls.predictions.decoder": VOCAB}

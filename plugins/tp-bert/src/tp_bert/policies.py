@@ -38,6 +38,8 @@ The others have their own policies:
   its LM head calls its decoder (:func:`decoder_called_lm_head`) so the vocabulary split applies.
 - I-BERT: ``QuantLinear`` layers; in integer mode a row layer quantizes each weight row by its range
   over every rank (:func:`row_parallel_quant_linear`).
+- Reformer: LSH attention, whose random rotations are drawn for every head and kept for the
+  rank's (:func:`rank_rotations_lsh_attention`), or local attention; reversible layers.
 - XLM: no layer class; policies for its attention (``{q,k,v,out}_lin``) and feed-forward classes.
 - XLNet: 3-D projection parameters cut on their heads dimension, the output's sum over the heads
   all-reduced (:func:`reduced_output_attention`).
@@ -58,6 +60,7 @@ import functools
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from tpcore import Layer, Policy, ShardingError, share
 from tpcore.blocks import Attention, BlockPolicy, keeping_local_attributes
@@ -719,6 +722,92 @@ class IBertPolicy(BertPolicy):
         return _quant_linear("output.dense", "row")
 
 
+class _RankHeadsDraws(TorchFunctionMode):
+    """While active, ``torch.randn`` of a shape that starts with the rank's ``local`` heads draws for all
+    ``full`` heads and keeps the rank's, from ``first``: the random numbers every head gets, and how
+    many the generator gives out, are the unsplit model's."""
+
+    def __init__(self, full: int, first: int, local: int):
+        super().__init__()
+        self.full, self.first, self.local = full, first, local
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.randn and self.full != self.local:
+            shape = tuple(args[0]) if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)) else args
+            if shape and shape[0] == self.local:
+                return func((self.full, *shape[1:]), **kwargs)[self.first : self.first + self.local]
+        return func(*args, **kwargs)
+
+
+def rank_rotations_lsh_attention(module: nn.Module | None) -> type[nn.Module] | None:
+    """For Reformer's LSH attention, which hashes with random rotations ``(heads, head_size, hashes,
+    buckets / 2)`` drawn in every forward (from ``hash_seed``, or the global generator): a subclass whose
+    ``_hash_vectors`` draws them for all ``full_heads`` heads and keeps the rank's (from ``first_head``),
+    so each head hashes as it does unsplit. ``None`` for the local attention, which draws nothing."""
+    if module is None or not hasattr(module, "_hash_vectors"):
+        return None
+    return _rank_rotations_subclass(type(module))
+
+
+@functools.cache
+def _rank_rotations_subclass(cls: type[nn.Module]) -> type[nn.Module]:
+    def _hash_vectors(self, *args, **kwargs):
+        with _RankHeadsDraws(self.full_heads, self.first_head, self.num_attention_heads):
+            return cls._hash_vectors(self, *args, **kwargs)
+
+    namespace = {
+        "__module__": __name__,
+        "__doc__": rank_rotations_lsh_attention.__doc__,
+        "_hash_vectors": _hash_vectors,
+        "full_heads": None,
+        "first_head": None,
+    }
+    return type(f"RankRotations{cls.__name__}", (cls,), namespace)
+
+
+class ReformerPolicy(Policy):
+    """A Reformer layer (reversible: its attention and feed-forward each add to one half of the
+    stream): LSH attention (``query_key``, ``value``; rotations per :func:`rank_rotations_lsh_attention`)
+    or local attention (``query``, ``key``, ``value``), ``output.dense`` row parallel;
+    ``feed_forward.dense.dense`` and ``feed_forward.output.dense``."""
+
+    layer_class = f"{_MODELS}.reformer.modeling_reformer.ReformerLayer"
+
+    @staticmethod
+    def replace_arguments(config, world_size):
+        heads = _local_heads(config, world_size)
+        attention, lsh = "attention.self_attention", "attention.self_attention.query_key"
+        arguments = {f"{attention}.num_attention_heads": heads}
+        arguments[f"{attention}.all_head_size"] = heads * config.attention_head_size
+        arguments[f"{attention}.full_heads"] = IfHeld(config.num_attention_heads, lsh)
+        arguments[f"{attention}.first_head"] = IfHeld(
+            share(config.num_attention_heads, world_size, _HEADS, first=True), lsh
+        )
+        return arguments
+
+    @staticmethod
+    def replace_modules():
+        return {"attention.self_attention": rank_rotations_lsh_attention}
+
+    @staticmethod
+    def attn_qkv():
+        names = ("query_key", "value", "query", "key")  # LSH: query_key, value; local: query, key, value
+        return [_linear(f"attention.self_attention.{name}", optional=True, heads=_HEADS) for name in names]
+
+    @staticmethod
+    def attn_out():
+        return [_linear("attention.output.dense", heads=_HEADS)]
+
+    @staticmethod
+    def mlp_in():
+        return [_linear("feed_forward.dense.dense")]
+
+    @staticmethod
+    def mlp_out():
+        return [_linear("feed_forward.output.dense")]
+
+
 class LukePolicy(BertPolicy):
     """LUKE layer: BERT's, plus queries for word-to-entity, entity-to-word and entity-to-entity
     attention (present when ``config.use_entity_aware_attention``)."""
@@ -914,6 +1003,7 @@ POLICIES = (
     XLMFeedForwardPolicy,
     XLNetPolicy,
     IBertPolicy,
+    ReformerPolicy,
     LukePolicy,
     MPNetPolicy,
     MPNetEncoderPolicy,
