@@ -9,7 +9,7 @@ import warnings
 from dataclasses import dataclass, field
 
 import pytest
-from transformers import BertConfig, BertModel, XLNetConfig, XLNetModel
+from transformers import BertConfig, BertModel, FNetConfig, FNetModel
 
 import tpcore
 from tpcore import AutoPolicy, Policy, UnsupportedModelError
@@ -435,9 +435,9 @@ def tiny_bert() -> BertModel:
     return BertModel(config)
 
 
-def tiny_uncovered() -> XLNetModel:
-    """A model none of the repository's plugins covers."""
-    return XLNetModel(XLNetConfig(vocab_size=32, d_model=16, n_layer=1, n_head=4, d_inner=32))
+def tiny_uncovered() -> FNetModel:
+    """A model none of the repository's plugins covers (FNet mixes tokens by a Fourier transform: no heads)."""
+    return FNetModel(FNetConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, intermediate_size=32))
 
 
 def test_auto_policy_finds_bert_policy():
@@ -453,7 +453,7 @@ def test_auto_policy_on_an_uncovered_model_raises_a_helpful_error():
     with pytest.raises(UnsupportedModelError) as info:
         AutoPolicy().get_policy(tiny_uncovered())
     message = str(info.value)
-    assert "No installed tpcore policy covers XLNetModel (model_type 'xlnet')." in message
+    assert "No installed tpcore policy covers FNetModel (model_type 'fnet')." in message
     installed = next(line for line in message.splitlines() if line.startswith("Installed plugins: "))
     assert f"tp-bert {importlib.metadata.version('tp-bert')}" in installed
     assert "pip install tp-" in message

@@ -121,13 +121,16 @@ def keeping_local_attributes(
     counts, widths) over to the new child."""
 
     def class_for(module: nn.Module | None) -> type[nn.Module] | None:
-        return None if module is None else _keeping_subclass(type(module), method, child, names)
+        if module is None:
+            return None
+        cls: type = type(module)
+        return _keeping_subclass(cls, method, child, names)
 
     return class_for
 
 
 @functools.cache
-def _keeping_subclass(cls: type[nn.Module], method: str, child: str, names: tuple[str, ...]) -> type[nn.Module]:
+def _keeping_subclass(cls: type, method: str, child: str, names: tuple[str, ...]) -> type[nn.Module]:
     def rebuild(self, *args, **kwargs):
         local = {name: getattr(getattr(self, child), name) for name in names}
         result = getattr(cls, method)(self, *args, **kwargs)
