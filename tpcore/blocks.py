@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 from torch import nn
 
 from tpcore.policy import IfHeld, Layer, Policy, share
 from tpcore.reshapes import local_width_class
 
-__all__ = ["Attention", "BlockPolicy", "keeping_local_attributes", "linear"]
+__all__ = ["Attention", "BlockPolicy", "keeping_local_attributes", "linear", "subclassing"]
 
 
 class Attention(NamedTuple):
@@ -67,6 +67,8 @@ class BlockPolicy(Policy):
 
     @classmethod
     def replace_arguments(cls, config, world_size):
+        if not cls.attentions:  # a feed-forward alone
+            return {}
         total = getattr(config, cls.heads)
         heads = share(total, world_size, cls.heads)
         width = heads * (config.hidden_size // total)
@@ -111,32 +113,49 @@ class BlockPolicy(Policy):
         return [linear(path) for path in cls.mlp_outputs]
 
 
-def keeping_local_attributes(
-    method: str, child: str, names: tuple[str, ...]
-) -> Callable[[nn.Module | None], type[nn.Module] | None]:
+def subclassing(prefix: str) -> Callable[[Callable[[type], dict[str, Any]]], Callable[[nn.Module | None], Any]]:
+    """Decorator for a :meth:`~tpcore.Policy.replace_modules` class function: ``members(base)`` gives
+    the methods (which may call ``base``'s) and per-rank attributes that a module of class ``base``
+    gets; the decorated function takes the module (``None`` where the layer has none) and gives
+    ``prefix + base.__name__``, a subclass of its class with those members, one per class, or ``None``."""
+
+    def decorate(members: Callable[[type], dict[str, Any]]) -> Callable[[nn.Module | None], Any]:
+        made: dict[type, type[nn.Module]] = {}
+
+        @functools.wraps(members)
+        def class_for(module: nn.Module | None) -> type[nn.Module] | None:
+            if module is None:
+                return None
+            base = type(module)
+            if base not in made:
+                namespace = {"__module__": members.__module__, "__doc__": members.__doc__, **members(base)}
+                made[base] = type(f"{prefix}{base.__name__}", (base,), namespace)
+            return made[base]
+
+        return class_for
+
+    return decorate
+
+
+def keeping_local_attributes(method: str, child: str, names: tuple[str, ...]) -> Callable[[nn.Module | None], Any]:
     """For :meth:`~tpcore.Policy.replace_modules`, where a module's ``method`` builds its ``child`` anew
     from the config (BigBird's ``set_attention_type``, switching between block-sparse and full
     attention, keeps the projections but reads the head count from the config): a class function
     giving the module a subclass whose ``method`` carries the child's per-rank ``names`` (head
     counts, widths) over to the new child."""
 
-    def class_for(module: nn.Module | None) -> type[nn.Module] | None:
-        if module is None:
-            return None
-        cls: type = type(module)
-        return _keeping_subclass(cls, method, child, names)
+    @subclassing("Local")
+    def keeping(base: type) -> dict[str, Any]:
+        """A subclass whose ``method`` keeps the per-rank counts of its rebuilt ``child``
+        (:func:`tpcore.blocks.keeping_local_attributes`)."""
 
-    return class_for
+        def rebuild(self, *args, **kwargs):
+            local = {name: getattr(getattr(self, child), name) for name in names}
+            result = getattr(base, method)(self, *args, **kwargs)
+            for name, value in local.items():
+                setattr(getattr(self, child), name, value)
+            return result
 
+        return {method: rebuild}
 
-@functools.cache
-def _keeping_subclass(cls: type, method: str, child: str, names: tuple[str, ...]) -> type[nn.Module]:
-    def rebuild(self, *args, **kwargs):
-        local = {name: getattr(getattr(self, child), name) for name in names}
-        result = getattr(cls, method)(self, *args, **kwargs)
-        for name, value in local.items():
-            setattr(getattr(self, child), name, value)
-        return result
-
-    doc = f"``{cls.__qualname__}`` whose ``{method}`` keeps ``{child}``'s per-rank {', '.join(names)}."
-    return type(f"Local{cls.__name__}", (cls,), {"__module__": __name__, "__doc__": doc, method: rebuild})
+    return keeping

@@ -278,8 +278,9 @@ def check_model(
     from tpcore.samples import forward_parameters
 
     spec = ModelSpec(model_class, config)
-    if forward_parameters(spec.build()) & MEDIA_INPUTS:
-        batches = sample_batches(spec)
+    model = spec.build()
+    if forward_parameters(model) & MEDIA_INPUTS:
+        batches = sample_batches(model)
     else:
         vocab = min(int(getattr(config, "vocab_size", 64) or 64), 512)
         decoder = (1, 12) if getattr(config, "is_encoder_decoder", False) else None
@@ -418,15 +419,14 @@ def padded_batches(vocab_size: int, *, batch=(1, 3), seq=(1, 9), decoder_seq=Non
 MEDIA_INPUTS = frozenset({"pixel_values", "input_features", "input_values"})
 
 
-def sample_batches(spec: ModelSpec, *, batch=(1, 3), seq=(2, 9)):
-    """Strategy of :func:`tpcore.samples.sample_inputs` batches for ``spec``'s model, any modality
+def sample_batches(model: nn.Module, *, batch=(1, 3), seq=(2, 9)):
+    """Strategy of :func:`tpcore.samples.sample_inputs` batches for ``model``, any modality
     (images, waveforms or audio features with a padded row, token ids, decoder ids): ``batch`` rows
     and a length ``seq`` (inclusive ranges; audio takes ``2 * seq`` frames or more), from a drawn seed."""
     from hypothesis import strategies as st
 
     from tpcore.samples import sample_inputs
 
-    model = spec.build()
     return st.builds(
         lambda rows, length, seed: sample_inputs(model, batch=rows, seq=length, seed=seed),
         st.integers(*batch),

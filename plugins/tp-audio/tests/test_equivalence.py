@@ -448,7 +448,7 @@ def test_check_model_draws_audio_batches(tp_check):
 @given(data=st.data())
 def test_sample_batches_draw_waveforms_of_drawn_sizes_with_a_padded_row(data):
     """1-3 waveforms of 2 x (2-9) frames of the 10-sample hop; row 0's second half is padding."""
-    batch = data.draw(sample_batches(model_spec("WavLM", "ForCTC"), batch=(1, 3), seq=(2, 9)))
+    batch = data.draw(sample_batches(model_spec("WavLM", "ForCTC").build(), batch=(1, 3), seq=(2, 9)))
     rows, samples = batch["input_values"].shape
     assert 1 <= rows <= 3 and samples % 20 == 0 and 40 <= samples <= 180
     assert batch["attention_mask"][0].sum() == samples // 2 and batch["attention_mask"][1:].all()

@@ -30,15 +30,13 @@ task heads (CTC, classifiers, x-vector TDNNs) stay whole. What differs:
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
 from tp_bart.policies import DecoderBlockPolicy, EncoderBlockPolicy
 from tp_bert.policies import DebertaV2Policy
 
 from tpcore import Layer, share
-from tpcore.blocks import Attention, BlockPolicy, linear
+from tpcore.blocks import Attention, BlockPolicy, linear, subclassing
 
 _MODELS = "transformers.models"
 
@@ -98,7 +96,8 @@ class SEWEncoderLayerPolicy(SpeechEncoderLayerPolicy):
 # -- WavLM: a gated relative position bias per head ------------------------------------------------------
 
 
-def local_heads_wavlm_attention(module: nn.Module | None) -> type[nn.Module] | None:
+@subclassing("LocalHeads")
+def local_heads_wavlm_attention(base: type) -> dict:
     """For WavLM's attention, which runs ``torch.nn.functional.multi_head_attention_forward`` on its
     projections' weights (square, the whole width, the output projection without its all-reduce) and
     gates the position bias of head ``h`` by the ``h``-th ``head_dim`` slice of its input: a subclass
@@ -111,11 +110,7 @@ def local_heads_wavlm_attention(module: nn.Module | None) -> type[nn.Module] | N
 
     ``bias_h`` is the bucket embedding's column ``h`` (the rank's columns). The attention weights it
     returns are the rank's heads' own; the unsplit module returns their mean over all heads."""
-    return None if module is None else _local_heads_wavlm_subclass(type(module))
 
-
-@functools.cache
-def _local_heads_wavlm_subclass(cls: type[nn.Module]) -> type[nn.Module]:
     def forward(self, hidden_states, attention_mask=None, position_bias=None, index=0, **kwargs):
         batch, length, _ = hidden_states.shape
         heads = self.num_heads
@@ -141,14 +136,7 @@ def _local_heads_wavlm_subclass(cls: type[nn.Module]) -> type[nn.Module]:
         context = (probs @ value).transpose(1, 2).reshape(batch, length, heads * self.head_dim)
         return self.out_proj(context), probs, position_bias
 
-    namespace = {
-        "__module__": __name__,
-        "__doc__": local_heads_wavlm_attention.__doc__,
-        "forward": forward,
-        "full_heads": None,
-        "first_head": None,
-    }
-    return type(f"LocalHeads{cls.__name__}", (cls,), namespace)
+    return {"forward": forward, "full_heads": None, "first_head": None}
 
 
 class WavLMEncoderLayerPolicy(SpeechEncoderLayerPolicy):
@@ -185,29 +173,20 @@ class WavLMEncoderLayerStableLayerNormPolicy(WavLMEncoderLayerPolicy):
 # -- Conformer ----------------------------------------------------------------------------------------------
 
 
-def whole_rotary_attention(module: nn.Module | None) -> type[nn.Module] | None:
+@subclassing("WholeRotary")
+def whole_rotary_attention(base: type) -> dict:
     """For a Conformer self-attention, which rotates its input (the whole width, before the
     projections) head by head: a subclass whose ``_apply_rotary_embedding`` views the input in all
     ``full_heads`` heads. Relative and no position embeddings do not reach it."""
-    return None if module is None else _whole_rotary_subclass(type(module))
 
-
-@functools.cache
-def _whole_rotary_subclass(cls: type[nn.Module]) -> type[nn.Module]:
     def _apply_rotary_embedding(self, hidden_states, relative_position_embeddings):
         local, self.num_heads = self.num_heads, self.full_heads
         try:
-            return cls._apply_rotary_embedding(self, hidden_states, relative_position_embeddings)
+            return base._apply_rotary_embedding(self, hidden_states, relative_position_embeddings)
         finally:
             self.num_heads = local
 
-    namespace = {
-        "__module__": __name__,
-        "__doc__": whole_rotary_attention.__doc__,
-        "_apply_rotary_embedding": _apply_rotary_embedding,
-        "full_heads": None,
-    }
-    return type(f"WholeRotary{cls.__name__}", (cls,), namespace)
+    return {"_apply_rotary_embedding": _apply_rotary_embedding, "full_heads": None}
 
 
 class Wav2Vec2ConformerEncoderLayerPolicy(BlockPolicy):

@@ -56,14 +56,12 @@ follow; EuroBERT's query heads stay with their key/value heads (``groups``).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from tpcore import Layer, Policy, ShardingError, share
-from tpcore.blocks import Attention, BlockPolicy, keeping_local_attributes
+from tpcore.blocks import Attention, BlockPolicy, keeping_local_attributes, subclassing
 from tpcore.comm import all_gather
 from tpcore.layers import RowParallelLinear, reduce_partial_sums
 from tpcore.policy import IfHeld, local_config
@@ -321,32 +319,23 @@ class ConvBertPolicy(Policy):
         return [_linear("output.dense")]
 
 
-class AlbertPolicy(Policy):
+class AlbertPolicy(BlockPolicy):
     """ALBERT's one layer, which every depth runs again: ``attention.{query,key,value}``,
     ``attention.dense``, ``ffn``/``ffn_output``. The factorized embedding (``embedding_size``) and its
     mapping to the hidden width stay whole."""
 
     layer_class = f"{_MODELS}.albert.modeling_albert.AlbertLayer"
-
-    @staticmethod
-    def replace_arguments(config, world_size):
-        return _head_arguments("attention", config, world_size)
-
-    @staticmethod
-    def attn_qkv():
-        return [_linear(f"attention.{name}", heads=_HEADS) for name in ("query", "key", "value")]
-
-    @staticmethod
-    def attn_out():
-        return [_linear("attention.dense", heads=_HEADS)]
-
-    @staticmethod
-    def mlp_in():
-        return [_linear("ffn")]
-
-    @staticmethod
-    def mlp_out():
-        return [_linear("ffn_output")]
+    attentions = (
+        Attention(
+            "attention",
+            projections=("query", "key", "value"),
+            output="dense",
+            counts=(_HEADS,),
+            widths=("all_head_size",),
+        ),
+    )
+    mlp_inputs = ("ffn",)
+    mlp_outputs = ("ffn_output",)
 
 
 #: relative position projections: content to position (keys), position to content (queries)
@@ -478,36 +467,27 @@ class MobileBertPolicy(BertPolicy):
         return _out("attention")
 
 
-class MobileBertFFNPolicy(Policy):
+class MobileBertFFNPolicy(BlockPolicy):
     """One of MobileBERT's extra feed-forwards (``num_feedforward_networks - 1`` per layer)."""
 
     layer_class = f"{_MODELS}.mobilebert.modeling_mobilebert.FFNLayer"
-
-    @staticmethod
-    def mlp_in():
-        return [_linear("intermediate.dense")]
-
-    @staticmethod
-    def mlp_out():
-        return [_linear("output.dense")]
+    attentions = ()
+    mlp_inputs = ("intermediate.dense",)
+    mlp_outputs = ("output.dense",)
 
 
-def decoder_called_lm_head(module: nn.Module | None) -> type[nn.Module] | None:
+@subclassing("DecoderCalled")
+def decoder_called_lm_head(base: type) -> dict:
     """For MobileBERT's LM head, which multiplies by ``cat([decoder.weight.t(), dense.weight])`` itself:
     a subclass whose forward calls ``decoder`` (so a decoder split over the vocabulary gathers its
     logits). The same sum: ``decoder(h[..., :E]) + h[..., E:] @ dense.weight``, ``E`` the embedding size."""
-    return None if module is None else _decoder_called_subclass(type(module))
 
-
-@functools.cache
-def _decoder_called_subclass(cls: type[nn.Module]) -> type[nn.Module]:
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         hidden = self.transform(hidden_states)
         embedding_size = self.decoder.in_features
         return self.decoder(hidden[..., :embedding_size]) + hidden[..., embedding_size:] @ self.dense.weight
 
-    namespace = {"__module__": __name__, "__doc__": decoder_called_lm_head.__doc__, "forward": forward}
-    return type(f"DecoderCalled{cls.__name__}", (cls,), namespace)
+    return {"forward": forward}
 
 
 class MobileBertLMHeadPolicy(Policy):
@@ -555,58 +535,35 @@ class FunnelLayerPolicy(Policy):
         return [_linear("ffn.linear_2")]
 
 
-class XLMAttentionPolicy(Policy):
+class XLMAttentionPolicy(BlockPolicy):
     """XLM has no layer class: its encoder holds lists of attentions and feed-forwards. One attention
     (self-attention, or a decoder's attention to the encoder): ``{q,k,v,out}_lin`` by ``n_heads``."""
 
     layer_class = f"{_MODELS}.xlm.modeling_xlm.MultiHeadAttention"
-
-    @staticmethod
-    def replace_arguments(config, world_size):
-        return {"n_heads": _local_heads(config, world_size, "n_heads")}
-
-    @staticmethod
-    def attn_qkv():
-        return [_linear(f"{name}_lin", heads="n_heads") for name in "qkv"]
-
-    @staticmethod
-    def attn_out():
-        return [_linear("out_lin", heads="n_heads")]
+    heads = "n_heads"
+    attentions = (Attention("", projections=("q_lin", "k_lin", "v_lin"), output="out_lin", counts=("n_heads",)),)
+    mlp_inputs = mlp_outputs = ()
 
 
-class XLMFeedForwardPolicy(Policy):
+class XLMFeedForwardPolicy(BlockPolicy):
     layer_class = f"{_MODELS}.xlm.modeling_xlm.TransformerFFN"
-
-    @staticmethod
-    def mlp_in():
-        return [_linear("lin1")]
-
-    @staticmethod
-    def mlp_out():
-        return [_linear("lin2")]
+    attentions = ()
+    mlp_inputs = ("lin1",)
+    mlp_outputs = ("lin2",)
 
 
-def reduced_output_attention(module: nn.Module | None) -> type[nn.Module] | None:
+@subclassing("ReducedOutput")
+def reduced_output_attention(base: type) -> dict:
     """For XLNet's attention, whose output projection is a parameter ``o`` ``(d_model, heads, d_head)``
     contracted over the heads (``einsum("ibnd,hnd->ibh")``) before the residual: a subclass whose
     ``post_attention`` all-reduces that sum of the rank's heads, then adds the residual and normalizes."""
-    return None if module is None else _reduced_output_subclass(type(module))
 
-
-@functools.cache
-def _reduced_output_subclass(cls: type[nn.Module]) -> type[nn.Module]:
     def post_attention(self, h: torch.Tensor, attn_vec: torch.Tensor, residual: bool = True) -> torch.Tensor:
         attn_out = reduce_partial_sums(torch.einsum("ibnd,hnd->ibh", attn_vec, self.o), self.tp_group)
         attn_out = self.dropout(attn_out)
         return self.layer_norm(attn_out + h if residual else attn_out)
 
-    namespace = {
-        "__module__": __name__,
-        "__doc__": reduced_output_attention.__doc__,
-        "post_attention": post_attention,
-        "tp_group": None,
-    }
-    return type(f"ReducedOutput{cls.__name__}", (cls,), namespace)
+    return {"post_attention": post_attention, "tp_group": None}
 
 
 class XLNetPolicy(Policy):
@@ -640,16 +597,12 @@ class XLNetPolicy(Policy):
         return [_linear("ff.layer_2")]
 
 
-def row_parallel_quant_linear(module: nn.Module | None) -> type[nn.Module] | None:
+@subclassing("RowParallel")
+def row_parallel_quant_linear(base: type) -> dict:
     """For I-BERT's ``QuantLinear`` as a row-parallel layer (it returns ``(output, scaling factor)``).
     Float mode: ``sum_r x_r W_r^T + b``. Integer mode: the weight's scale per output row comes from
     the row's minimum and maximum over all ranks' columns (so every rank quantizes as the unsplit
     layer), then ``(sum_r x_int,r W_int,r^T + b_int) * s_w * s_x``, the sum all-reduced."""
-    return None if module is None else _row_parallel_quant_subclass(type(module))
-
-
-@functools.cache
-def _row_parallel_quant_subclass(cls: type[nn.Module]) -> type[nn.Module]:
     from transformers.models.ibert.quant_modules import symmetric_linear_quantization_params
 
     def extreme(values: torch.Tensor, group, largest: bool) -> torch.Tensor:
@@ -675,13 +628,7 @@ def _row_parallel_quant_subclass(cls: type[nn.Module]) -> type[nn.Module]:
             out = out + self.bias_integer
         return out * bias_scaling_factor, bias_scaling_factor
 
-    namespace = {
-        "__module__": __name__,
-        "__doc__": row_parallel_quant_linear.__doc__,
-        "forward": forward,
-        "tp_group": None,
-    }
-    return type(f"RowParallel{cls.__name__}", (cls,), namespace)
+    return {"forward": forward, "tp_group": None}
 
 
 def _quant_linear(path: str, style: str, **heads) -> list[Layer]:
@@ -745,25 +692,19 @@ def rank_rotations_lsh_attention(module: nn.Module | None) -> type[nn.Module] | 
     buckets / 2)`` drawn in every forward (from ``hash_seed``, or the global generator): a subclass whose
     ``_hash_vectors`` draws them for all ``full_heads`` heads and keeps the rank's (from ``first_head``),
     so each head hashes as it does unsplit. ``None`` for the local attention, which draws nothing."""
-    if module is None or not hasattr(module, "_hash_vectors"):
-        return None
-    return _rank_rotations_subclass(type(module))
+    return _rank_rotations(module) if hasattr(module, "_hash_vectors") else None
 
 
-@functools.cache
-def _rank_rotations_subclass(cls: type[nn.Module]) -> type[nn.Module]:
+@subclassing("RankRotations")
+def _rank_rotations(base: type) -> dict:
+    """Reformer's LSH attention drawing every head's rotations and keeping the rank's
+    (:func:`rank_rotations_lsh_attention`)."""
+
     def _hash_vectors(self, *args, **kwargs):
         with _RankHeadsDraws(self.full_heads, self.first_head, self.num_attention_heads):
-            return cls._hash_vectors(self, *args, **kwargs)
+            return base._hash_vectors(self, *args, **kwargs)
 
-    namespace = {
-        "__module__": __name__,
-        "__doc__": rank_rotations_lsh_attention.__doc__,
-        "_hash_vectors": _hash_vectors,
-        "full_heads": None,
-        "first_head": None,
-    }
-    return type(f"RankRotations{cls.__name__}", (cls,), namespace)
+    return {"_hash_vectors": _hash_vectors, "full_heads": None, "first_head": None}
 
 
 class ReformerPolicy(Policy):
