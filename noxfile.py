@@ -4,6 +4,7 @@
     nox -s quick               # the suite without the tests marked slow: the edit-test loop (minutes)
     nox -s tests -- -k slicer  # pytest arguments go after "--" (for quick too)
     nox -s lint                # ruff check + ruff format --check + mypy over tpcore/
+    nox -s build               # sdists and wheels of tpcore and every plugin into dist/ (pip install --find-links dist)
     nox -s demo                # real all-MiniLM-L6-v2 weights, split across CPU ranks
     nox -s bench               # bench/: proxy overhead and memory of parallelize(), tpcore against its peers
     nox -s gpu_equivalence     # on the offline GPU machine: bench/gpu.sh (CUDA/NCCL tests and probes), system torch
@@ -26,7 +27,9 @@ RUFF = "ruff==0.17.6"  # pinned: ruff's formatter output changes between release
 MYPY = "mypy==2.4.1"  # pinned: new releases find new errors
 #: the plugin distributions in plugins/, installed beside tpcore by every session
 PLUGINS = sorted(f"plugins/{path.parent.name}" for path in ROOT.glob("plugins/*/pyproject.toml"))
-LINT_PATHS = [p for p in ("tpcore", "plugins", "examples", "tests", "bench", "noxfile.py") if (ROOT / p).exists()]
+LINT_PATHS = [
+    p for p in ("tpcore", "plugins", "examples", "tests", "bench", "tools", "noxfile.py") if (ROOT / p).exists()
+]
 
 nox.options.default_venv_backend = "uv"
 nox.options.sessions = ["tests"]
@@ -85,6 +88,14 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "format", "--check", *LINT_PATHS)
     install(session, "-e", ".[test]", MYPY)  # typed: torch, transformers, pytest, hypothesis
     session.run("mypy")
+
+
+@nox.session(reuse_venv=True)
+def build(session: nox.Session) -> None:
+    """The sdist and the wheel of tpcore and of every plugin into dist/ (or the folder after "--"), replacing the
+    ones built before (tools/build_dist.py, which tests/test_packaging.py builds with too)."""
+    install(session, "uv")
+    session.run("python", "tools/build_dist.py", *session.posargs)
 
 
 @nox.session(reuse_venv=True)

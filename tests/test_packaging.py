@@ -1,37 +1,51 @@
-"""Packaging: AutoPolicy finds the BERT policies only through the entry point of installed wheels.
+"""Packaging: ``nox -s build``'s dist/ installs by name, and AutoPolicy finds the BERT policies only through the
+entry point of installed wheels.
 
-The module builds real wheels of tpcore and of plugins/tp-bert, installs them (not editable) into a fresh venv
-made with uv, and runs scripts there, away from this checkout:
+The module builds the sdists and wheels of tpcore and every plugin as ``nox -s build`` does (tools/build_dist.py,
+each wheel built from its sdist), installs tpcore's third-party requirements into a fresh venv made with uv, then
+tpcore and the plugins by name from that folder alone (``--no-index --find-links``: a plugin's ``tpcore`` and
+``tp-*`` requirements resolve from it, never from an index), and runs scripts there, away from this checkout:
 
-1. with only the tpcore wheel, a BertModel is unsupported, and the error names the model and ``pip install tp-``;
-2. after installing the tp-bert wheel, ``tpcore plugins`` lists it, the policy for the model comes from its entry
-   point, tp_bert is imported from the venv's site-packages, and a one-rank engine reproduces the unsplit model;
-3. two gloo ranks under ``torch.distributed.run`` reproduce BertForMaskedLM's logits.
+1. the folder holds one wheel and one sdist of each package, of the version in its ``__version__``; each sdist
+   carries its package, README and license metadata, and older builds of these packages were removed;
+2. with only tpcore installed, a BertModel is unsupported, and the error names the model and ``pip install tp-``;
+3. after installing tp-bert, ``tpcore plugins`` lists it, the policy for the model comes from its entry point,
+   tp_bert is imported from the venv's site-packages, and a one-rank engine reproduces the unsplit model;
+4. two gloo ranks under ``torch.distributed.run`` reproduce BertForMaskedLM's logits;
+5. tp-audio, which needs tp-bart and tp-bert, installs by name too, tp-audio built from its sdist.
 
 Needs uv (``nox -s tests`` installs it), and an index or a warm uv cache for hatchling and transformers. torch is
-pinned by constraints.txt to the local CPU wheel (UV_FIND_LINKS, taken from PIP_FIND_LINKS). About 70 s with a
-warm uv cache on 2 cores (first run: a few more seconds for downloads). Deselect with ``-m "not packaging"``.
+pinned by constraints.txt to the local CPU wheel (UV_FIND_LINKS, taken from PIP_FIND_LINKS). About 90 s with a
+warm uv cache on 2 idle cores, 15 s of it building the 14 artifacts (first run: a few more seconds for downloads).
+Deselect with ``-m "not packaging"``.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import json
 import os
-import shutil
 import subprocess
 import sys
+import tarfile
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from build_dist import build, distribution, find_uv
+from packaging.requirements import Requirement
 
 pytestmark = [pytest.mark.packaging, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[1]
-PLUGIN = ROOT / "plugins" / "tp-bert"
 CONSTRAINTS = ROOT / "constraints.txt"
+#: the import (and normalized distribution) names of tpcore and the plugins, each one package
+PACKAGES = ["tpcore", *sorted(path.parent.name.replace("-", "_") for path in ROOT.glob("plugins/*/pyproject.toml"))]
+#: what an sdist holds beside its package: metadata, README, build settings, hatchling's .gitignore, a plugin's tests
+SDIST_BESIDE = {"PKG-INFO", "README.md", "pyproject.toml", ".gitignore", "tests"}
+STALE = "tp_bert-0.0.1-py3-none-any.whl"  # in the folder before the build: an older build of a package, replaced
 
 CONFIG = "BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)"
 
@@ -119,16 +133,6 @@ tpcore.distributed.destroy_process_group()  # the safe end of an SPMD script (se
 )
 
 
-def _uv() -> str | None:
-    """uv's executable: the one of the ``uv`` Python package (as nox installs it), else the one on PATH."""
-    try:
-        from uv import find_uv_bin
-
-        return find_uv_bin()
-    except (ImportError, FileNotFoundError):
-        return shutil.which("uv")
-
-
 def _env(bin_dir: Path | None = None) -> dict[str, str]:
     """This process's environment without anything that would leak the checkout or a world into a child."""
     env = {
@@ -161,17 +165,42 @@ def _last_json(result: subprocess.CompletedProcess):
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def _versions() -> dict[str, str]:
+    """``{package: __version__}`` for tpcore and the plugins, from this checkout (installed editable)."""
+    return {name: importlib.import_module(name).__version__ for name in PACKAGES}
+
+
+def _requirement_pins() -> list[str]:
+    """tpcore's third-party requirements (not its extras) pinned to the versions of this interpreter."""
+    requirements = [Requirement(text) for text in importlib.metadata.requires("tpcore") or []]
+    return [f"{r.name}=={importlib.metadata.version(r.name)}" for r in requirements if r.marker is None]
+
+
 @dataclass
 class FreshVenv:
     path: Path
     bin: Path
     python: Path
     work: Path
+    dist: Path  # the built wheels and sdists
     unsupported: dict  # what the BertModel script saw before tp-bert was installed
     plugins_before: list  # `tpcore plugins --json` before tp-bert was installed
 
     def run(self, *args, timeout: float = 300) -> subprocess.CompletedProcess:
         return _run(list(args), self.work, _env(self.bin), timeout)
+
+    def install(self, *args, timeout: float = 600) -> subprocess.CompletedProcess:
+        """``uv pip install ARGS`` into this venv, under constraints.txt."""
+        command = [find_uv(), "pip", "install", "--quiet", "--python", self.python, "-c", CONSTRAINTS, *args]
+        return _run(command, self.work, _env(), timeout)
+
+    def install_from_dist(self, *args) -> subprocess.CompletedProcess:
+        """``pip install --find-links dist ARGS`` with no index: each of our packages can only come from dist."""
+        return self.install("--no-index", "--find-links", self.dist, *args)
+
+    def plugins(self) -> list[dict]:
+        """``tpcore plugins --json``: one row per plugin."""
+        return json.loads(self.run(self.bin / "tpcore", "plugins", "--json").stdout)
 
     def script(self, name: str, text: str, *args, timeout: float = 300) -> subprocess.CompletedProcess:
         path = self.work / name
@@ -180,40 +209,56 @@ class FreshVenv:
 
 
 @pytest.fixture(scope="module")
-def wheels(tmp_path_factory) -> dict[str, Path]:
-    """Wheels of tpcore and tp-bert built with ``uv build`` (skips without uv), by distribution."""
-    uv = _uv()
-    if uv is None:
+def dist(tmp_path_factory) -> Path:
+    """The folder ``nox -s build`` writes, built into a temporary one (skips without uv) that held an older tp-bert
+    wheel and a file of someone else's."""
+    if find_uv() is None:
         pytest.skip("uv is not installed: run `nox -s tests` (it installs uv) or `pip install uv`")
-    out = tmp_path_factory.mktemp("wheels")
-    for project in (ROOT, PLUGIN):
-        _run([uv, "build", "--wheel", "--out-dir", out, project], out, _env(), timeout=600)
-    found = {wheel.name.split("-")[0]: wheel for wheel in out.glob("*.whl")}
-    assert set(found) == {"tpcore", "tp_bert"}, f"unexpected wheels: {sorted(found)}"
-    return found
+    out = tmp_path_factory.mktemp("dist")
+    (out / STALE).write_bytes(b"")
+    (out / "notes.txt").write_text("not ours")
+    build(out)
+    return out
 
 
 @pytest.fixture(scope="module")
-def venv(wheels, tmp_path_factory) -> FreshVenv:
-    """A fresh venv with the tpcore wheel, checked once without tp-bert and then given the tp-bert wheel."""
-    uv = _uv()
+def venv(dist, tmp_path_factory) -> FreshVenv:
+    """A fresh venv given tpcore by name from dist, checked once without tp-bert and then given tp-bert the same way."""
     work = tmp_path_factory.mktemp("fresh")
     path = work / "venv"
-    _run([uv, "venv", "--quiet", "--python", sys.executable, path], work, _env())
+    _run([find_uv(), "venv", "--quiet", "--python", sys.executable, path], work, _env())
     bin_dir = path / ("Scripts" if os.name == "nt" else "bin")
     python = bin_dir / ("python.exe" if os.name == "nt" else "python")
-    install = [uv, "pip", "install", "--quiet", "--python", python, "-c", CONSTRAINTS]
-    versions = {name: importlib.metadata.version(name) for name in ("transformers", "pluggy")}
-    pins = [f"{name}=={version}" for name, version in versions.items()]  # the same as in this interpreter
-    _run([*install, "torch==2.13.0", *pins, wheels["tpcore"]], work, _env(), timeout=900)
+    fresh = FreshVenv(path, bin_dir, python, work, dist, {}, [])
+    fresh.install(*_requirement_pins(), timeout=900)  # from the index (torch: the local wheel), as pip would
+    fresh.install_from_dist("tpcore")
 
-    fresh = FreshVenv(path, bin_dir, python, work, {}, [])
     fresh.unsupported = _last_json(fresh.script("unsupported.py", UNSUPPORTED_SCRIPT))
-    fresh.plugins_before = json.loads(fresh.run(bin_dir / "tpcore", "plugins", "--json").stdout)
+    fresh.plugins_before = fresh.plugins()
 
-    # The tpcore wheel is named again so that tp-bert's "tpcore>=0.1" can only resolve to it.
-    _run([*install, wheels["tp_bert"], wheels["tpcore"]], work, _env(), timeout=600)
+    fresh.install_from_dist("tpcore", "tp-bert")  # pip install --find-links dist tpcore tp-bert
     return fresh
+
+
+def test_build_writes_one_wheel_and_one_sdist_of_each_package(dist):
+    versions = _versions()
+    expected = [
+        f"{name}-{version}{end}" for name, version in versions.items() for end in ("-py3-none-any.whl", ".tar.gz")
+    ]
+    assert sorted(path.name for path in dist.iterdir()) == sorted([*expected, "notes.txt"])
+
+
+def test_each_sdist_holds_its_package_readme_and_license(dist):
+    for sdist in dist.glob("*.tar.gz"):
+        name, top = distribution(sdist), sdist.name.removesuffix(".tar.gz")
+        package = name if name == "tpcore" else f"src/{name}"
+        with tarfile.open(sdist) as archive:
+            files = {member.removeprefix(f"{top}/") for member in archive.getnames()}
+            info = archive.extractfile(f"{top}/PKG-INFO").read().decode()
+        assert {"README.md", "pyproject.toml", f"{package}/__init__.py"} <= files, sdist.name
+        others = sorted(file for file in files if file.split("/")[0] not in {*SDIST_BESIDE, package.split("/")[0]})
+        assert not others, f"{sdist.name} holds files of no package of its own: {others}"
+        assert "License-Expression: Apache-2.0" in info.splitlines(), sdist.name
 
 
 def test_without_plugin_bert_is_unsupported(venv):
@@ -225,10 +270,11 @@ def test_without_plugin_bert_is_unsupported(venv):
 
 
 def test_plugins_command_lists_tp_bert(venv):
-    rows = json.loads(venv.run(venv.bin / "tpcore", "plugins", "--json").stdout)
+    rows = venv.plugins()
     tp_bert = [row for row in rows if row["distribution"] == "tp-bert"]
     assert len(tp_bert) == 1, rows
     assert tp_bert[0]["error"] is None
+    assert tp_bert[0]["version"] == _versions()["tp_bert"]
     assert "BertPolicy" in [policy["name"] for policy in tp_bert[0]["policies"]]
 
 
@@ -288,9 +334,9 @@ if __name__ == "__main__":
 
 def test_a_third_party_plugin_from_the_docs_is_found_and_equivalent(venv, tmp_path):
     """examples/tp-biogpt, built as a wheel and installed: found through its entry point, proven equivalent."""
-    _run([_uv(), "build", "--wheel", "--out-dir", tmp_path, EXAMPLE], tmp_path, _env(), timeout=600)
+    _run([find_uv(), "build", "--wheel", "--out-dir", tmp_path, EXAMPLE], tmp_path, _env(), timeout=600)
     (wheel,) = tmp_path.glob("tp_biogpt-*.whl")
-    _run([_uv(), "pip", "install", "--quiet", "--python", venv.python, "--no-deps", wheel], tmp_path, _env())
+    _run([find_uv(), "pip", "install", "--quiet", "--python", venv.python, "--no-deps", wheel], tmp_path, _env())
     result = _last_json(venv.script("example.py", EXAMPLE_SCRIPT, timeout=600))
     assert result["entries"] == [["BioGptPolicy", "tp-biogpt"]]
     assert sorted(result["report"]) == ["1", "2"]
@@ -298,3 +344,15 @@ def test_a_third_party_plugin_from_the_docs_is_found_and_equivalent(venv, tmp_pa
     report = venv.run(venv.bin / "tpcore", "check", "BioGptForCausalLM", "--world-sizes", "1", "2", timeout=600).stdout
     assert "policy BioGptPolicy from tp-biogpt 0.1.0" in report
     assert "2 ranks: PASS" in report and report.rstrip().endswith("PASS")
+
+
+def test_a_plugin_needing_plugins_installs_from_dist_and_builds_from_its_sdist(venv):
+    """tp-audio requires tp-bart and tp-bert: all by name from dist with no index, tp-audio built from its sdist (by
+    the venv's hatchling: without an index, uv cannot make an isolated build environment)."""
+    venv.install("hatchling")
+    venv.install_from_dist("--no-build-isolation", "--no-binary", "tp-audio", "tp-audio")
+    rows, versions = {row["distribution"]: row for row in venv.plugins()}, _versions()
+    for name in ("tp-audio", "tp-bart", "tp-bert"):
+        assert rows[name]["error"] is None, rows[name]
+        assert rows[name]["version"] == versions[name.replace("-", "_")]
+        assert rows[name]["policies"], f"{name} registered no policy"
