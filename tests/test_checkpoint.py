@@ -117,7 +117,7 @@ def test_a_gpu_rank_reads_a_tensor_that_its_cast_would_shrink_to_the_cpu(tmp_pat
 
     write(tmp_path, {"w": torch.ones(4, 2), "b": torch.ones(2).half()}, layout)
     checkpoint = Checkpoint(tmp_path)
-    assert checkpoint._stored_dtype("w", torch.device("cpu")) == torch.float32
+    assert checkpoint._stored_dtype("w") == torch.float32
     got = checkpoint.read("w", Split(0), 1, 2, device="cuda:1", dtype=torch.float16)  # no CUDA touched: staged
     assert got.device.type == "cpu" and torch.equal(got, torch.ones(2, 2))
     assert _shrinks(torch.float32, torch.float16) and _shrinks(torch.float64, torch.bfloat16)

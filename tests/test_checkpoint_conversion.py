@@ -79,26 +79,17 @@ def expected(tensor: torch.Tensor, split: Split | None, rank: int, world_size: i
 
 
 class Spy:
-    """Wraps a safetensors file handle: records which part of which stored tensor is read."""
+    """Wraps a safetensors file of a checkpoint: records which part of which stored tensor is read."""
 
     def __init__(self, handle, log: list):
         self.handle, self.log = handle, log
 
-    def get_tensor(self, key):
-        self.log.append((key, "whole"))
-        return self.handle.get_tensor(key)
+    def __getattr__(self, name):
+        return getattr(self.handle, name)
 
-    def get_slice(self, key):
-        handle, log = self.handle.get_slice(key), self.log
-
-        class Slice:
-            get_shape, get_dtype = handle.get_shape, handle.get_dtype
-
-            def __getitem__(self, index):
-                log.append((key, index))
-                return handle[index]
-
-        return Slice()
+    def read(self, key, dim=None, start=0, stop=0):
+        self.log.append((key, "whole" if dim is None else (slice(None),) * dim + (slice(start, stop),)))
+        return self.handle.read(key, dim, start, stop)
 
 
 @pytest.fixture

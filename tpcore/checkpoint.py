@@ -1,10 +1,10 @@
 """Shard-on-load: each rank reads only its own slices of a saved checkpoint.
 
 A checkpoint is a directory as ``save_pretrained`` writes it: ``config.json`` and the weights in
-safetensors, one ``model.safetensors`` or shards listed by ``model.safetensors.index.json``. The
-files are memory-mapped and sliced lazily, so a rank copies only the rows or columns it holds, into
-memory of its own (the model never keeps a view of a file, which could change under it); a rank
-on a GPU reads safetensors slices straight to its device.
+safetensors, one ``model.safetensors`` or shards listed by ``model.safetensors.index.json``. A
+rank reads only the rows or columns it holds, straight from the files into memory of its own
+(:mod:`tpcore.safetensors_file`: no mapping, so the rank's memory holds its share alone, and the model
+never keeps a view of a file, which could change under it); a rank on a GPU moves each tensor there.
 Pickle checkpoints (``pytorch_model.bin``, sharded or not) are opened with ``weights_only=True``
 (no code in them runs) and memory-mapped where their format allows.
 
@@ -20,7 +20,6 @@ from __future__ import annotations
 import copy
 import functools
 import json
-import math
 import os
 import re
 from collections.abc import Iterable, Mapping
@@ -31,6 +30,7 @@ import torch
 from torch import nn
 
 from tpcore.conversion import Sources, TargetShapes, combined_shape, model_sources
+from tpcore.safetensors_file import SafetensorsFile
 from tpcore.skeleton import install_tensors, named_tensors
 from tpcore.slicer import Split
 
@@ -40,8 +40,6 @@ SAFETENSORS = ("model.safetensors.index.json", "model.safetensors")
 PICKLE = ("pytorch_model.bin.index.json", "pytorch_model.bin")
 
 CPU = torch.device("cpu")
-#: the torch dtypes of safetensors' floating dtypes that a cast can shrink
-SAFETENSORS_FLOATS = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
 class Read(NamedTuple):
@@ -53,14 +51,6 @@ class Read(NamedTuple):
     sources: Sources | None
     split: Split | None
     value: torch.Tensor | None = None
-
-
-#: bits per element of the safetensors dtypes (a dtype not listed here is not size-checked)
-DTYPE_BITS = {
-    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
-    "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32,
-    "I64": 64, "U64": 64, "F64": 64, "C64": 64,
-}  # fmt: skip
 
 
 def is_checkpoint_path(obj: Any) -> bool:
@@ -117,7 +107,7 @@ class Checkpoint:
 
     def _keys_in(self, path: Path) -> Iterable[str]:
         """The tensor keys a weight file holds, from its header (safetensors) or its state dict (pickle)."""
-        return _safetensors_header(path) if path.suffix == ".safetensors" else self._handle(path).keys()
+        return self._handle(path).keys()
 
     def _shapes_of(self, keys: Iterable[str]) -> dict[str, list[int]]:
         """The stored shapes of tensors ``keys``, from the files' headers (pickles: their mapped state dicts)."""
@@ -125,13 +115,8 @@ class Checkpoint:
         for key in keys:
             by_file.setdefault(self.files[key], []).append(key)
         shapes = {}
-        for path, names in by_file.items():
-            if path.suffix == ".safetensors":
-                header = _safetensors_header(path)
-                shapes.update((name, [int(n) for n in header[name]["shape"]]) for name in names)
-            else:
-                handle = self._handle(path)
-                shapes.update((name, list(handle[name].shape)) for name in names)
+        for names in by_file.values():
+            shapes.update((name, self._stored_shape(name)) for name in names)
         return shapes
 
     def verify(self, keys: Iterable[str]) -> None:
@@ -159,18 +144,12 @@ class Checkpoint:
                     f"{path.name} lacks {len(absent)} of the tensors the index maps to it: {_listing(absent)}"
                 )
 
-    def _handle(self, path: Path, device: torch.device = CPU):
-        """An open weight file: safetensors opened for ``device`` (its tensors land there), or a pickle
-        state dict (on the CPU, memory-mapped)."""
-        key = (path, str(device)) if path.suffix == ".safetensors" else (path, "cpu")
-        if key not in self._handles:
-            if path.suffix == ".safetensors":
-                from safetensors import safe_open
-
-                self._handles[key] = safe_open(path, framework="pt", device=str(device))
-            else:
-                self._handles[key] = _load_pickle(path)
-        return self._handles[key]
+    def _handle(self, path: Path) -> SafetensorsFile | dict[str, torch.Tensor]:
+        """A weight file: safetensors (its header checked; slices read on demand), or a pickle state dict
+        (on the CPU, memory-mapped)."""
+        if path not in self._handles:
+            self._handles[path] = SafetensorsFile(path) if path.suffix == ".safetensors" else _load_pickle(path)
+        return self._handles[path]
 
     def read(self, key: str, split: Split | None, rank: int, world_size: int, device=None, dtype=None) -> torch.Tensor:
         """Rank ``rank``'s part of stored tensor ``key`` (the slice ``split`` gives it, or all of it) in memory of
@@ -182,9 +161,9 @@ class Checkpoint:
 
         Only the pieces of the stored tensors that the slice covers are read: rows ``[a, b)`` along the
         split dim of a tensor stacked from per-expert tensors are rows ``[a, b)`` of each of them (see
-        :mod:`tpcore.conversion`). Off the CPU, safetensors slices land on the device without a copy in host
-        memory where they are contiguous in the file (rows). A tensor that the model's later cast to ``dtype``
-        would shrink is read to the CPU instead, so the device never holds its wider copy.
+        :mod:`tpcore.conversion`). Safetensors slices are read into memory of their own (no mapping of the file
+        stays resident), then moved to ``device``. A tensor that the model's later cast to ``dtype`` would
+        shrink is read to the CPU instead, so the device never holds its wider copy.
         """
         device = torch.device(device) if device is not None else CPU
         sources, split = read.sources, read.split
@@ -192,41 +171,44 @@ class Checkpoint:
             whole = read.value
             return _own(whole if split is None else split.shard(whole, rank, world_size), device)
         first = sources.keys[0][0]
-        if device != CPU and dtype is not None and _shrinks(self._stored_dtype(first, device), dtype):
+        if device != CPU and dtype is not None and _shrinks(self._stored_dtype(first), dtype):
             device = CPU
         if sources.converted is not None:
             return self._read_converted(read, rank, world_size, device)
-        taken: list[torch.Tensor] = []
+        taken: list[tuple[torch.Tensor, str]] = []
 
         def take(key: str, dim: int | None, start: int = 0, stop: int = 0) -> torch.Tensor:
-            taken.append(self._take(key, dim, start, stop, device))
-            return taken[-1]
+            taken.append((self._take(key, dim, start, stop, device), key))
+            return taken[-1][0]
 
         if split is None:
             tensor = _combine(sources, take, None, 0, 0)
         else:
-            shapes = [[self._stored_shape(key, device) for key in group] for group in sources.keys]
+            shapes = [[self._stored_shape(key) for key in group] for group in sources.keys]
             shape = combined_shape(sources, shapes)
             dim = split.dim % len(shape)
             ranges, padding = _split_ranges(split, shape[dim], rank, world_size)
             tensor = _join([_combine(sources, take, dim, start, stop, shapes) for start, stop in ranges], dim, padding)
-        if any(tensor is piece for piece in taken):  # one stored piece as read: may be a view of the file
+        if any(tensor is piece and self._mapped(key) for piece, key in taken):  # a view of a mapped pickle file
             tensor = _own(tensor, device)
         return tensor
 
+    def _mapped(self, key: str) -> bool:
+        """Whether tensors read for ``key`` may be views of a mapped file (pickle checkpoints)."""
+        return isinstance(self._handle(self.files[key]), dict)
+
     def _take(self, key: str, dim: int | None, start: int, stop: int, device: torch.device) -> torch.Tensor:
         """Stored tensor ``key`` (``dim`` ``None``), or its part ``[start, stop)`` along ``dim``, on ``device``."""
-        handle = self._handle(self.files[key], device)
+        handle = self._handle(self.files[key])
         if isinstance(handle, dict):  # a pickle checkpoint, memory-mapped
             tensor = handle[key] if dim is None else handle[key].narrow(dim, start, stop - start)
             return tensor if device == CPU else tensor.to(device)
-        if dim is None:
-            return handle.get_tensor(key)
-        return handle.get_slice(key)[(slice(None),) * dim + (slice(start, stop),)].to(device)
+        tensor = handle.read(key, dim, start, stop)
+        return tensor if device == CPU else tensor.to(device)
 
-    def _stored_shape(self, key: str, device: torch.device) -> list[int]:
-        handle = self._handle(self.files[key], device)
-        return list(handle[key].shape) if isinstance(handle, dict) else list(handle.get_slice(key).get_shape())
+    def _stored_shape(self, key: str) -> list[int]:
+        handle = self._handle(self.files[key])
+        return list(handle[key].shape) if isinstance(handle, dict) else handle.shape(key)
 
     def _read_converted(self, read: Read, rank: int, world_size: int, device: torch.device) -> torch.Tensor:
         """FALLBACK for operations tpcore does not read lazily: the stored tensors are read whole, transformers'
@@ -249,12 +231,10 @@ class Checkpoint:
             tensor = _join([tensor.narrow(dim, start, stop - start) for start, stop in ranges], dim, padding)
         return _own(tensor, device)
 
-    def _stored_dtype(self, key: str, device: torch.device) -> torch.dtype | None:
-        """The dtype of tensor ``key`` in its file, read from the header (``None``: not a float a cast can shrink)."""
-        handle = self._handle(self.files[key], device)
-        if isinstance(handle, dict):
-            return handle[key].dtype
-        return SAFETENSORS_FLOATS.get(handle.get_slice(key).get_dtype())
+    def _stored_dtype(self, key: str) -> torch.dtype:
+        """The dtype of tensor ``key`` in its file (from the header of a safetensors file)."""
+        handle = self._handle(self.files[key])
+        return handle[key].dtype if isinstance(handle, dict) else handle.dtype(key)
 
     def reads(self, model: nn.Module, splits: Mapping[str, Split | None]) -> list[Read]:
         """What to read to fill ``model``'s tensors, cut by ``splits`` (by the names of
@@ -342,6 +322,9 @@ class Checkpoint:
         self.close()
 
     def close(self) -> None:
+        for handle in self._handles.values():
+            if isinstance(handle, SafetensorsFile):
+                handle.close()
         self._handles.clear()
 
 
@@ -410,65 +393,6 @@ def _shrinks(stored: torch.dtype | None, dtype: torch.dtype | None) -> bool:
 def _listing(names: list[str]) -> str:
     """The first few of ``names``, and how many more there are."""
     return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-
-
-def _safetensors_header(path: Path) -> dict[str, dict]:
-    """A safetensors file's tensor entries, checked against its size as safetensors checks them on open.
-
-    Raises ``ValueError`` naming the file, and the tensor and the sizes where one is at fault.
-    """
-    size = path.stat().st_size
-    with open(path, "rb") as file:
-        length = int.from_bytes(file.read(8), "little")
-        data_start = 8 + length
-        if data_start > size:
-            raise ValueError(
-                f"{path.name} is truncated or not a safetensors file: its header ends at byte {data_start} "
-                f"but the file has {size} bytes"
-            )
-        try:
-            header = json.loads(file.read(length))
-        except ValueError as error:  # not JSON, or not text
-            raise ValueError(f"{path.name} is not a safetensors file: its header is not valid JSON ({error})") from None
-    if not isinstance(header, dict):
-        raise ValueError(f"{path.name} is not a safetensors file: its header is not a JSON object")
-    header.pop("__metadata__", None)
-    layout = []
-    for key, entry in header.items():
-        try:
-            start, end = (int(offset) for offset in entry["data_offsets"])
-            shape = [int(n) for n in entry["shape"]]
-            dtype = entry["dtype"]
-            if not isinstance(dtype, str):
-                raise TypeError(dtype)
-            layout.append((start, end, key, dtype, shape))
-        except (KeyError, TypeError, ValueError):
-            raise ValueError(f"{path.name} has a malformed header entry for tensor {key!r}: {entry!r}") from None
-    data_end = 0  # where the tensor before ends: tensors follow each other without gaps
-    for start, end, key, dtype, shape in sorted(layout):
-        if data_start + end > size:
-            raise ValueError(
-                f"{path.name} is truncated: tensor {key!r} ends at byte {data_start + end} "
-                f"but the file has {size} bytes"
-            )
-        if start != data_end or end < start:
-            raise ValueError(
-                f"{path.name} is corrupt: tensor {key!r} has data_offsets [{start}, {end}], "
-                f"but the tensor before it ends at {data_end}"
-            )
-        bits = DTYPE_BITS.get(dtype)
-        if bits is not None and math.prod(shape) * bits != 8 * (end - start):
-            raise ValueError(
-                f"{path.name} is corrupt: tensor {key!r} of dtype {dtype} and shape {shape} needs "
-                f"{math.prod(shape) * bits / 8:g} bytes, but its data_offsets give it {end - start}"
-            )
-        data_end = end
-    if data_start + data_end != size:
-        raise ValueError(
-            f"{path.name} is corrupt: its last tensor ends at byte {data_start + data_end} "
-            f"but the file has {size} bytes"
-        )
-    return header
 
 
 def _computed_by_the_model(
