@@ -124,6 +124,24 @@ def echo(context, *values):
     return values if context.rank == 0 else None
 
 
+def change_on_rank_one_then_echo(context, tensor):
+    """Rank 1 adds one to its copy of ``tensor`` in place; once it has, every rank returns its own."""
+    if context.rank == 1:
+        tensor.add_(1)
+    dist.barrier(group=context.group)
+    return tensor
+
+
+def gather_rows_into_shared_memory(context, rows):
+    """All-gather ``(rows, 64)`` of the rank's number as a served forward on rank 0 does; return the
+    result and whether it lives in a shared-memory segment."""
+    from tpcore import comm, memfd
+
+    with memfd.gathered_outputs_shared():
+        gathered = comm.all_gather(torch.full((rows, 64), float(context.rank)), context.group)
+    return gathered, memfd.segment_of(gathered) is not None
+
+
 def echo_through_device(context, value):
     """``value`` moved to this rank's device and back to the CPU, as a served call moves inputs and outputs."""
     from tpcore.transfer import to_cpu, to_device

@@ -135,21 +135,35 @@ def test_functions_and_classes_defined_in_main_travel_by_value(pool, monkeypatch
 def test_large_tensors_travel_out_of_band_and_come_back_exact_and_writable(pool):
     import pickle
 
-    from tpcore.wire import RAW_TENSOR_BYTES, encode
+    from tpcore.wire import SHARED_TENSOR_BYTES, encode
 
     tensors = [
-        torch.randn(3, 128, 1000),  # logits-sized: raw frame
-        torch.randn(400, 300).T,  # non-contiguous
-        torch.ones(70_000, dtype=torch.bfloat16),  # a dtype numpy lacks
+        torch.randn(3, 128, 1000),  # logits-sized: shared memory
+        torch.randn(400, 300).T,  # non-contiguous: a raw frame
+        torch.ones(70_000, dtype=torch.bfloat16),  # a dtype numpy lacks: a raw frame
         torch.arange(5),  # small: stays in the pickle
     ]
-    frames = encode(tensors)
-    assert len(frames) == 1 + sum(t.numel() * t.element_size() >= RAW_TENSOR_BYTES for t in tensors) == 4
-    assert len(pickle.loads(frames[0])[0]) < 4096  # the big bytes are not in the pickled frame
-    back = pool.run(rank_helpers.echo, *tensors)[0]
+    assert tensors[0].numel() * 4 >= SHARED_TENSOR_BYTES > tensors[1].numel() * 4
+    with encode(tensors) as message:
+        payload, places, fd_count = pickle.loads(message.frames[0])
+        assert [place[0] for place in places] == ["fd", "frame", "frame"] and fd_count == len(message.fds) == 1
+        assert len(message.frames) == 3 and len(payload) < 4096  # the big bytes are not in the pickled frame
+    back = pool.run(rank_helpers.echo, *tensors)[0]  # in shared memory both ways
     for original, received in zip(tensors, back, strict=True):
         assert received.dtype == original.dtype and torch.equal(received, original)
-    back[0].add_(1)  # its own writable storage
+    back[0].add_(1)  # its own writable memory
+    # Both ranks map one segment of the inputs, each copy-on-write: rank 1's change stays its own.
+    unchanged, changed = pool.run(rank_helpers.change_on_rank_one_then_echo, tensors[0])
+    assert torch.equal(unchanged, tensors[0]) and torch.equal(changed, tensors[0] + 1)
+
+
+def test_a_tensor_gathered_into_shared_memory_travels_without_a_copy(pool):
+    rows = 2**20 // (4 * 64) + 1  # the gathered logits pass memfd.GATHERED_MIN_BYTES
+    results = pool.run(rank_helpers.gather_rows_into_shared_memory, rows)
+    for gathered, in_segment in results:
+        assert in_segment  # a segment of its own on each rank, sent by its descriptor
+        expected = torch.cat([torch.full((rows, 64), float(rank)) for rank in range(2)], dim=-1)
+        assert torch.equal(gathered, expected)
 
 
 def test_only_cpu_tensors_have_a_byte_view_and_a_cuda_rank_waits_for_its_kernels_before_replying(monkeypatch):

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from tpcore import shm
+from tpcore.memfd import gathered_empty
 
 __all__ = ["all_gather", "all_reduce", "count_collectives", "group_rank", "group_size"]
 
@@ -70,4 +71,4 @@ def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None, dim: int =
     tensor = tensor.contiguous()
     parts = [torch.empty_like(tensor) for _ in range(world_size)]
     dist.all_gather(parts, tensor, group=group)
-    return torch.cat(parts, dim=dim)
+    return torch.cat(parts, dim=dim, out=gathered_empty(tensor, dim, world_size))

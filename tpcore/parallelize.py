@@ -26,10 +26,12 @@ import functools
 import os
 import resource
 import threading
+from contextlib import nullcontext
 
 import torch
 from torch import nn
 
+from tpcore import memfd
 from tpcore.checkpoint import Checkpoint, Read, is_checkpoint_path
 from tpcore.distributed import check_placement, default_backend
 from tpcore.layers import bind_group
@@ -246,7 +248,9 @@ def _serve(context: RankContext, method: str, args: tuple, kwargs: dict, random_
     model = context.store["model"]
     generator = device_generator(context.device)
     random_state.apply(generator)
-    with torch.inference_mode():
+    # Rank 0's forward gathers its outputs (the logits) into shared memory that the caller maps: no copy.
+    shared = memfd.gathered_outputs_shared() if context.rank == 0 and method == "forward" else nullcontext()
+    with torch.inference_mode(), shared:
         output = getattr(model, method)(*to_device(args, context.device), **to_device(kwargs, context.device))
     return (to_cpu(output), RandomState.of(generator)) if context.rank == 0 else None
 

@@ -150,10 +150,9 @@ class RankPool:
                 raise WorkerDiedError("this RankPool is closed or lost a rank; create a new one")
             what = getattr(fn, "__qualname__", repr(fn))
             try:
-                frames = encode((fn, args, kwargs))
-                for rank, conn in enumerate(self._conns):
-                    self._send_frames(rank, conn, frames, what)
-                del frames
+                with encode((fn, args, kwargs)) as message:  # large tensors: one shared segment for all ranks
+                    for rank, conn in enumerate(self._conns):
+                        self._send(rank, what, message.send, conn)
                 return self._collect(timeout, what)
             except WorkerError as error:
                 if not error.pool_consistent:
@@ -183,20 +182,20 @@ class RankPool:
             what = getattr(fn, "__qualname__", repr(fn))
             try:
                 for rank, conn in enumerate(self._conns):
-                    self._send_frames(rank, conn, encode((fn, args_for(rank), {})), what)
+                    with encode((fn, args_for(rank), {})) as message:
+                        self._send(rank, what, message.send, conn)
                     for tensor in tensors_for(rank) if tensors_for else ():
                         frame = byte_view(tensor.detach().contiguous()) if tensor.numel() else b""
-                        self._send_frames(rank, conn, [frame], what)
+                        self._send(rank, what, conn.send_bytes, frame)
                 return self._collect(timeout, what)
             except BaseException:
                 self.close(timeout=3.0)
                 raise
 
-    def _send_frames(self, rank: int, conn, frames: list, what: str) -> None:
-        """Send ``frames`` to ``rank``; a rank whose end is gone is reported as dead, not as an ``OSError``."""
+    def _send(self, rank: int, what: str, send: Callable[..., None], *args) -> None:
+        """``send(*args)`` to ``rank``; a rank whose end is gone is reported as dead, not as an ``OSError``."""
         try:
-            for frame in frames:
-                conn.send_bytes(frame)
+            send(*args)
         except OSError as error:
             raise self._died(rank, what) from error
 

@@ -35,6 +35,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from tpcore.memfd import gathered_empty
+
 __all__ = ["ShmCollectives", "attach", "for_group"]
 
 SLOT_BYTES = 4 * 2**20
@@ -91,9 +93,7 @@ class ShmCollectives:
         rows_per_step = self._chunk_elements(rows) // max(inner, 1)
         if rows_per_step == 0:  # one row is larger than a slot
             return self._all_gather_flat(tensor, dim)
-        shape = list(tensor.shape)
-        shape[dim] *= self.world_size
-        out = tensor.new_empty(shape)
+        out = gathered_empty(tensor, dim, self.world_size)
         out_rows = out.view(outer, self.world_size * inner)
         for start in range(0, outer, rows_per_step):
             chunk = rows[start : start + rows_per_step]
@@ -109,7 +109,8 @@ class ShmCollectives:
             for part, slot in zip(parts, self._exchange(chunk), strict=True):
                 part[offset : offset + chunk.numel()].copy_(slot)
             offset += chunk.numel()
-        return torch.cat([part.view(tensor.shape) for part in parts], dim=dim)
+        out = gathered_empty(tensor, dim, self.world_size)
+        return torch.cat([part.view(tensor.shape) for part in parts], dim=dim, out=out)
 
     def _chunk_elements(self, flat: torch.Tensor) -> int:
         """Elements per step: a slot's worth (at least one, so that an empty tensor is one step)."""

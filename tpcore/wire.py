@@ -6,8 +6,10 @@ then a :class:`~multiprocessing.connection.Connection`. Connections that do not 
 within :data:`HANDSHAKE_TIMEOUT_S` are dropped while the caller keeps waiting for its ranks.
 
 A message is framed as the pickled message (cloudpickle: code from ``__main__`` travels by value)
-and the sizes of its raw frames, then each raw frame: large CPU tensors travel out of band (pickle
-protocol 5), as their bytes, with no copy into the pickle and no torch serialization.
+and where its out-of-band buffers are, then each raw frame: large CPU tensors travel out of band
+(pickle protocol 5), with no copy into the pickle and no torch serialization; from a megabyte on
+they travel in shared memory (:mod:`tpcore.memfd`), the receiver mapping what the sender wrote, and a
+tensor the sender already holds in shared memory is not copied at all.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import io
+import os
 import pickle
 import secrets
 import selectors
@@ -27,12 +30,14 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 
+from tpcore import memfd
+
 try:
     import cloudpickle
 except ImportError:  # an offline machine without it: code from __main__ cannot travel, the rest works
     cloudpickle = pickle
 
-__all__ = ["ControlListener", "byte_view", "connect", "encode", "picklable", "recv", "send"]
+__all__ = ["ControlListener", "Encoded", "byte_view", "connect", "encode", "picklable", "recv", "send"]
 
 #: how long a new connection has to answer the challenge before it is dropped
 HANDSHAKE_TIMEOUT_S = 10.0
@@ -41,6 +46,10 @@ _RANK_BYTES = 4
 _REPLY_BYTES = hashlib.sha256().digest_size + _RANK_BYTES
 #: CPU tensors from this size on travel as raw frames beside the pickled message
 RAW_TENSOR_BYTES = 64 * 2**10
+#: ... and from this size on in shared memory (:mod:`tpcore.memfd`) where the system has it
+SHARED_TENSOR_BYTES = 2**20
+#: descriptors one ``SCM_RIGHTS`` message may carry (Linux's ``SCM_MAX_FD``)
+_MAX_FDS_PER_MESSAGE = 253
 
 
 # -- authentication ------------------------------------------------------------------------------
@@ -207,12 +216,21 @@ def byte_view(tensor):
 
 class _Pickler(cloudpickle.Pickler):
     """cloudpickle, with large plain CPU tensors sent out of band: their bytes follow the message
-    as raw frames (no copy into the pickle, no torch serialization)."""
+    as raw frames or in shared memory (no copy into the pickle, no torch serialization).
+
+    ``segments`` lists, per out-of-band buffer in order, the :class:`~tpcore.memfd.Segment` the tensor
+    already lives in (it travels as that segment's descriptor, with no copy at all) or ``None``.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.segments: list[memfd.Segment | None] = []
 
     def reducer_override(self, obj):
         torch = sys.modules.get("torch")
         if torch is not None and type(obj) is torch.Tensor and _raw_sendable(obj):
             data = obj.detach().contiguous()
+            self.segments.append(memfd.segment_of(data))
             return _tensor_from_buffer, (pickle.PickleBuffer(byte_view(data)), data.dtype, tuple(data.shape))
         parent = getattr(super(), "reducer_override", None)  # plain pickle (no cloudpickle) has none
         return parent(obj) if parent is not None else NotImplemented
@@ -236,28 +254,124 @@ def _tensor_from_buffer(buffer, dtype, shape):
     return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(shape)
 
 
-def encode(message) -> list:
-    """A message as frames: the pickled message with the sizes of the raw frames, then each raw frame."""
+class Encoded:
+    """A message ready to send, to one receiver or several: its frames, and the shared-memory segments
+    its large tensors travel in (descriptors passed beside the frames). :meth:`close` once sent."""
+
+    def __init__(self, frames: list, fds: list[int], owned: list[int]):
+        #: the header (the pickled message and where each out-of-band buffer is), then the socket frames
+        self.frames = frames
+        self.fds = fds
+        self._owned = owned  # of ``fds``, the segments made for this message
+
+    def send(self, conn: Connection) -> None:
+        conn.send_bytes(self.frames[0])
+        if self.fds:
+            _send_fds(conn, self.fds)
+        for frame in self.frames[1:]:
+            conn.send_bytes(frame)
+
+    def close(self) -> None:
+        """Close the segments made for this message (each receiver holds its own mapping)."""
+        for fd in self._owned:
+            os.close(fd)
+        self._owned = []
+
+    def __enter__(self) -> Encoded:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def encode(message) -> Encoded:
+    """``message`` as an :class:`Encoded`: out-of-band buffers from :data:`SHARED_TENSOR_BYTES` on go
+    through shared memory (one segment for all that are copied, none for a tensor already in a
+    segment), smaller ones follow the header as raw frames.
+
+    The header is ``(pickled message, places, number of descriptors)``, a place per buffer:
+    ``("frame", nbytes)`` or ``("fd", descriptor index, offset, nbytes)``.
+    """
     buffers: list = []
     stream = io.BytesIO()
-    _Pickler(stream, protocol=5, buffer_callback=buffers.append).dump(message)
+    pickler = _Pickler(stream, protocol=5, buffer_callback=buffers.append)
+    pickler.dump(message)
     raws = [buffer.raw() for buffer in buffers]
-    return [pickle.dumps((stream.getvalue(), [raw.nbytes for raw in raws]), protocol=5), *raws]
+    places: list[tuple] = []
+    frames, fds, copied = [], [], []
+    for raw, segment in zip(raws, pickler.segments, strict=True):
+        if segment is not None:
+            if segment.fd not in fds:
+                fds.append(segment.fd)
+            places.append(("fd", fds.index(segment.fd), segment.offset, raw.nbytes))
+        elif memfd.AVAILABLE and raw.nbytes >= SHARED_TENSOR_BYTES:
+            copied.append((len(places), raw))
+            places.append(())  # filled in below, once the segment is written
+        else:
+            frames.append(raw)
+            places.append(("frame", raw.nbytes))
+    owned = []
+    if copied:
+        fd, offsets = memfd.write([raw for _, raw in copied])
+        owned.append(fd)
+        fds.append(fd)
+        for (index, raw), offset in zip(copied, offsets, strict=True):
+            places[index] = ("fd", len(fds) - 1, offset, raw.nbytes)
+    header = pickle.dumps((stream.getvalue(), places, len(fds)), protocol=5)
+    return Encoded([header, *frames], fds, owned)
 
 
 def send(conn: Connection, message) -> None:
-    for frame in encode(message):
-        conn.send_bytes(frame)
+    with encode(message) as encoded:
+        encoded.send(conn)
 
 
 def recv(conn: Connection):
-    payload, sizes = pickle.loads(conn.recv_bytes())
+    payload, places, fd_count = pickle.loads(conn.recv_bytes())
+    segments = []
+    for fd in _recv_fds(conn, fd_count) if fd_count else ():
+        try:
+            segments.append(memfd.map_private(fd))
+        finally:
+            os.close(fd)
     buffers = []
-    for size in sizes:
-        buffer = bytearray(size)
-        conn.recv_bytes_into(buffer)
+    for place in places:
+        if place[0] == "frame":
+            buffer = bytearray(place[1])
+            conn.recv_bytes_into(buffer)
+        else:
+            _, index, offset, nbytes = place
+            buffer = segments[index][offset : offset + nbytes].numpy()  # the mapping lives while a view does
         buffers.append(buffer)
     return pickle.loads(payload, buffers=buffers)
+
+
+def _send_fds(conn: Connection, fds: list[int]) -> None:
+    """Pass ``fds`` over ``conn``'s Unix socket (``SCM_RIGHTS``), each batch carried by one byte."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=conn.fileno())
+    try:
+        for start in range(0, len(fds), _MAX_FDS_PER_MESSAGE):
+            socket.send_fds(sock, [b"F"], fds[start : start + _MAX_FDS_PER_MESSAGE])
+    finally:
+        sock.detach()  # the connection keeps its descriptor
+
+
+def _recv_fds(conn: Connection, count: int) -> list[int]:
+    """The ``count`` descriptors :func:`_send_fds` passed, now open in this process."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=conn.fileno())
+    fds: list[int] = []
+    try:
+        while len(fds) < count:
+            data, received, flags, _ = socket.recv_fds(sock, 1, min(count - len(fds), _MAX_FDS_PER_MESSAGE))
+            fds += received
+            if not data or flags & socket.MSG_CTRUNC:
+                for fd in fds:
+                    os.close(fd)
+                reason = "the connection closed" if not data else "this process may not open more files"
+                raise OSError(f"shared-memory segments of a message were lost: {reason}")
+    finally:
+        sock.detach()
+    return fds
 
 
 def picklable(obj) -> bool:
