@@ -367,6 +367,20 @@ def test_a_damaged_checkpoint_fails_naming_the_file_before_any_rank_starts(
         tpcore.parallelize(directory, num_gpus=2)
 
 
+def test_an_error_found_while_the_ranks_start_stops_them_before_it_is_raised(gpt2_dir, tmp_path, spawned):
+    """The ranks start while the caller builds the model from its config; weights the files lack are found then."""
+    directory = tmp_path / "lacking"
+    directory.mkdir()
+    shutil.copy(gpt2_dir / "config.json", directory)
+    tensors = load_file(gpt2_dir / "model.safetensors")
+    del tensors["transformer.h.1.mlp.c_fc.weight"]
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    kids = children()
+    with pytest.raises(KeyError, match="lacks 1 parameters of GPT2LMHeadModel: transformer.h.1.mlp.c_fc.weight"):
+        tpcore.parallelize(directory, num_gpus=2)
+    assert len(spawned) == 2 and children() <= kids  # two ranks were starting: both are gone
+
+
 def test_the_engine_fails_on_a_missing_shard_before_joining_a_process_group(
     gpt2_shards, tmp_path, monkeypatch, no_process_starts
 ):

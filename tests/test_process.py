@@ -183,7 +183,12 @@ def test_a_rank_reads_the_arguments_its_command_line_was_given(monkeypatch):
     command = worker.worker_command("/tmp/socket", 1, 2, "gloo", "cpu", "127.0.0.1", 29500, 3)
     assert command[:3] == [sys.executable, "-c", worker.WORKER_CODE]
     worker.worker_entry(command[3:])
-    assert received == [("/tmp/socket", 1, 2, "gloo", "cpu", "127.0.0.1", 29500, 3)]
+    preloading = worker.worker_command("/tmp/socket", 0, 2, "nccl", "cuda", "::1", 29500, 1, ["json", "a.b"])
+    worker.worker_entry(preloading[3:])
+    assert received == [
+        ("/tmp/socket", 1, 2, "gloo", "cpu", "127.0.0.1", 29500, 3, ()),
+        ("/tmp/socket", 0, 2, "nccl", "cuda", "::1", 29500, 1, ("json", "a.b")),
+    ]
 
 
 def test_a_rank_s_context_calls_its_group_tp_group_and_keeps_the_earlier_name():

@@ -26,7 +26,9 @@ import functools
 import os
 import resource
 import threading
+from collections.abc import Callable
 from contextlib import nullcontext
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -113,9 +115,11 @@ def parallelize(
         end the parallelization (as ``deparallelize()``), then move the caller's model, which runs
         unsplit from then on; a model started from a checkpoint has no weights here to move, so
         they raise and the ranks serve on (``half()``/``float()`` change only the caller's copy).
-        Validation errors (no policy, sizes that do not cut into whole heads, weights missing from a checkpoint,
-        an unknown ``verbose``, a ``master_port`` already in use, more NCCL ranks than GPUs) are
-        raised before any process starts.
+        Validation errors (no policy, sizes that do not cut into whole heads, an unknown ``verbose``, a
+        ``master_port`` already in use, more NCCL ranks than GPUs, a checkpoint's missing, truncated or
+        corrupt file) are raised before any process starts. From a checkpoint, the ranks start while this
+        process builds the model, so that their imports overlap: an error found then (no policy for the
+        model, parameters the files lack) stops them before it is raised.
     """
     if isinstance(num_gpus, bool):  # parallelformers' positional order is (model, fp16, num_gpus)
         raise TypeError(f"num_gpus must be an int, got {num_gpus!r}: pass fp16= and num_gpus= by keyword")
@@ -129,20 +133,23 @@ def parallelize(
         torch.manual_seed(seed)
     if getattr(model, "_tpcore_handle", None) is not None:
         raise RuntimeError("this model is already parallelized; call model.deparallelize() first")
-    checkpoint = None
-    if is_checkpoint_path(model):
+
+    def split_plan(model: nn.Module) -> ShardPlan:  # validates: raises on a model that cannot be split so
+        return TensorReplacer(
+            model, None, fp16, num_gpus, custom_policies, rank=0, vocab_parallel=vocab_parallel
+        ).split_plan()
+
+    from_checkpoint = is_checkpoint_path(model)
+    if from_checkpoint:
         checkpoint = Checkpoint(model)
-        model = _model_without_weights(checkpoint, model_class)
-    replacer = TensorReplacer(model, None, fp16, num_gpus, custom_policies, rank=0, vocab_parallel=vocab_parallel)
-    plan = replacer.split_plan()  # validates: raises before any process starts
-    if checkpoint is not None:
-        reads = checkpoint.reads(model, plan.splits)  # checks the files: a missing or truncated one fails here
-        checkpoint.close()  # the caller keeps no file open while the ranks read
-        skeleton = copy.deepcopy(model)  # weights on meta already; keeps the constructed buffers
-        drop_output_capturing_hooks(skeleton)
+        config = checkpoint.config()  # a directory without a model in it fails here, before any rank starts
+        checkpoint.verify(checkpoint.files)  # and so does a missing, truncated or corrupt weight file
+        preload = _modeling_modules(config, model_class)
+        # The ranks start (and import the model's code) while this process builds the model and checks the files.
+        prepare = functools.partial(_from_checkpoint, checkpoint, config, model_class, split_plan, dtype)
     else:
-        skeleton = weightless_copy(model)
-    skeleton_for = _skeletons(plan, skeleton)
+        prepared = _from_model(model, split_plan, dtype)  # validated before any rank starts
+        prepare, preload = (lambda: prepared), ()
     try:
         pool = RankPool(
             num_gpus,
@@ -152,14 +159,14 @@ def parallelize(
             master_port=master_port,
             threads_per_rank=threads_per_rank,
             start_timeout=min(timeout, START_TIMEOUT_S),
+            preload=preload,
+            wait=False,
         )
-        handle = ParallelHandle(model, pool, timeout, has_weights=checkpoint is None)
         try:
-            if checkpoint is not None:
-                directory = str(checkpoint.directory)
-                pool.scatter(_read_shard, lambda rank: (skeleton_for(rank), directory, reads, dtype), timeout=timeout)
-            else:
-                _send_shards(pool, model, skeleton_for, plan, dtype, timeout)
+            prepared = prepare()
+            pool.wait_started()
+            prepared.send(pool, timeout)
+            handle = ParallelHandle(prepared.model, pool, timeout, has_weights=not from_checkpoint)
             if verbosity is not None:
                 handle.print_memory(verbosity)
         except BaseException:
@@ -168,7 +175,51 @@ def parallelize(
     except WorkerError as error:  # a rank failed to start or to load: its own exception, its traceback as cause
         reraise(error)
     handle.attach()
-    return model
+    return prepared.model
+
+
+class _Prepared(NamedTuple):
+    """The caller's model, and how every rank gets its shard of it: ``send(pool, timeout)``."""
+
+    model: nn.Module
+    send: Callable[[RankPool, float], Any]
+
+
+def _from_model(model: nn.Module, split_plan, dtype) -> _Prepared:
+    """Validate ``model``'s split; each rank will be streamed its own tensors from the caller's."""
+    plan = split_plan(model)
+    skeleton_for = _skeletons(plan, weightless_copy(model))
+    send = functools.partial(_send_shards, model=model, skeleton_for=skeleton_for, plan=plan, dtype=dtype)
+    return _Prepared(model, send)
+
+
+def _from_checkpoint(checkpoint: Checkpoint, config, model_class, split_plan, dtype) -> _Prepared:
+    """Build the checkpoint's model without weights, validate its split and the files; each rank will read
+    its own slices."""
+    model = _model_without_weights(checkpoint, config, model_class)
+    plan = split_plan(model)
+    reads = checkpoint.reads(model, plan.splits)  # checks the files: a missing or truncated one fails here
+    checkpoint.close()  # the caller keeps no file open while the ranks read
+    skeleton = copy.deepcopy(model)  # weights on meta already; keeps the constructed buffers
+    drop_output_capturing_hooks(skeleton)
+    skeleton_for = _skeletons(plan, skeleton)
+    directory = str(checkpoint.directory)
+
+    def send(pool: RankPool, timeout: float) -> None:
+        pool.scatter(_read_shard, lambda rank: (skeleton_for(rank), directory, reads, dtype), timeout=timeout)
+
+    return _Prepared(model, send)
+
+
+def _modeling_modules(config, model_class) -> tuple[str, ...]:
+    """The module that defines the model a checkpoint's ``config`` builds, found without importing it."""
+    if model_class is not None:
+        return (model_class.__module__,)
+    import transformers
+
+    by_class = getattr(transformers, "_class_to_module", {})  # transformers' lazy import table
+    names = [by_class.get(name) for name in getattr(config, "architectures", None) or ()]
+    return tuple(f"transformers.{name}" for name in names if name)
 
 
 def _verbosity(verbose) -> str | None:
@@ -180,9 +231,9 @@ def _verbosity(verbose) -> str | None:
     raise ValueError(f"verbose must be None, False, True, 'simple' or 'detail', got {verbose!r}")
 
 
-def _model_without_weights(checkpoint: Checkpoint, model_class) -> nn.Module:
+def _model_without_weights(checkpoint: Checkpoint, config, model_class) -> nn.Module:
     """The checkpoint's model with its parameters on meta, and its generation config if one was saved."""
-    model = empty_model(checkpoint.config(), model_class)
+    model = empty_model(config, model_class)
     if (checkpoint.directory / "generation_config.json").is_file() and hasattr(model, "generation_config"):
         from transformers import GenerationConfig
 
@@ -199,7 +250,7 @@ def _skeletons(plan: ShardPlan, skeleton: nn.Module):
     return lambda rank: plan.apply(copy.deepcopy(skeleton), rank)
 
 
-def _send_shards(pool: RankPool, model: nn.Module, skeleton_for, plan: ShardPlan, dtype, timeout: float) -> None:
+def _send_shards(pool: RankPool, timeout: float, *, model: nn.Module, skeleton_for, plan: ShardPlan, dtype) -> None:
     """Stream every rank its parts of ``model``'s tensors, straight into the rank's storage."""
     tensors = named_tensors(model)
 

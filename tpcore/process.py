@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import wait
 from typing import Any
 
@@ -65,6 +65,10 @@ class RankPool:
         master_port: rendezvous port; ``None`` picks a free one.
         threads_per_rank: torch intra-op threads per rank; default splits the cores evenly.
         start_timeout: seconds to wait for every rank to join.
+        preload: modules each rank imports while it starts (those the functions sent to it will need, such
+            as a model's modeling code), so that the import overlaps the caller's own work.
+        wait: wait here until every rank has joined; with ``False`` the ranks start in the background and
+            the pool finishes starting in :meth:`wait_started` (or its first call).
     """
 
     def __init__(
@@ -77,6 +81,8 @@ class RankPool:
         master_port: int | None = None,
         threads_per_rank: int | None = None,
         start_timeout: float = START_TIMEOUT_S,
+        preload: Sequence[str] = (),
+        wait: bool = True,
     ):
         from tpcore.distributed import check_placement, default_backend, listening_store
 
@@ -87,20 +93,22 @@ class RankPool:
         #: ``"cuda"`` or ``"cpu"``: what the ranks compute on (refused here, before any rank starts, if impossible)
         self.device = check_placement(self.backend, world_size, device)
         threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
-        deadline = time.monotonic() + start_timeout
+        self._deadline = time.monotonic() + start_timeout
         self._lock = threading.Lock()
         self._conns: list = []
         self._procs: list[subprocess.Popen] = []
+        self._listener: ControlListener | None = None
         # The ranks meet in a store served here, listening on master_addr alone (a busy port fails now).
         self._store = listening_store(master_addr, master_port or 0, datetime.timedelta(seconds=start_timeout))
         _live_pools.add(self)
-        authkey = secrets.token_bytes(32)
+        self._authkey = secrets.token_bytes(32)
         env = _rank_environment(master_addr, self.backend)
-        env[AUTHKEY_ENV] = authkey.hex()
-        with ControlListener() as listener:
+        env[AUTHKEY_ENV] = self._authkey.hex()
+        try:
+            self._listener = ControlListener()
             for rank in range(world_size):
                 command = worker_command(
-                    listener.address,
+                    self._listener.address,
                     rank,
                     world_size,
                     self.backend,
@@ -108,16 +116,38 @@ class RankPool:
                     master_addr,
                     self._store.port,
                     threads,
+                    preload,
                 )
                 # Own session: a terminal's Ctrl-C (sent to the foreground process group) spares the ranks.
                 process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
                 self._procs.append(process)
-            try:
-                self._conns = listener.accept_ranks(authkey, world_size, deadline, self._check_started)
-                self._collect(max(0.0, deadline - time.monotonic()), "start")
-            except BaseException:
-                self.close(timeout=3.0)
-                raise
+        except BaseException:
+            self.close(timeout=0.0)
+            raise
+        if wait:
+            self.wait_started()
+
+    def wait_started(self) -> None:
+        """Wait until every rank has connected and joined the group (at once if they have). If one fails to,
+        the pool is closed and the error raised: :class:`WorkerError` for a rank's exception,
+        :class:`WorkerDiedError` for a rank that exited, ``TimeoutError`` past the start timeout."""
+        if self._listener is None:
+            return
+        try:
+            self._conns = self._listener.accept_ranks(
+                self._authkey, self.world_size, self._deadline, self._check_started
+            )
+            self._collect(max(0.0, self._deadline - time.monotonic()), "start")
+        except BaseException:
+            self.close(timeout=3.0)
+            raise
+        finally:
+            self._close_listener()
+
+    def _close_listener(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
 
     def _check_started(self, connected: set[int]) -> None:
         """Raise if a rank that has not connected yet has exited."""
@@ -146,8 +176,7 @@ class RankPool:
         and ``TimeoutError`` past ``timeout`` seconds (both close the pool).
         """
         with self._lock:
-            if not self.alive:
-                raise WorkerDiedError("this RankPool is closed or lost a rank; create a new one")
+            self._ready()
             what = getattr(fn, "__qualname__", repr(fn))
             try:
                 with encode((fn, args, kwargs)) as message:  # large tensors: one shared segment for all ranks
@@ -177,8 +206,7 @@ class RankPool:
         holds one rank's share of one tensor at a time, and a rank only its own tensors.
         """
         with self._lock:
-            if not self.alive:
-                raise WorkerDiedError("this RankPool is closed or lost a rank; create a new one")
+            self._ready()
             what = getattr(fn, "__qualname__", repr(fn))
             try:
                 for rank, conn in enumerate(self._conns):
@@ -191,6 +219,12 @@ class RankPool:
             except BaseException:
                 self.close(timeout=3.0)
                 raise
+
+    def _ready(self) -> None:
+        """Finish starting (a pool made with ``wait=False``); refuse a pool that is closed or lost a rank."""
+        self.wait_started()
+        if not self.alive:
+            raise WorkerDiedError("this RankPool is closed or lost a rank; create a new one")
 
     def _send(self, rank: int, what: str, send: Callable[..., None], *args) -> None:
         """``send(*args)`` to ``rank``; a rank whose end is gone is reported as dead, not as an ``OSError``."""
@@ -255,6 +289,7 @@ class RankPool:
                 proc.wait(5)
         for conn in self._conns:
             conn.close()
+        self._close_listener()
         self._conns, self._procs = [], []
         self._store = None  # stop serving the rendezvous: the port is free again
 

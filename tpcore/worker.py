@@ -9,6 +9,7 @@ call is ``fn(context, *args, **kwargs)`` with a :class:`RankContext`, answered `
 from __future__ import annotations
 
 import datetime
+import importlib
 import os
 import sys
 import threading
@@ -28,10 +29,12 @@ PARENT_ENV = "TPCORE_WORKER_PARENT"
 WORKER_CODE = "import sys; from tpcore.worker import worker_entry; worker_entry(sys.argv[1:])"
 
 
-def worker_command(address, rank, world_size, backend, device_kind, master_addr, master_port, threads) -> list[str]:
-    """The command line of a rank: this interpreter, connecting to the control socket at ``address``
-    and meeting the other ranks in the store at ``master_addr:master_port``."""
-    argv = [address, rank, world_size, backend, device_kind, master_addr, master_port, threads]
+def worker_command(
+    address, rank, world_size, backend, device_kind, master_addr, master_port, threads, preload=()
+) -> list[str]:
+    """The command line of a rank: this interpreter, connecting to the control socket at ``address``,
+    importing the modules ``preload`` names, and meeting the other ranks in the store at ``master_addr:master_port``."""
+    argv = [address, rank, world_size, backend, device_kind, master_addr, master_port, threads, ",".join(preload)]
     return [sys.executable, "-c", WORKER_CODE, *map(str, argv)]
 
 
@@ -90,13 +93,18 @@ def synchronize(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _worker_main(address, rank, world_size, backend, device_kind, master_addr, master_port, threads) -> None:
-    """A rank: connect to the caller, bind its device, join the group, then serve calls until told to stop."""
+def _worker_main(
+    address, rank, world_size, backend, device_kind, master_addr, master_port, threads, preload=()
+) -> None:
+    """A rank: connect to the caller, import what it will need, bind its device, join the group, then serve
+    calls until told to stop."""
     _exit_with_parent(int(os.environ.pop(PARENT_ENV)))
     conn = connect(address, bytes.fromhex(os.environ.pop(AUTHKEY_ENV)), rank)
     try:
         import torch
         import torch.distributed as dist
+
+        _import_quietly(preload)
 
         from tpcore import shm
         from tpcore.distributed import bind_device, device_for, init_process_group
@@ -137,7 +145,27 @@ def _worker_main(address, rank, world_size, backend, device_kind, master_addr, m
     os._exit(0)  # skip interpreter teardown: gloo threads may abort in static destructors
 
 
+def _import_quietly(modules) -> None:
+    """Import ``modules`` ahead of need; one that fails is left for the code that needs it to report."""
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception:
+            pass
+
+
 def worker_entry(argv: list[str]) -> None:
     """``python -c`` entry point of a rank (see :data:`WORKER_CODE`)."""
-    address, rank, world_size, backend, device_kind, master_addr, master_port, threads = argv
-    _worker_main(address, int(rank), int(world_size), backend, device_kind, master_addr, int(master_port), int(threads))
+    address, rank, world_size, backend, device_kind, master_addr, master_port, threads, preload = argv
+    preloaded = tuple(name for name in preload.split(",") if name)
+    _worker_main(
+        address,
+        int(rank),
+        int(world_size),
+        backend,
+        device_kind,
+        master_addr,
+        int(master_port),
+        int(threads),
+        preloaded,
+    )
