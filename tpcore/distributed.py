@@ -7,6 +7,12 @@ torch's ``TCPStore`` server binds every interface (``::``) whatever address it i
 tpcore makes itself (the one behind ``parallelize()``, and rank 0's when :func:`tensor_parallel_group`
 joins a world from ``MASTER_ADDR``/``MASTER_PORT`` without torchrun) are handed a socket already
 bound to the rendezvous address, so they listen there alone: loopback by default.
+
+gloo's own sockets listen where the host name resolves unless ``GLOO_SOCKET_IFNAME`` names an interface:
+torch's ``init_process_group`` and ``new_group`` (2.6 to 2.13) ignore ``pg_options`` for gloo. A host
+whose name does not resolve, or resolves to loopback (Debian's ``127.0.1.1``), would listen on loopback,
+where no other node reaches it: :func:`tensor_parallel_group` refuses to join such a world, naming the
+interface to set.
 """
 
 from __future__ import annotations
@@ -29,16 +35,19 @@ __all__ = [
     "DEVICE_TYPES",
     "LAUNCHER_VARIABLES",
     "bind_device",
+    "check_gloo_reaches_nodes",
     "check_placement",
     "default_backend",
     "destroy_process_group",
     "device_for",
     "device_type",
     "free_port",
+    "gloo_address",
     "init_process_group",
     "interface_of",
     "listening_store",
     "rendezvous_store",
+    "route_interface",
     "tensor_parallel_group",
 ]
 
@@ -227,31 +236,71 @@ def interface_of(address: str) -> str | None:
     return None
 
 
+def route_interface(host: str) -> str | None:
+    """The interface this host sends to ``host`` (an IPv4 address or a name) through, or ``None``
+    (a name that does not resolve, no route)."""
+    try:
+        address = socket.getaddrinfo(host, None, socket.AF_INET)[0][4][0]
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.connect((address, 9))  # a datagram socket's connect picks the route and sends nothing
+            source = sock.getsockname()[0]
+    except OSError:
+        return None
+    return interface_of(source)
+
+
+def gloo_address() -> str:
+    """The address torch's gloo listens on where ``GLOO_SOCKET_IFNAME`` is unset: the first address the host
+    name resolves to that this host can bind, else loopback (``127.0.0.1``)."""
+    try:
+        candidates = socket.getaddrinfo(socket.gethostname(), None, type=socket.SOCK_STREAM)
+    except OSError:
+        return "127.0.0.1"
+    for family, kind, protocol, _, address in candidates:
+        try:
+            with socket.socket(family, kind, protocol) as probe:
+                probe.bind(address)
+        except OSError:
+            continue
+        return str(address[0])
+    return "127.0.0.1"
+
+
+def check_gloo_reaches_nodes(rank: int, world_size: int, local_world_size: int, master_addr: str) -> None:
+    """Refuse a gloo world over several nodes (``local_world_size < world_size``) whose sockets would listen
+    on loopback here, naming the interface to set in ``GLOO_SOCKET_IFNAME``; nothing where that is set."""
+    if local_world_size >= world_size or os.environ.get("GLOO_SOCKET_IFNAME"):
+        return
+    address = gloo_address()
+    if not ipaddress.ip_address(address.split("%")[0]).is_loopback:
+        return
+    interface = route_interface(master_addr)
+    if interface is None or interface == interface_of("127.0.0.1"):
+        hint = "the interface the nodes reach each other through (`ip route get <another node>` names it)"
+    else:
+        hint = f"{interface} here, the interface that routes to MASTER_ADDR {master_addr}"
+    raise RuntimeError(
+        f"rank {rank} of a gloo world of {world_size} ranks, {local_world_size} on this node: gloo would listen "
+        f"on {address}, a loopback address no other node reaches (the host name {socket.gethostname()!r} "
+        f"resolves to no other address this host can bind). Set GLOO_SOCKET_IFNAME to {hint} "
+        "(GLOO_SOCKET_IFNAME=lo if every node runs on this machine)"
+    )
+
+
 def tensor_parallel_group(
     tp_size: int, backend: str | None = None, device: torch.device | None = None
 ) -> dist.ProcessGroup | None:
     """The tensor-parallel group of ``tp_size`` ranks this process belongs to.
 
     Reuses an initialized world (``torchrun`` or a worker pool); otherwise joins one from the
-    ``env://`` variables torchrun sets (and leaves it at exit), bound to ``device``. A world of ``k * tp_size``
+    ``env://`` variables torchrun sets (and leaves it at exit), bound to ``device``; a gloo world over several
+    nodes only where gloo listens off loopback (:func:`check_gloo_reaches_nodes`). A world of ``k * tp_size``
     ranks is cut into ``k`` groups of consecutive ranks. With ``tp_size == 1`` and no world, returns ``None``.
     """
     if not dist.is_initialized():
         if tp_size == 1 and "WORLD_SIZE" not in os.environ:
             return None
-        if "MASTER_ADDR" not in os.environ:
-            raise RuntimeError(
-                f"a tensor-parallel group of {tp_size} ranks needs a process group: launch with torchrun "
-                f"(torchrun --nproc-per-node {tp_size} script.py), or use tpcore.parallelize()"
-            )
-        backend = backend or default_backend(int(os.environ.get("LOCAL_WORLD_SIZE", tp_size)))
-        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        store = None  # torchrun's agent serves the store
-        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-            address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-            store = rendezvous_store(address, port, rank, world_size)
-        init_process_group(backend, rank, world_size, store, device=device)
-        atexit.register(destroy_process_group)  # we created it, so we tear it down at exit
+        _join_world(tp_size, backend, device)
     world_size = dist.get_world_size()
     if world_size == tp_size:
         return dist.group.WORLD
@@ -264,6 +313,26 @@ def tensor_parallel_group(
         if start <= rank < start + tp_size:
             mine = group
     return mine
+
+
+def _join_world(tp_size: int, backend: str | None, device: torch.device | None) -> None:
+    """Join the world the ``env://`` variables describe (torchrun's, or hand-set), and leave it at exit."""
+    if "MASTER_ADDR" not in os.environ:
+        raise RuntimeError(
+            f"a tensor-parallel group of {tp_size} ranks needs a process group: launch with torchrun "
+            f"(torchrun --nproc-per-node {tp_size} script.py), or use tpcore.parallelize()"
+        )
+    backend = backend or default_backend(int(os.environ.get("LOCAL_WORLD_SIZE", tp_size)))
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if backend == "gloo":
+        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        check_gloo_reaches_nodes(rank, world_size, local_world_size, os.environ["MASTER_ADDR"])
+    store = None  # torchrun's agent serves the store
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        store = rendezvous_store(address, port, rank, world_size)
+    init_process_group(backend, rank, world_size, store, device=device)
+    atexit.register(destroy_process_group)  # we created it, so we tear it down at exit
 
 
 def destroy_process_group(settle_s: float = 0.1) -> None:
