@@ -127,22 +127,28 @@ def _worker_main(
             break
         if message is None:
             break
-        try:
-            fn, args, kwargs = message
-            result = fn(context, *args, **kwargs)
-            synchronize(context.device)
-            reply = ("ok", result)
-        except BaseException as error:
-            reply = ("error", describe(error))
-        try:
-            send(conn, reply)
-        except Exception as error:  # e.g. an unpicklable result
-            send(conn, ("error", describe(error)))
+        _answer(context, conn, message)
+        message = None  # a call's inputs (and through them its outputs) are not kept until the next call
     dist.destroy_process_group()
     conn.close()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # skip interpreter teardown: gloo threads may abort in static destructors
+
+
+def _answer(context: RankContext, conn, message) -> None:
+    """Run one call ``(fn, args, kwargs)`` and send its reply."""
+    try:
+        fn, args, kwargs = message
+        result = fn(context, *args, **kwargs)
+        synchronize(context.device)
+        reply = ("ok", result)
+    except BaseException as error:
+        reply = ("error", describe(error))
+    try:
+        send(conn, reply)
+    except Exception as error:  # e.g. an unpicklable result
+        send(conn, ("error", describe(error)))
 
 
 def _import_quietly(modules) -> None:
