@@ -29,6 +29,7 @@ from tp_gpt.policies import LlamaPolicy
 
 from tpcore import parallelize  # the one line that changes: was `from parallelformers import parallelize`
 from tpcore.distributed import free_port
+from tpcore.precision import resolve_dtype
 from tpcore.testing import ModelSpec, compare_outputs
 
 #: 6 query heads over 3 grouped KV heads: each of 3 ranks holds 2 query heads and 1 KV head
@@ -47,6 +48,8 @@ CONFIG = transformers.LlamaConfig(
 )
 SPEC = ModelSpec(transformers.LlamaForCausalLM, CONFIG, seed=5)
 RANKS = ["cpu:0", "cpu:1", "cpu:2"]
+#: what ``fp16=True`` gives the ranks here: float16 with CUDA, no cast on a CPU without float16 arithmetic
+FP16_TRUE = resolve_dtype(True, None, "cpu") or torch.float32
 #: the README's generate() arguments
 README_GENERATE = {"num_beams": 5, "no_repeat_ngram_size": 4, "max_length": 15}
 
@@ -109,9 +112,9 @@ def readme_model():
 
 
 @pytest.mark.slow
-def test_readme_generate_gives_the_unsplit_fp16_tokens(readme_model):
+def test_readme_generate_gives_the_unsplit_tokens_in_the_dtype_of_fp16_true(readme_model):
     model, _ = readme_model
-    reference = SPEC.build().half()
+    reference = SPEC.build().to(FP16_TRUE)
     for inputs in (tokenized(4), tokenized(6, 3, 5)):
         outputs = model.generate(**inputs, num_beams=5, no_repeat_ngram_size=4, max_length=15)
         assert torch.equal(outputs, unsplit_generate(reference, inputs, **README_GENERATE))
@@ -136,11 +139,11 @@ def test_verbose_detail_prints_each_ranks_resident_peak_and_tensor_memory(readme
 def test_memory_methods_as_the_readme_calls_them(readme_model):
     model, _ = readme_model
     unsplit = SPEC.build()
-    fp16_bytes = 2 * sum(t.numel() for t in [*unsplit.parameters(), *unsplit.buffers()])
+    model_bytes = FP16_TRUE.itemsize * sum(t.numel() for t in [*unsplit.parameters(), *unsplit.buffers()])
     allocated, reserved, cached = model.memory_allocated(), model.memory_reserved(), model.memory_cached()
     for figures in (allocated, reserved, cached):
         assert list(figures) == RANKS and all(type(size) is int for size in figures.values())
-    assert all(fp16_bytes / 3 <= size < fp16_bytes / 2 for size in allocated.values()), (allocated, fp16_bytes)
+    assert all(model_bytes / 3 <= size < model_bytes / 2 for size in allocated.values()), (allocated, model_bytes)
     assert all(reserved[rank] > allocated[rank] and cached[rank] > allocated[rank] for rank in RANKS)
 
 

@@ -16,7 +16,8 @@ import torch
 import transformers
 
 import tpcore
-from tpcore.precision import cast_model
+from tpcore import precision
+from tpcore.precision import cast_model, resolve_dtype
 from tpcore.testing import HALF_PRECISION_RTOL, ModelSpec, check_equivalence, compare_outputs
 
 VOCAB = 64
@@ -145,7 +146,8 @@ def test_parallelize_casts_the_ranks_models_as_from_pretrained(loaded, name, dty
         model.deparallelize()
 
 
-def test_the_engine_casts_as_from_pretrained(loaded):
+def test_the_engine_casts_as_from_pretrained(loaded, monkeypatch):
+    monkeypatch.setattr(precision, "float16_is_fast", lambda: True)
     reference = loaded("t5", torch.float16)
     model = tpcore.ParallelEngine(1, "gloo").parallelize(t5(), fp16=True)
     assert dtypes(model) == dtypes(reference)
@@ -161,6 +163,33 @@ def test_the_engine_refuses_fp16_with_another_dtype_as_parallelize_does():
     assert str(by_engine.value) == str(by_parallelize.value) == "fp16=True contradicts dtype=torch.bfloat16"
     assert all(torch.equal(t, before[k]) for k, t in model.state_dict().items())  # refused before any change
     assert tpcore.ParallelEngine(1, "gloo", dtype=torch.float16).parallelize(gpt2(), fp16=True).dtype == torch.float16
+
+
+# -- what fp16=True means where -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_fp16_true_is_float16_on_cuda_and_on_a_fast_cpu_and_no_cast_said_so_elsewhere(monkeypatch, caplog, fast):
+    monkeypatch.setattr(precision, "float16_is_fast", lambda: fast)
+    assert resolve_dtype(True, None, "cuda") == torch.float16 and not caplog.records
+    assert resolve_dtype(True, None, "cpu") == (torch.float16 if fast else None)
+    assert [record.levelname for record in caplog.records] == ([] if fast else ["WARNING"])
+    assert fast or "fp16=True: the CPU ranks keep the model's dtype" in caplog.text
+    assert resolve_dtype(False, None, "cpu") is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_a_given_dtype_is_taken_as_given_on_any_machine(monkeypatch, dtype):
+    monkeypatch.setattr(precision, "float16_is_fast", lambda: False)
+    assert resolve_dtype(False, dtype, "cpu") == dtype
+    if dtype == torch.float16:
+        assert resolve_dtype(True, dtype, "cpu") == torch.float16
+
+
+@pytest.mark.parametrize("amx_fp16", [True, False])
+def test_float16_is_fast_on_a_cpu_with_amx_fp16(monkeypatch, amx_fp16):
+    monkeypatch.setattr(torch.cpu, "_is_amx_fp16_supported", lambda: amx_fp16, raising=False)
+    assert precision.float16_is_fast() is amx_fp16
 
 
 # -- row-parallel partial sums --------------------------------------------------------------------

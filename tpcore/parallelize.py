@@ -91,6 +91,8 @@ def parallelize(
         num_gpus: number of ranks: GPUs with NCCL, CPU processes with gloo.
         fp16: run the ranks in ``torch.float16`` (``dtype`` for any other dtype); the model is cast as
             ``from_pretrained(dtype=...)`` casts it (modules it keeps in fp32 stay, rotary buffers too).
+            CPU ranks on a CPU without float16 arithmetic keep the model's dtype, with a warning
+            (:func:`tpcore.precision.resolve_dtype`); ``dtype=torch.float16`` casts them anyway.
         backend: ``"nccl"`` or ``"gloo"``; ``None`` is NCCL when there is a CUDA device per rank, else gloo.
         custom_policies: a Policy class or a list; ``None`` uses the installed plugins.
         master_addr, master_port: rendezvous of the ranks; loopback and a free port by default.
@@ -126,9 +128,9 @@ def parallelize(
     verbosity = _verbosity(verbose)
     if init_method not in _START_METHODS:
         raise ValueError(f"init_method is a multiprocessing start method {_START_METHODS[1:]}, got {init_method!r}")
-    dtype = resolve_dtype(fp16, dtype)
     backend = backend or default_backend(num_gpus)
     device = check_placement(backend, num_gpus, device)
+    dtype = resolve_dtype(fp16, dtype, device)
     if seed is not None:
         torch.manual_seed(seed)
     if getattr(model, "_tpcore_handle", None) is not None:

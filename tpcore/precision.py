@@ -1,5 +1,12 @@
 """Precision of a rank's model: the dtype asked for, and casting to it as ``from_pretrained(dtype=...)`` does.
 
+``fp16=True`` (parallelformers' flag) means half precision where it is fast: ``torch.float16`` for CUDA
+ranks, and for CPU ranks on a CPU with float16 matrix units (AMX-FP16). Other CPUs compute float16 through
+conversions: on an AVX2 CPU a forward pass runs 4-7 times slower than in fp32, and only a batch-1 decode
+step, bound by memory bandwidth, gains (about 1.3x; the *Half precision* part of ``bench/peers.py``).
+There ``fp16=True`` casts nothing (the ranks run the model in its own dtype) and a warning says so.
+``dtype=`` is always taken as given (``torch.float16`` or ``torch.bfloat16`` halve the memory on any CPU).
+
 ``model.to(dtype)`` casts every floating tensor. ``from_pretrained(dtype=...)`` instead casts the
 floating parameters and persistent buffers (the state dict), except those of the modules a model
 keeps in fp32 (``_keep_in_fp32_modules`` when the dtype is fp16, ``_keep_in_fp32_modules_strict``
@@ -9,21 +16,43 @@ for fp16 and bf16: T5's ``wo``, MoE routers), and leaves non-persistent buffers 
 
 from __future__ import annotations
 
+import logging
 import re
 
 import torch
 from torch import nn
 
-__all__ = ["cast_model", "fp32_patterns", "resolve_dtype"]
+__all__ = ["cast_model", "float16_is_fast", "fp32_patterns", "resolve_dtype"]
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
+logger = logging.getLogger(__name__)
 
-def resolve_dtype(fp16: bool, dtype: torch.dtype | None) -> torch.dtype | None:
-    """The dtype of ``fp16=`` and ``dtype=`` together (``fp16=True`` is ``torch.float16``); a contradiction raises."""
+
+def resolve_dtype(fp16: bool, dtype: torch.dtype | None, device: str) -> torch.dtype | None:
+    """The dtype of ``fp16=`` and ``dtype=`` together for ranks on ``device`` (``"cuda"`` or ``"cpu"``;
+    ``None``: no cast); a contradiction raises.
+
+    ``dtype`` wins; ``fp16=True`` alone is ``torch.float16``, except on a CPU without float16 arithmetic
+    (:func:`float16_is_fast`), where it casts nothing and says so on the ``tpcore`` logger.
+    """
     if fp16 and dtype not in (None, torch.float16):
         raise ValueError(f"fp16=True contradicts dtype={dtype}")
-    return torch.float16 if fp16 else dtype
+    if dtype is not None or not fp16:
+        return dtype
+    if device == "cuda" or float16_is_fast():
+        return torch.float16
+    logger.warning(
+        "fp16=True: the CPU ranks keep the model's dtype: this CPU has no float16 arithmetic, where a float16 "
+        "forward runs several times slower; dtype=torch.float16 (or torch.bfloat16) casts anyway, for the memory"
+    )
+    return None
+
+
+def float16_is_fast() -> bool:
+    """Whether this machine's CPU computes in float16 faster than in fp32 (AMX-FP16 matrix units)."""
+    amx_fp16 = getattr(torch.cpu, "_is_amx_fp16_supported", None)  # private, feature-detected
+    return bool(amx_fp16 is not None and amx_fp16())
 
 
 def fp32_patterns(model: nn.Module, dtype: torch.dtype) -> list[str]:
