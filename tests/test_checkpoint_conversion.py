@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import rank_helpers
 import torch
+from process_probes import children
 from rank_helpers import ViTLayerPolicy
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -24,7 +25,6 @@ from transformers import (
 
 import tpcore
 from tpcore.checkpoint import Checkpoint
-from tpcore.process import RankPool
 from tpcore.skeleton import empty_model, install_tensors, named_tensors
 from tpcore.slicer import Split, shard
 from tpcore.testing import compare_outputs
@@ -214,18 +214,19 @@ def test_an_operation_not_read_lazily_reads_its_sources_whole_and_cuts_them(tmp_
             assert read_log == [(reads[name].sources.keys[0][0], "whole")]
 
 
-# -- errors before any rank starts ------------------------------------------------------------------
+# -- errors in the caller, before any rank loads ---------------------------------------------------
 
 
-def test_an_expert_missing_from_a_merged_tensor_fails_before_any_rank_starts(tmp_path, monkeypatch):
+def test_an_expert_missing_from_a_merged_tensor_fails_before_any_rank_loads(tmp_path, spawned):
     torch.manual_seed(0)
     MixtralForCausalLM(MIXTRAL).save_pretrained(tmp_path)
     with safe_open(tmp_path / "model.safetensors", framework="pt") as file:
         kept = {key: file.get_tensor(key) for key in file.keys() if ".layers.1.block_sparse_moe.experts.3." not in key}
     save_file(kept, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    monkeypatch.setattr(RankPool, "__init__", lambda *a, **k: pytest.fail("ranks started"))
+    kids = children()
     with pytest.raises(ValueError, match=r"MixtralForCausalLM's 'model\.layers\.1\.mlp\.experts\.\w+' the shape \(3, "):
         tpcore.parallelize(tmp_path, num_gpus=2, custom_policies=[MixtralAttention])
+    assert len(spawned) == 2 and children() <= kids  # the ranks were starting (the model is built meanwhile): gone
 
 
 # -- end to end: parallelize(directory) ---------------------------------------------------------------

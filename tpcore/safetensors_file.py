@@ -81,7 +81,7 @@ class SafetensorsFile:
         if run == 0 or outer == 0:
             return out
         offset = self._data_start + int(self.header[key]["data_offsets"][0]) + start * inner
-        target = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+        target = out.reshape(-1).view(torch.uint8).numpy().data
         if run == stride or outer == 1:  # one contiguous range
             self._read_into([target], offset)
             return out
