@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
+import threading
 import time
 
 import torch
@@ -77,11 +79,14 @@ def vocab_parallel_logits(context, spec, input_ids, gather_logits=True):
     }
 
 
-def engine_from_checkpoint(context, directory, input_ids):
+def engine_from_checkpoint(context, directory, input_ids, vocab_parallel=True):
     """ParallelEngine started from a checkpoint directory on this rank: logits and where the weights are."""
     from tpcore import ParallelEngine
 
-    model = ParallelEngine(context.world_size, context.backend, process_group=context.group).parallelize(directory)
+    engine = ParallelEngine(
+        context.world_size, context.backend, process_group=context.group, vocab_parallel=vocab_parallel
+    )
+    model = engine.parallelize(directory)
     with torch.inference_mode():
         logits = model(input_ids=input_ids).logits
     devices = {p.device.type for p in model.parameters()}
@@ -235,3 +240,33 @@ class ViTLayerPolicy(Policy):
     @staticmethod
     def mlp_out():
         return [Layer(weight="mlp.fc2.weight", bias="mlp.fc2.bias")]
+
+
+def log_from_rank(context, message):
+    """Log ``message`` with this rank's number to ``tpcore.tests`` at DEBUG, INFO and WARNING."""
+    logger = logging.getLogger("tpcore.tests")
+    for level in (logging.DEBUG, logging.INFO, logging.WARNING):
+        logger.log(level, message, context.rank)
+    return context.rank
+
+
+def log_from_two_threads(context, count):
+    """Log ``count`` numbered records to ``tpcore.tests`` from this thread and as many from another, at once."""
+    logger = logging.getLogger("tpcore.tests")
+
+    def numbered(thread):
+        for index in range(count):
+            logger.warning("%s %d", thread, index)
+
+    other = threading.Thread(target=numbered, args=("other",))
+    other.start()
+    numbered("main")
+    other.join()
+    return count
+
+
+def report_counts(context, counts):
+    """Report each of ``counts`` as this rank's running count, then return the last."""
+    for count in counts:
+        context.report_progress(count)
+    return counts[-1]

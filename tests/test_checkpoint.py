@@ -4,6 +4,7 @@ or pickle files opened with ``weights_only``), and the caller never holds the we
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pickle
 import re
@@ -14,13 +15,14 @@ import rank_helpers
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from output_probes import bar_states, on_terminal
 from process_probes import children
 from safetensors.torch import load_file, save_file
+from tqdm import tqdm
 from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, GPT2Model
 
 import tpcore
 from tpcore.checkpoint import Checkpoint
-from tpcore.process import RankPool
 from tpcore.slicer import Split, shard
 from tpcore.testing import compare_outputs
 
@@ -149,14 +151,26 @@ def test_a_directory_without_weights_or_a_missing_one_is_an_error(tmp_path):
 
 
 @pytest.mark.slow  # seconds of rank start-up or a long equivalence run: the full suite only
-def test_parallelize_from_a_checkpoint_equals_the_unsplit_model_and_the_caller_holds_no_weights(gpt2_dir):
+def test_parallelize_from_a_checkpoint_equals_the_unsplit_model_and_the_caller_holds_no_weights(gpt2_dir, caplog):
+    """... and shows a bar over the bytes every rank read, each rank logging what it read."""
     reference = gpt2()
     inputs = ids()
     with torch.inference_mode():
         expected = reference(input_ids=inputs)
         tokens = reference.generate(inputs, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
-    model = tpcore.parallelize(gpt2_dir, num_gpus=2, backend="gloo")
+    caplog.set_level(logging.INFO, logger="tpcore")
+    with on_terminal() as screen:
+        model = tpcore.parallelize(gpt2_dir, num_gpus=2, backend="gloo")
     try:
+        plan = model._tpcore_handle.plan
+        read = [plan.bytes_per_rank(rank) for rank in (0, 1)]  # fp32 stored, fp32 built: the bytes the ranks read
+        final = bar_states(screen.getvalue(), "tpcore: 2 ranks loaded")[-1]
+        shown = tqdm.format_sizeof(sum(read), divisor=1024)
+        assert final.startswith("tpcore: 2 ranks loaded: 100%|") and f"| {shown}/{shown} [" in final
+        assert len(bar_states(screen.getvalue(), "tpcore: 2 ranks loading")) >= 1
+        for rank in (0, 1):
+            (line,) = [r.getMessage() for r in caplog.records if r.name == "tpcore.parallelize" and r.rank == rank]
+            assert line.startswith(f"rank {rank}: read {read[rank] / 2**10:.1f} KiB in ")
         assert type(model) is GPT2LMHeadModel and model.config.n_layer == 2
         assert {p.device.type for p in model.parameters()} == {"meta"}
         compare_outputs(expected, model(input_ids=inputs))
@@ -209,17 +223,19 @@ def test_a_base_model_checkpoint_fills_a_model_with_a_head_through_the_prefix(tm
         model.deparallelize()
 
 
-def test_missing_or_mismatched_weights_fail_before_any_rank_starts(tmp_path, gpt2_dir, monkeypatch):
-    started = []
-    monkeypatch.setattr(RankPool, "__init__", lambda *a, **k: started.append(1) or pytest.fail("ranks started"))
+def test_errors_found_while_the_ranks_start_stop_them_before_they_are_raised(tmp_path, gpt2_dir, spawned):
+    """From a checkpoint the ranks start while the caller builds the model: what the model shows wrong then
+    (weights the files lack, sizes that do not split) stops them before it is raised."""
     tensors = {k: v for k, v in gpt2().state_dict().items() if not k.startswith("transformer.h.1.mlp")}
     save_file({k: v.contiguous() for k, v in tensors.items() if k != "lm_head.weight"}, tmp_path / "model.safetensors")
     (tmp_path / "config.json").write_text((gpt2_dir / "config.json").read_text())
+    kids = children()
     with pytest.raises(KeyError, match=r"lacks 4 parameters of GPT2LMHeadModel: transformer\.h\.1\.mlp"):
         tpcore.parallelize(tmp_path, num_gpus=2)
+    assert len(spawned) == 2 and children() <= kids
     with pytest.raises(tpcore.ShardingError, match="GPT2LMHeadModel over 13 ranks.*12 heads are fewer than the ranks"):
         tpcore.parallelize(gpt2_dir, num_gpus=13)
-    assert not started
+    assert len(spawned) == 2 + 13 and children() <= kids
 
 
 # -- damaged checkpoints fail in the caller, before any rank starts --------------------------------
@@ -367,20 +383,6 @@ def test_a_damaged_checkpoint_fails_naming_the_file_before_any_rank_starts(
         tpcore.parallelize(directory, num_gpus=2)
 
 
-def test_an_error_found_while_the_ranks_start_stops_them_before_it_is_raised(gpt2_dir, tmp_path, spawned):
-    """The ranks start while the caller builds the model from its config; weights the files lack are found then."""
-    directory = tmp_path / "lacking"
-    directory.mkdir()
-    shutil.copy(gpt2_dir / "config.json", directory)
-    tensors = load_file(gpt2_dir / "model.safetensors")
-    del tensors["transformer.h.1.mlp.c_fc.weight"]
-    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
-    kids = children()
-    with pytest.raises(KeyError, match="lacks 1 parameters of GPT2LMHeadModel: transformer.h.1.mlp.c_fc.weight"):
-        tpcore.parallelize(directory, num_gpus=2)
-    assert len(spawned) == 2 and children() <= kids  # two ranks were starting: both are gone
-
-
 def test_the_engine_fails_on_a_missing_shard_before_joining_a_process_group(
     gpt2_shards, tmp_path, monkeypatch, no_process_starts
 ):
@@ -388,6 +390,25 @@ def test_the_engine_fails_on_a_missing_shard_before_joining_a_process_group(
     monkeypatch.setattr("tpcore.engine.tensor_parallel_group", lambda *a: pytest.fail("joined a process group"))
     with pytest.raises(error, match=match):
         tpcore.ParallelEngine(2).parallelize(directory)
+
+
+def test_the_spmd_engine_shows_rank_0s_reads_on_a_bar(gpt2_dir):
+    with on_terminal() as screen:
+        model = tpcore.ParallelEngine(1, "gloo").parallelize(gpt2_dir)
+    shown = tqdm.format_sizeof(sum(t.numel() * t.element_size() for t in [*model.parameters()]), divisor=1024)
+    final = bar_states(screen.getvalue(), "tpcore: rank 0 of 1 loaded")[-1]
+    assert final.startswith("tpcore: rank 0 of 1 loaded: 100%|") and f"| {shown}/" in final
+
+
+def test_the_spmd_engine_warns_on_rank_0_alone_when_much_stays_whole(rank_pools, gpt2_dir, caplog):
+    rank_pools.get(2).run(rank_helpers.engine_from_checkpoint, str(gpt2_dir), ids(), vocab_parallel=False)
+    (warning,) = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert (warning.name, warning.rank) == ("tpcore.plan", 0)
+    lines = warning.getMessage().splitlines()
+    assert re.fullmatch(
+        r"rank 0: GPT2LMHeadModel over 2 ranks: .* of its .* \(\d+%\) stays whole on every rank; the largest:", lines[0]
+    )
+    assert lines[1] == "    transformer.wte (Embedding, 18.9 KiB) is replicated: vocab_parallel=False"
 
 
 def test_the_spmd_engine_reads_its_own_slices_from_a_checkpoint(rank_pools, gpt2_dir):

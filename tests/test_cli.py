@@ -1,10 +1,11 @@
-"""The ``tpcore`` console script: ``tpcore plugins`` and ``tpcore plugins --json``."""
+"""The ``tpcore`` console script: ``tpcore plugins``, ``--json``, and ``--model`` (the split at a glance)."""
 
 from __future__ import annotations
 
 import importlib.metadata
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -12,6 +13,8 @@ import types
 from pathlib import Path
 
 import pytest
+import torch
+import transformers
 
 import tpcore
 from tpcore import Policy
@@ -166,3 +169,63 @@ def test_console_script(bert_version, bert_policies):
     listed = [line.split() for line in lines[start : start + len(bert_policies)]]
     assert listed == [[policy.policy_name(), policy.layer_class_name()] for policy in bert_policies]
     assert {"BertPolicy", "RobertaPolicy", "DistilBertPolicy"} <= {name for name, _ in listed}
+
+
+# -- tpcore plugins --model: the split at a glance ------------------------------------------------------
+
+
+class ClampedEmbedding(torch.nn.Embedding):
+    """An embedding whose forward clamps the rows it looks up: not a lookup times one scale."""
+
+    def forward(self, ids):
+        return super().forward(ids).clamp(-1, 1)
+
+
+@pytest.fixture(scope="module")
+def gpt2_dir(tmp_path_factory):
+    """A small GPT-2 saved with ``save_pretrained``."""
+    directory = tmp_path_factory.mktemp("gpt2")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=101, n_embd=48, n_layer=2, n_head=12, n_positions=32)
+    transformers.GPT2LMHeadModel(config).save_pretrained(directory)
+    return directory
+
+
+def test_plugins_model_shows_ranks_backend_devices_policies_with_their_plugins_and_bytes_per_rank(capsys, gpt2_dir):
+    from tp_gpt.policies import GPT2Policy
+
+    version = importlib.metadata.version("tp-gpt")
+    assert main(["plugins", "--model", str(gpt2_dir), "--world-size", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "GPT2LMHeadModel over 2 gloo ranks on cpu (what parallelize(num_gpus=2) uses here):"
+    assert lines[1].split() == ["GPT2Policy", GPT2Policy.layer_class_name(), "(from", "tp-gpt", f"{version})"]
+    assert lines[2] == "GPT2LMHeadModel over 2 ranks:"
+    assert re.fullmatch(r"per rank [\d.]+ KiB of [\d.]+ KiB \(5\d%; [\d.]+ KiB replicated on every rank\)", lines[-1])
+    assert main(["plugins", "--model", str(gpt2_dir), "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert (shown["backend"], shown["devices"]) == ("gloo", ["cpu", "cpu"])
+    assert shown["policies"] == [
+        {"policy": "GPT2Policy", "layer_class": GPT2Policy.layer_class_name(), "from": f"tp-gpt {version}"}
+    ]
+    plan = shown["plan"]
+    assert plan["whole_bytes"] > max(plan["bytes_per_rank"]) and 0 < plan["replicated_bytes"] < min(
+        plan["bytes_per_rank"]
+    )
+    assert (
+        plan["tensors"]["transformer.wpe.weight"]["kept_whole"] == "outside the layers the policies split (GPT2Block)"
+    )
+    assert "kept_whole" not in plan["tensors"]["transformer.wte.weight"]  # split over the vocabulary
+
+
+def test_plugins_model_says_what_stays_whole_when_much_does(capsys, monkeypatch, gpt2_dir):
+    import tpcore.check
+
+    model = transformers.GPT2LMHeadModel.from_pretrained(gpt2_dir)
+    model.transformer.wte.__class__ = ClampedEmbedding
+    monkeypatch.setattr(tpcore.check, "resolve", lambda name: types.SimpleNamespace(build=lambda: model))
+    assert main(["plugins", "--model", "GPT2LMHeadModel"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "stays whole on every rank; the largest:\n    transformer.wte (ClampedEmbedding, 18.9 KiB) is replicated: "
+        in out
+    )

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib.metadata
 import json
+import logging
 import os
 import queue
 import re
@@ -30,8 +32,10 @@ import pytest
 import rank_helpers
 import torch
 import transformers
+from output_probes import bar_states, on_terminal, records_of
 from process_probes import children, gone, listening_of, listening_sockets
 from torch import nn
+from tqdm import tqdm
 
 import tpcore
 from tpcore.process import WorkerDiedError, WorkerError
@@ -124,14 +128,22 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def masked_lm():
-    """``(parallelized BertForMaskedLM over 2 ranks, the same model unsplit)``, for the whole module."""
+def masked_lm_start():
+    """``(parallelized BertForMaskedLM over 2 ranks, the same model unsplit, what its start wrote on a
+    terminal, the tpcore records it logged at INFO)``, for the whole module."""
     spec = bert_family_spec("Bert", "ForMaskedLM")
     reference, model = spec.build(), spec.build()
-    assert tpcore.parallelize(model, num_gpus=2, backend="gloo") is model
-    yield model, reference
+    with on_terminal() as screen, records_of("tpcore", logging.INFO) as records:
+        assert tpcore.parallelize(model, num_gpus=2, backend="gloo") is model
+    yield model, reference, screen.getvalue(), records
     if getattr(model, "_tpcore_handle", None) is not None:
         model.deparallelize()
+
+
+@pytest.fixture(scope="module")
+def masked_lm(masked_lm_start):
+    """``(parallelized BertForMaskedLM over 2 ranks, the same model unsplit)``, for the whole module."""
+    return masked_lm_start[:2]
 
 
 def mlm_batch(seed: int, lengths=(7, 3, 5), seq: int = 7) -> dict:
@@ -253,6 +265,46 @@ def test_memory_queries_report_every_rank(masked_lm):
     for query in (model.memory_reserved, model.memory_cached, model.memory_peak):
         figures = query()
         assert sorted(figures) == ["cpu:0", "cpu:1"] and all(v > allocated[k] for k, v in figures.items())
+
+
+def test_the_start_shows_a_bar_of_the_bytes_sent_to_every_rank_and_logs_what_was_split_how(masked_lm_start):
+    model, _, screen, records = masked_lm_start
+    plan = model._tpcore_handle.plan
+    total = sum(plan.bytes_per_rank(rank) for rank in (0, 1))
+    assert bar_states(screen, "tpcore: 2 ranks starting")
+    assert bar_states(screen, "tpcore: 2 ranks loading")
+    final = bar_states(screen, "tpcore: 2 ranks loaded")[-1]
+    shown_total = tqdm.format_sizeof(total, divisor=1024)  # as the bar writes a size
+    assert final.startswith("tpcore: 2 ranks loaded: 100%|") and f"| {shown_total}/{shown_total} [" in final
+    pids = model._tpcore_handle.pool.pids
+    logged = [(r.name, r.levelname, getattr(r, "rank", None), r.getMessage()) for r in records]
+    assert ("tpcore.process", "INFO", None, f"starting 2 gloo ranks (pids {pids[0]}, {pids[1]})") in logged
+    version = importlib.metadata.version("tp-bert")
+    chose = f"AutoPolicy chose for BertForMaskedLM: BertPolicy (tp-bert {version})"
+    assert ("tpcore.auto", "INFO", None, chose) in logged
+    assert ("tpcore.plan", "INFO", None, f"BertForMaskedLM over 2 ranks: {plan.bytes_summary()}") in logged
+    for rank in (0, 1):
+        joined = [m for name, _, r, m in logged if name == "tpcore.worker" and r == rank]
+        assert len(joined) == 1 and joined[0].startswith(
+            f"rank {rank}: joined the gloo group on cpu (pid {pids[rank]})"
+        )
+    warnings = [r.getMessage() for r in records if r.levelno >= logging.WARNING]
+    assert warnings == [plan.replicated_warning()]  # this tiny BERT's 512 positions outweigh its layers
+    assert "bert.embeddings.position_embeddings (Embedding, 96.0 KiB) is replicated" in warnings[0]
+    assert "word_embeddings" not in warnings[0]  # split over the vocabulary
+
+
+def test_the_served_models_repr_and_its_handles_show_the_split(masked_lm):
+    model, reference = masked_lm
+    handle = model._tpcore_handle
+    version = importlib.metadata.version("tp-bert")
+    split = f"split over 2 gloo ranks on cpu by BertPolicy (tp-bert {version}): {handle.plan.bytes_summary()}"
+    shown = repr(model).splitlines()
+    assert shown[0] == "BertForMaskedLM(" and shown[1] == f"  tpcore: {split}"
+    assert shown[2:] == repr(reference).splitlines()[1:]  # the model's own modules, unchanged
+    pids = ", ".join(map(str, handle.pool.pids))
+    assert repr(handle) == f"ParallelHandle(BertForMaskedLM {split}; RankPool(2 gloo ranks on cpu, pids {pids}))"
+    assert "per rank 195.6 KiB of 274.7 KiB (71%; 116.6 KiB replicated on every rank)" in split
 
 
 # -- 3. generate ---------------------------------------------------------------------------------
@@ -457,8 +509,10 @@ def test_a_killed_rank_is_detected_not_waited_out_and_deparallelize_still_works(
         model(**inputs)  # refused at once, not sent to ranks that are gone
     time_to_error("the call after that", time.monotonic() - started)
     assert wait_gone(pids, 60) < 60 and not model._tpcore_handle.pool.alive
+    assert repr(model).splitlines()[1].startswith("  tpcore: split over 2 gloo ranks on cpu (stopped) by BertPolicy")
     assert model.deparallelize() is model
     assert not hasattr(model, "_tpcore_handle") and "forward" not in vars(model)
+    assert repr(model) == repr(reference)  # its own again
     compare_outputs(expected, run_unsplit(model, **inputs), rtol=0)
 
     # a rank killed while a call is in flight (the other rank is busy and cannot answer)

@@ -6,6 +6,7 @@ Single-process: every rank's shard is built here with an explicit rank, no proce
 from __future__ import annotations
 
 import copy
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -188,6 +189,83 @@ def test_the_report_says_what_is_cut_how_and_the_bytes_per_rank():
     assert "vocabulary rows" in report and "replicated" in report
     whole = sum(t.numel() * t.element_size() for t in named_tensors(model).values())
     assert whole < 2**20 and f"of {whole / 2**10:.1f} KiB" in report  # sizes under a MiB in KiB
+    plan = ShardPlan.build(model, [GPT2Policy], 2)
+    share, replicated = plan.bytes_per_rank(0) / whole, plan.replicated_bytes / 2**10
+    assert report.endswith(f" ({share:.0%}; {replicated:.1f} KiB replicated on every rank)")
+
+
+# -- what stays whole, and why ----------------------------------------------------------------------
+
+
+class NormalizedEmbedding(torch.nn.Embedding):
+    """An embedding whose forward normalizes the rows it looks up: not a lookup times one scale."""
+
+    def forward(self, ids):
+        return torch.nn.functional.normalize(super().forward(ids), dim=-1)
+
+
+class TableReader(torch.nn.Module):
+    """A module that reads an embedding table of another module."""
+
+    def __init__(self, table):
+        super().__init__()
+        self.weight = table
+
+
+def test_a_plan_says_why_each_tensor_it_does_not_cut_stays_whole():
+    plan = ShardPlan.build(gpt2(), [GPT2Policy], 2, vocab_parallel=False)
+    assert set(plan.kept_whole) == set(plan.shapes) - set(plan.splits)
+    assert plan.kept_whole["transformer.wte.weight"] == ("Embedding", "vocab_parallel=False")
+    assert plan.kept_whole["transformer.wpe.weight"] == (
+        "Embedding",
+        "outside the layers the policies split (GPT2Block)",
+    )
+    assert plan.kept_whole["transformer.h.1.attn.c_proj.bias"] == ("Conv1D", "GPT2Policy does not cut it")
+    assert "transformer.h.1.attn.c_attn.weight" not in plan.kept_whole
+
+
+def test_much_replicated_is_one_warning_naming_the_largest_and_why(caplog):
+    model = gpt2()
+    plan = ShardPlan.build(model, [GPT2Policy], 2, vocab_parallel=False)
+    plan.log()
+    (warning,) = [record for record in caplog.records if record.levelno == logging.WARNING]
+    whole = sum(t.numel() * t.element_size() for t in named_tensors(model).values())
+    replicated = whole - sum(t.numel() * t.element_size() for n, t in named_tensors(model).items() if n in plan.splits)
+    assert warning.name == "tpcore.plan" and warning.getMessage().splitlines() == [
+        f"GPT2LMHeadModel over 2 ranks: {replicated / 2**10:.1f} KiB of its {whole / 2**10:.1f} KiB "
+        f"({replicated / whole:.0%}) stays whole on every rank; the largest:",
+        "    transformer.wte (Embedding, 5.7 KiB) is replicated: vocab_parallel=False",
+        "    transformer.wpe (Embedding, 1.5 KiB) is replicated: outside the layers the policies split (GPT2Block)",
+        "    transformer.h.*.ln_1 (LayerNorm x2, 0.4 KiB) is replicated: GPT2Policy does not cut it",
+    ]
+
+
+def test_an_embedding_that_cannot_be_split_over_the_vocabulary_is_named_with_why():
+    model = gpt2()
+    model.transformer.wte.__class__ = NormalizedEmbedding  # tied to lm_head still
+    plan = ShardPlan.build(model, [GPT2Policy], 2)
+    assert "transformer.wte.weight" not in plan.splits and not plan.vocab  # the tied head stays whole with it
+    assert plan.replicated_warning().splitlines()[1] == (
+        "    transformer.wte (NormalizedEmbedding, 5.7 KiB) is replicated: the forward of NormalizedEmbedding "
+        "is not a lookup times one scale, which is what splits over the vocabulary"
+    )
+
+
+def test_an_embedding_another_module_reads_is_named_with_its_reader():
+    model = gpt2()
+    model.reader = TableReader(model.transformer.wte.weight)
+    plan = ShardPlan.build(model, [GPT2Policy], 2)
+    assert plan.replicated_warning().splitlines()[1] == (
+        "    transformer.wte (Embedding, 5.7 KiB) is replicated: reader (TableReader) reads its tensors too"
+    )
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_nothing_is_said_when_the_vocabulary_is_split_or_there_is_one_rank(caplog, world_size):
+    plan = ShardPlan.build(gpt2(), [GPT2Policy], world_size, vocab_parallel=world_size == 2)
+    plan.log()
+    assert plan.replicated_warning() is None
+    assert not [record for record in caplog.records if record.levelno >= logging.WARNING]
 
 
 class AlbertLayerPolicy(Policy):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -67,12 +68,15 @@ def test_a_rank_that_fails_while_others_wait_in_a_collective_tears_the_pool_down
         pool.run(rank_helpers.whoami)
 
 
-def test_killed_worker_is_detected_not_waited_out(pool, time_to_error):
+def test_killed_worker_is_detected_not_waited_out_and_logged(pool, time_to_error, caplog):
+    pid = pool.pids[1]
     started = time.monotonic()
     with pytest.raises(WorkerDiedError, match="rank 1 died"):
         pool.run(rank_helpers.kill_on, 1, timeout=300)
     time_to_error("a rank killed mid-call", time.monotonic() - started)
     assert not pool.alive
+    deaths = [(r.name, r.levelname, r.getMessage()) for r in caplog.records if r.levelno >= logging.WARNING]
+    assert deaths == [("tpcore.process", "ERROR", f"rank 1 (pid {pid}) was killed by SIGKILL during kill_on")]
 
 
 def test_every_wait_has_a_timeout(pool, time_to_error):

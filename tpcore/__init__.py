@@ -1,5 +1,6 @@
 """tpcore: tensor-parallel inference for Hugging Face transformers models, on GPUs or CPU ranks."""
 
+from tpcore import log  # noqa: F401  (first: the tpcore logger's level, TPCORE_LOG_LEVEL, and its stderr fallback)
 from tpcore.auto import AutoPolicy, UnsupportedModelError
 from tpcore.engine import ParallelEngine
 from tpcore.hookspecs import hookimpl

@@ -9,6 +9,7 @@ tower, which neither a plugin nor a tp plan covers, stays whole on every rank.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from torch import nn
@@ -18,7 +19,19 @@ from tpcore.plugins import DISABLE_AUTOLOAD_ENV, PolicyEntry, autoload_disabled,
 from tpcore.policy import Policy
 from tpcore.tp_plan import TpPlanError, derive_policies, sub_model_plans
 
-__all__ = ["AutoPolicy", "SubModelCoverage", "UnsupportedModelError", "sub_model_coverage"]
+__all__ = [
+    "AutoPolicy",
+    "SubModelCoverage",
+    "UnsupportedModelError",
+    "describe_policies",
+    "policy_origin",
+    "sub_model_coverage",
+]
+
+#: where :func:`policy_origin` says a policy derived from a config's ``base_model_tp_plan`` comes from
+TP_PLAN_ORIGIN = "config tp plan"
+
+logger = logging.getLogger(__name__)
 
 
 class UnsupportedModelError(LookupError):
@@ -41,14 +54,35 @@ class AutoPolicy:
         try:
             derived = derive_policies(model)
         except TpPlanError as error:
-            if plugin_policies:
-                return plugin_policies
-            raise UnsupportedModelError(unsupported_message(model, f"No policy could be derived: {error}.")) from None
-        return plugin_policies + _not_overlapping(model, derived, plugin_policies)
+            if not plugin_policies:
+                raise UnsupportedModelError(
+                    unsupported_message(model, f"No policy could be derived: {error}.")
+                ) from None
+            derived = []
+        chosen = plugin_policies + _not_overlapping(model, derived, plugin_policies)
+        if logger.isEnabledFor(logging.INFO):
+            logger.info("AutoPolicy chose for %s: %s", type(model).__name__, describe_policies(chosen))
+        return chosen
 
     def available(self) -> list[PolicyEntry]:
         """Every registered policy."""
         return registered_policies()
+
+
+def policy_origin(policy: type[Policy]) -> str:
+    """Where ``policy`` comes from: its plugin's distribution and version (``"tp-gpt 0.1.0"``), the config's tp
+    plan (:data:`TP_PLAN_ORIGIN`), or ``"custom_policies"`` (a class no plugin registers)."""
+    entry = next((entry for entry in registered_policies() if entry.policy is policy), None)
+    if entry is not None:
+        return f"{entry.distribution} {entry.version}"
+    if policy.__module__ == derive_policies.__module__:
+        return TP_PLAN_ORIGIN
+    return "custom_policies"
+
+
+def describe_policies(policies: list[type[Policy]]) -> str:
+    """Each policy with where it comes from: ``"GPT2Policy (tp-gpt 0.1.0)"``, joined by commas."""
+    return ", ".join(f"{policy.policy_name()} ({policy_origin(policy)})" for policy in policies) or "none"
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,10 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import math
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -236,6 +237,15 @@ class Checkpoint:
         handle = self._handle(self.files[key])
         return handle[key].dtype if isinstance(handle, dict) else handle.dtype(key)
 
+    def bytes_to_read(self, reads: list[Read], shape_of: Callable[[str], tuple[int, ...]]) -> int:
+        """The bytes a rank reads for ``reads``: each tensor of the shape ``shape_of(read.name)`` gives its part,
+        in its stored dtype (what :meth:`load_into` reports to its ``progress``), from the headers only."""
+        total = 0
+        for read in reads:
+            dtype = read.value.dtype if read.sources is None else self._stored_dtype(read.sources.keys[0][0])
+            total += math.prod(shape_of(read.name)) * dtype.itemsize
+        return total
+
     def reads(self, model: nn.Module, splits: Mapping[str, Split | None]) -> list[Read]:
         """What to read to fill ``model``'s tensors, cut by ``splits`` (by the names of
         :func:`~tpcore.skeleton.named_tensors`; a name not there is read whole).
@@ -299,10 +309,17 @@ class Checkpoint:
                 )
 
     def load_into(
-        self, skeleton: nn.Module, reads: list[Read], rank: int, world_size: int, device=None, dtype=None
+        self,
+        skeleton: nn.Module,
+        reads: list[Read],
+        rank: int,
+        world_size: int,
+        device=None,
+        dtype=None,
+        progress: Callable[[int], None] | None = None,
     ) -> None:
         """Read this rank's tensors onto ``device`` (see :meth:`read_tensor`) and put them into ``skeleton``
-        (already split, weights on meta)."""
+        (already split, weights on meta); ``progress(nbytes)`` is told the bytes of each tensor once read."""
         expected = {name: tensor.shape for name, tensor in [*skeleton.named_parameters(), *skeleton.named_buffers()]}
         tensors = {}
         for read in reads:
@@ -315,6 +332,8 @@ class Checkpoint:
                     f"{read.name!r} needs {tuple(expected[read.name])}: the weights do not match config.json"
                 )
             tensors[read.name] = tensor
+            if progress is not None:
+                progress(tensor.numel() * tensor.element_size())
         install_tensors(skeleton, tensors)
         left = [name for name, tensor in skeleton.named_parameters() if tensor.device.type == "meta"]
         if left:

@@ -45,25 +45,28 @@ def _plugins(args: argparse.Namespace) -> int:
 
 
 def _applying(args: argparse.Namespace) -> int:
-    """Which policies apply to one model, where each comes from (a plugin or the tp plan), and for
-    a composite model which sub-models they split and which stay whole (and why)."""
-    from tpcore.auto import AutoPolicy, UnsupportedModelError, sub_model_coverage
+    """Which policies apply to one model, where each comes from (a plugin and its version, or the tp plan), for
+    a composite model which sub-models they split and which stay whole (and why), and the split over
+    ``--world-size`` ranks with the backend and devices ``parallelize(num_gpus=N)`` would use here: every
+    tensor's cut, bytes per rank against the whole, and what stays whole when much does."""
+    from tpcore.auto import AutoPolicy, UnsupportedModelError, policy_origin, sub_model_coverage
     from tpcore.check import resolve
+    from tpcore.distributed import default_backend, device_for
     from tpcore.plan import ShardPlan
     from tpcore.policy import ShardingError
+    from tpcore.process import ranks_text
 
     model = resolve(args.model).build()
-    entries = AutoPolicy().entries_for(model)
     try:
         policies = AutoPolicy().get_policy(model)
     except UnsupportedModelError as error:
         print(error)
         return 2
-    source = {e.policy: f"{e.distribution} {e.version}" for e in entries}
     rows = [
-        {"policy": p.policy_name(), "layer_class": p.layer_class_name(), "from": source.get(p, "config tp plan")}
-        for p in policies
+        {"policy": p.policy_name(), "layer_class": p.layer_class_name(), "from": policy_origin(p)} for p in policies
     ]
+    backend = default_backend(args.world_size)
+    devices = [str(device_for(backend, rank)) for rank in range(args.world_size)]
     parts = sub_model_coverage(model, policies)[1:]  # the model's own sub-models, if it is composite
     sub_rows = [
         {
@@ -79,12 +82,20 @@ def _applying(args: argparse.Namespace) -> int:
     except ShardingError as error:
         plan, problem = None, str(error)
     if args.json:
-        shown = {"model": type(model).__name__, "policies": rows, "sub_models": sub_rows, "world_size": args.world_size}
+        shown = {
+            "model": type(model).__name__,
+            "policies": rows,
+            "sub_models": sub_rows,
+            "world_size": args.world_size,
+            "backend": backend,
+            "devices": devices,
+        }
         shown["plan"] = plan_json(plan) if plan is not None else {"error": problem}
         json.dump(shown, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0 if plan is not None else 2
-    print(f"{type(model).__name__}:")
+    placement = ranks_text(args.world_size, backend, devices)
+    print(f"{type(model).__name__} over {placement} (what parallelize(num_gpus={args.world_size}) uses here):")
     for row in rows:
         print(f"    {row['policy']:<24} {row['layer_class']}  (from {row['from']})")
     if sub_rows:
@@ -92,13 +103,20 @@ def _applying(args: argparse.Namespace) -> int:
     for row in sub_rows:
         status = f"stays whole: {row['whole']}" if row["whole"] else "split by " + ", ".join(row["policies"])
         print(f"    {row['name']:<24} {row['class']}  {status}")
-    print(plan.report() if plan is not None else problem)
-    return 0 if plan is not None else 2
+    if plan is None:
+        print(problem)
+        return 2
+    print(plan.report())
+    warning = plan.replicated_warning()
+    if warning is not None:
+        print(warning)
+    return 0
 
 
 def plan_json(plan) -> dict:
-    """A plan as JSON: every tensor's whole shape, each rank's shape and how it is cut, the attributes whose
-    values differ by rank (a list, one per rank), and each rank's bytes."""
+    """A plan as JSON: every tensor's whole shape, each rank's shape and how it is cut (and why a replicated one
+    stays whole), the attributes whose values differ by rank (a list, one per rank), each rank's bytes, the
+    whole model's and those replicated on every rank."""
     from tpcore.plan import describe
     from tpcore.shares import PerRank
 
@@ -111,13 +129,20 @@ def plan_json(plan) -> dict:
         }
         for name, shape in plan.shapes.items()
     }
+    for name, whole in plan.kept_whole.items():
+        tensors[name]["kept_whole"] = whole.reason
     attributes = {
         path: [v if isinstance(v, (int, float)) else type(v).__name__ for v in value]
         for path, value in plan.attributes.items()
         if isinstance(value, PerRank)
     }
-    bytes_per_rank = [plan.bytes_per_rank(rank) for rank in ranks]
-    return {"tensors": tensors, "attributes_per_rank": attributes, "bytes_per_rank": bytes_per_rank}
+    return {
+        "tensors": tensors,
+        "attributes_per_rank": attributes,
+        "bytes_per_rank": [plan.bytes_per_rank(rank) for rank in ranks],
+        "whole_bytes": plan.whole_bytes,
+        "replicated_bytes": plan.replicated_bytes,
+    }
 
 
 def _check(args: argparse.Namespace) -> int:

@@ -13,6 +13,7 @@ from tpcore.checkpoint import Checkpoint, is_checkpoint_path
 from tpcore.comm import group_rank
 from tpcore.distributed import bind_device, check_placement, default_backend, device_for, tensor_parallel_group
 from tpcore.precision import cast_model, resolve_dtype
+from tpcore.progress import LoadBar
 from tpcore.replacer import TensorReplacer
 from tpcore.skeleton import empty_model
 
@@ -101,8 +102,10 @@ class ParallelEngine:
 
         ``model`` is a model, or the directory of a saved one: then the model is built without weights
         and this rank reads only its own slices from the files (``model_class`` overrides the class
-        ``config.json`` names). Returns this rank's shard of the model (the same object for a model),
-        in eval mode and without gradients (tensor parallelism here is for inference).
+        ``config.json`` names), rank 0 showing a bar of its own reads (:mod:`tpcore.progress`). Rank 0 logs
+        the plan's bytes per rank, and warns when much of the model stays whole (:meth:`ShardPlan.log`).
+        Returns this rank's shard of the model (the same object for a model), in eval mode and without
+        gradients (tensor parallelism here is for inference).
         """
         dtype = resolve_dtype(
             fp16, self.dtype, check_placement(self.backend, self._local_world_size(), self.device_type)
@@ -121,13 +124,26 @@ class ParallelEngine:
         group = self.create_process_group(self.backend)
         if group is not None:
             shm.attach(group)  # gloo ranks of one host: shared-memory collectives
+        rank = group_rank(group)
+        if rank == 0:
+            plan.log()
         model.eval().requires_grad_(False)
-        plan.apply(model, group_rank(group), group, gather_logits=self.gather_logits)
+        plan.apply(model, rank, group, gather_logits=self.gather_logits)
         if checkpoint is not None:
-            checkpoint.load_into(model, reads, group_rank(group), self.world_size, device, dtype)
+            self._load(checkpoint, model, reads, plan, rank, device, dtype)
         if dtype is not None:
             cast_model(model, dtype)
         return model.to(device)  # module.to also moves non-persistent buffers
+
+    def _load(self, checkpoint: Checkpoint, model: nn.Module, reads, plan, rank: int, device, dtype) -> None:
+        """Read this rank's slices into ``model`` (already split); rank 0 shows the bar of its own reads."""
+        if rank != 0:
+            checkpoint.load_into(model, reads, rank, self.world_size, device, dtype)
+            return
+        total = checkpoint.bytes_to_read(reads, plan.shard_shape)
+        with LoadBar(total, f"tpcore: rank 0 of {self.world_size} loading") as bar:
+            checkpoint.load_into(model, reads, rank, self.world_size, device, dtype, progress=bar.add)
+            bar.done(f"tpcore: rank 0 of {self.world_size} loaded")
 
     def _replacer(self, model: nn.Module, group, fp16: bool, rank: int | None = None) -> TensorReplacer:
         return TensorReplacer(

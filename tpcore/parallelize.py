@@ -17,15 +17,21 @@ Sampling stays in step: every call carries the caller's RNG state (CPU, and CUDA
 :mod:`tpcore.rng`) to all ranks, and the caller takes rank 0's state back, so
 ``torch.manual_seed(s); model.generate(do_sample=True)`` draws what the unsplit model draws with
 that seed, and the ranks never diverge.
+
+While the ranks start and load, one bar counts the bytes every rank has loaded (:mod:`tpcore.progress`);
+the plan's bytes per rank and, past a share of the model, what stays whole on every rank are logged
+(:meth:`~tpcore.plan.ShardPlan.log`). The served model's ``repr`` begins with its split.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import logging
 import os
 import resource
 import threading
+import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any, NamedTuple
@@ -34,12 +40,23 @@ import torch
 from torch import nn
 
 from tpcore import memfd
+from tpcore.auto import describe_policies
 from tpcore.checkpoint import Checkpoint, Read, is_checkpoint_path
 from tpcore.distributed import check_placement, default_backend
 from tpcore.layers import bind_group
-from tpcore.plan import ShardPlan
+from tpcore.plan import ShardPlan, format_bytes
 from tpcore.precision import cast_model, resolve_dtype
-from tpcore.process import CALL_TIMEOUT_S, START_TIMEOUT_S, RankContext, RankPool, WorkerDiedError, WorkerError, reraise
+from tpcore.process import (
+    CALL_TIMEOUT_S,
+    START_TIMEOUT_S,
+    RankContext,
+    RankPool,
+    WorkerDiedError,
+    WorkerError,
+    ranks_text,
+    reraise,
+)
+from tpcore.progress import ByteCounter, LoadBar
 from tpcore.replacer import TensorReplacer
 from tpcore.rng import CallerRandomState, RandomState, device_generator
 from tpcore.skeleton import (
@@ -57,8 +74,10 @@ __all__ = ["ParallelHandle", "parallelize"]
 _SERVED = ("forward", "generate")
 #: moving the model ends the parallelization first, as in parallelformers
 _MOVES = ("to", "cpu", "cuda")
-_ADDED = ("deparallelize", "memory_allocated", "memory_reserved", "memory_cached", "memory_peak")
+_ADDED = ("deparallelize", "memory_allocated", "memory_reserved", "memory_cached", "memory_peak", "extra_repr")
 _START_METHODS = (None, "spawn", "fork", "forkserver")
+
+logger = logging.getLogger(__name__)
 
 
 def parallelize(
@@ -166,9 +185,13 @@ def parallelize(
         )
         try:
             prepared = prepare()
-            pool.wait_started()
-            prepared.send(pool, timeout)
-            handle = ParallelHandle(prepared.model, pool, timeout, has_weights=not from_checkpoint)
+            prepared.plan.log()
+            with LoadBar(prepared.total_bytes, f"tpcore: {num_gpus} ranks starting") as bar:
+                pool.wait_started()
+                bar.loading(f"tpcore: {num_gpus} ranks loading")
+                prepared.send(pool, timeout, bar)
+                bar.done(f"tpcore: {num_gpus} ranks loaded")
+            handle = ParallelHandle(prepared.model, pool, timeout, prepared.plan, has_weights=not from_checkpoint)
             if verbosity is not None:
                 handle.print_memory(verbosity)
         except BaseException:
@@ -181,10 +204,13 @@ def parallelize(
 
 
 class _Prepared(NamedTuple):
-    """The caller's model, and how every rank gets its shard of it: ``send(pool, timeout)``."""
+    """The caller's model, its plan, the bytes all ranks load, and how every rank gets its shard:
+    ``send(pool, timeout, bar)``, counting the bytes loaded on ``bar``."""
 
     model: nn.Module
-    send: Callable[[RankPool, float], Any]
+    plan: ShardPlan
+    total_bytes: int
+    send: Callable[[RankPool, float, LoadBar], Any]
 
 
 def _from_model(model: nn.Module, split_plan, dtype) -> _Prepared:
@@ -192,7 +218,7 @@ def _from_model(model: nn.Module, split_plan, dtype) -> _Prepared:
     plan = split_plan(model)
     skeleton_for = _skeletons(plan, weightless_copy(model))
     send = functools.partial(_send_shards, model=model, skeleton_for=skeleton_for, plan=plan, dtype=dtype)
-    return _Prepared(model, send)
+    return _Prepared(model, plan, sum(plan.bytes_per_rank(rank) for rank in range(plan.world_size)), send)
 
 
 def _from_checkpoint(checkpoint: Checkpoint, config, model_class, split_plan, dtype) -> _Prepared:
@@ -201,16 +227,23 @@ def _from_checkpoint(checkpoint: Checkpoint, config, model_class, split_plan, dt
     model = _model_without_weights(checkpoint, config, model_class)
     plan = split_plan(model)
     reads = checkpoint.reads(model, plan.splits)  # checks the files: a missing or truncated one fails here
+    total = sum(
+        checkpoint.bytes_to_read(reads, functools.partial(plan.shard_shape, rank=rank))
+        for rank in range(plan.world_size)
+    )
     checkpoint.close()  # the caller keeps no file open while the ranks read
     skeleton = copy.deepcopy(model)  # weights on meta already; keeps the constructed buffers
     drop_output_capturing_hooks(skeleton)
     skeleton_for = _skeletons(plan, skeleton)
     directory = str(checkpoint.directory)
 
-    def send(pool: RankPool, timeout: float) -> None:
-        pool.scatter(_read_shard, lambda rank: (skeleton_for(rank), directory, reads, dtype), timeout=timeout)
+    def send(pool: RankPool, timeout: float, bar: LoadBar) -> None:
+        def arguments(rank: int) -> tuple:
+            return skeleton_for(rank), directory, reads, dtype
 
-    return _Prepared(model, send)
+        pool.scatter(_read_shard, arguments, timeout=timeout, on_progress=bar.rank_loaded)
+
+    return _Prepared(model, plan, total, send)
 
 
 def _modeling_modules(config, model_class) -> tuple[str, ...]:
@@ -252,8 +285,11 @@ def _skeletons(plan: ShardPlan, skeleton: nn.Module):
     return lambda rank: plan.apply(copy.deepcopy(skeleton), rank)
 
 
-def _send_shards(pool: RankPool, timeout: float, *, model: nn.Module, skeleton_for, plan: ShardPlan, dtype) -> None:
-    """Stream every rank its parts of ``model``'s tensors, straight into the rank's storage."""
+def _send_shards(
+    pool: RankPool, timeout: float, bar: LoadBar, *, model: nn.Module, skeleton_for, plan: ShardPlan, dtype
+) -> None:
+    """Stream every rank its parts of ``model``'s tensors, straight into the rank's storage; ``bar`` counts
+    the bytes sent."""
     tensors = named_tensors(model)
 
     def arguments(rank: int) -> tuple:
@@ -262,7 +298,9 @@ def _send_shards(pool: RankPool, timeout: float, *, model: nn.Module, skeleton_f
 
     def shares(rank: int):
         for name, tensor in tensors.items():  # a model on a GPU: one share at a time goes through the CPU
-            yield plan.share(name, tensor, rank).cpu()
+            share = plan.share(name, tensor, rank).cpu()
+            yield share
+            bar.add(share.numel() * share.element_size())  # sent by now
 
     pool.scatter(_load_shard, arguments, shares, timeout=timeout)
 
@@ -278,8 +316,14 @@ def _load_shard(context: RankContext, skeleton: nn.Module, metas: list, dtype) -
 
 def _read_shard(context: RankContext, skeleton: nn.Module, directory: str, reads: list[Read], dtype) -> int:
     """On a rank: read this rank's slices from the checkpoint, onto its device, into the (already split)
-    meta skeleton, keep it."""
-    Checkpoint(directory).load_into(skeleton, reads, context.rank, context.world_size, context.device, dtype)
+    meta skeleton, keep it; the caller is told the bytes read as they grow."""
+    started = time.monotonic()
+    counter = ByteCounter(context.report_progress)
+    Checkpoint(directory).load_into(
+        skeleton, reads, context.rank, context.world_size, context.device, dtype, progress=counter
+    )
+    counter.close()
+    logger.info("read %s in %.1f s", format_bytes(counter.count), time.monotonic() - started)
     return _keep(context, skeleton, dtype)
 
 
@@ -351,20 +395,38 @@ def _status_bytes(field: str) -> int:
 
 
 class ParallelHandle:
-    """The ranks behind a parallelized model; reached as ``model._tpcore_handle``."""
+    """The ranks behind a parallelized model; reached as ``model._tpcore_handle``, its split as ``.plan``."""
 
-    def __init__(self, model: nn.Module, pool: RankPool, timeout: float, has_weights: bool = True):
+    def __init__(self, model: nn.Module, pool: RankPool, timeout: float, plan: ShardPlan, has_weights: bool = True):
         self.model = model
         self.pool = pool
         self.timeout = timeout
+        self.plan = plan
         #: the caller's model holds real weights (not the meta ones of a checkpoint start)
         self.has_weights = has_weights
         self.random = CallerRandomState()
         self._lock = threading.Lock()
+        self._policies = describe_policies(plan.policies)
+
+    def describe(self) -> str:
+        """The split at a glance: ranks, backend and devices, policies and their plugins, bytes per rank."""
+        placement = ranks_text(self.pool.world_size, self.pool.backend, self.pool.devices or [self.pool.device])
+        state = "" if self.pool.alive else " (stopped)"
+        return f"split over {placement}{state} by {self._policies}: {self.plan.bytes_summary()}"
+
+    def __repr__(self) -> str:
+        return f"ParallelHandle({self.plan.model_name} {self.describe()}; {self.pool!r})"
+
+    def _extra_repr(self) -> str:
+        """The served model's ``extra_repr``: its split first, then the model's own (``nn.Module.__repr__``
+        puts it on the model's first line)."""
+        own = type(self.model).extra_repr(self.model)
+        return "\n".join(line for line in (f"tpcore: {self.describe()}", own) if line)
 
     def attach(self) -> None:
         model = self.model
         model._tpcore_handle = self
+        model.extra_repr = self._extra_repr
         for name in _SERVED:
             if name == "forward" or hasattr(type(model), name):
                 setattr(model, name, functools.partial(self.call, name))

@@ -13,6 +13,8 @@ the ranks of ``parallelize()``), or one built empty from a checkpoint's config::
     plan.share(name, tensor, rank)                         # rank's part of a whole tensor
     plan.apply(model, rank, tp_group)                      # slice in place, rewrite the modules
     print(plan.report())                                   # what is cut how, bytes per rank
+    plan.kept_whole[name]                                  # why a replicated tensor stays whole
+    plan.log()                                             # bytes per rank (info); what stays whole (warning)
 
 Sizes that the world size does not divide are dealt in whole units (heads, features), so ranks may
 hold different shares (:mod:`tpcore.shares`): then shapes, attributes (:class:`~tpcore.shares.PerRank`
@@ -26,25 +28,39 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from tpcore.configs import module_configs, sub_models
-from tpcore.layers import make_vocab_parallel, row_parallel_class, set_layer_size, vocab_parallel_class
+from tpcore.layers import (
+    VocabParallelEmbedding,
+    make_vocab_parallel,
+    row_parallel_class,
+    set_layer_size,
+    vocab_parallel_class,
+)
 from tpcore.policy import IfHeld, Layer, Policy, ShardingError
 from tpcore.shares import PerRank, resolve
 from tpcore.skeleton import named_tensors
 from tpcore.slicer import COLUMN, ROW, Split
 
-__all__ = ["ShardPlan", "get_path", "set_path"]
+__all__ = ["REPLICATED_SHARE", "ShardPlan", "Whole", "format_bytes", "get_path", "set_path"]
 
 _MISSING = object()
+
+#: :meth:`ShardPlan.log` warns when the tensors every rank holds whole exceed this share of the model's bytes
+REPLICATED_SHARE = 0.10
+#: how many of the largest replicated modules that warning names
+_NAMED_IN_WARNING = 3
+
+logger = logging.getLogger(__name__)
 
 #: attributes attention modules keep their per-head width in (BERT, GPT-2/Llama, T5, XLNet, ...)
 _HEAD_DIM_ATTRIBUTES = ("head_dim", "attention_head_size", "head_size", "key_value_proj_dim", "d_head")
@@ -99,6 +115,13 @@ class Target:
         return f"{self.name} ({type(self.layer).__name__}, policy {self.policy.policy_name()})"
 
 
+class Whole(NamedTuple):
+    """Why a tensor stays whole on every rank: the class of the module holding it, and the reason."""
+
+    module_class: str
+    reason: str
+
+
 @dataclass
 class ShardPlan:
     """Every tensor's cut and every module's per-rank rewrite for one model and world size.
@@ -114,6 +137,7 @@ class ShardPlan:
         vocab: vocabulary-parallel modules, by path: the whole table's row count.
         resized: modules whose size attributes follow their sliced weight (``in_features``, ...).
         policies: the policies that apply.
+        kept_whole: every tensor not cut (replicated on every rank), by first name: why (:class:`Whole`).
     """
 
     model_name: str
@@ -126,6 +150,7 @@ class ShardPlan:
     vocab: dict[str, int] = field(default_factory=dict)
     resized: list[str] = field(default_factory=list)
     policies: list[type[Policy]] = field(default_factory=list)
+    kept_whole: dict[str, Whole] = field(default_factory=dict)
 
     # -- building ------------------------------------------------------------------------------
 
@@ -153,11 +178,14 @@ class ShardPlan:
         plan.shapes = {name: tuple(tensor.shape) for name, tensor in tensors.items()}
         plan.dtypes = {name: tensor.dtype for name, tensor in tensors.items()}
         first_name = {id(tensor): name for name, tensor in tensors.items()}
-        for target in plan._targets(model):
+        targets = plan._targets(model)
+        for target in targets:
             plan._add_layer(target, first_name, rewrites)
+        vocabulary = vocabulary_choices(model)
         if vocab_parallel:
-            plan._add_vocabulary(model, first_name)
+            plan._add_vocabulary(vocabulary, first_name)
         plan._check_whole_heads(model, first_name)
+        plan._explain_whole(model, targets, vocabulary, first_name)
         return plan
 
     def error(self, where: str, detail: str) -> ShardingError:
@@ -268,18 +296,45 @@ class ShardPlan:
             except ShardingError as error:
                 raise self.error(owner_path, str(error)) from None
 
-    def _add_vocabulary(self, model: nn.Module, first_name: dict[int, str]) -> None:
-        """Split the input and output embeddings over the vocabulary: those whose type has a
-        vocabulary-parallel class and whose tensors no module but them and their parents holds."""
-        paths = {id(module): name for name, module in model.named_modules()}
+    def _add_vocabulary(self, vocabulary: dict[str, tuple[nn.Module, str | None]], first_name: dict[int, str]) -> None:
+        """Split the input and output embeddings over the vocabulary: those :func:`vocabulary_choices` finds
+        splittable, unless a policy cuts them already."""
         cut_by_policies = set(self.splits)
-        for module in vocabulary_modules(model):
-            if first_name[id(module.weight)] in cut_by_policies:
+        for path, (module, refusal) in vocabulary.items():
+            if refusal is not None or first_name[id(module.weight)] in cut_by_policies:
                 continue
             for tensor in (module.weight, getattr(module, "bias", None)):
                 if tensor is not None:
                     self.splits.setdefault(first_name[id(tensor)], Split(0, pad=True))
-            self.vocab[paths[id(module)]] = int(module.weight.shape[0])  # type: ignore[index]
+            self.vocab[path] = int(module.weight.shape[0])  # type: ignore[index]
+
+    def _explain_whole(
+        self,
+        model: nn.Module,
+        targets: list[Target],
+        vocabulary: dict[str, tuple[nn.Module, str | None]],
+        first_name: dict[int, str],
+    ) -> None:
+        """Record why each tensor the plan does not cut stays whole: an embedding's own reason (or
+        ``vocab_parallel=False``), a policy's layer that does not cut it, or no policy's layer around it."""
+        by_layer = {target.name: target.policy for target in targets}
+        layer_classes = ", ".join(dict.fromkeys(type(target.layer).__name__ for target in targets)) or "none"
+        for path, module in model.named_modules():
+            held = [*module._parameters.values(), *module._buffers.values()]
+            names = [first_name[id(t)] for t in held if t is not None and id(t) in first_name]
+            names = [name for name in names if name not in self.splits and name not in self.kept_whole]
+            if not names:
+                continue
+            if path in vocabulary:
+                reason = vocabulary[path][1] or "vocab_parallel=False"
+            else:
+                layer = next((name for name in _enclosing(path) if name in by_layer), None)
+                if layer is not None:
+                    reason = f"{by_layer[layer].policy_name()} does not cut it"
+                else:
+                    reason = f"outside the layers the policies split ({layer_classes})"
+            for name in names:
+                self.kept_whole[name] = Whole(type(module).__name__, reason)
 
     def _check_whole_heads(self, model: nn.Module, first_name: dict[int, str]) -> None:
         """Every attention whose projections are cut holds whole heads on every rank, and cuts its
@@ -360,6 +415,63 @@ class ShardPlan:
         """The bytes of tensors rank ``rank`` holds."""
         return sum(math.prod(self.shard_shape(n, rank)) * self.dtypes[n].itemsize for n in self.shapes)
 
+    def tensor_bytes(self, name: str) -> int:
+        """The bytes of the whole tensor ``name``."""
+        return math.prod(self.shapes[name]) * self.dtypes[name].itemsize
+
+    @property
+    def whole_bytes(self) -> int:
+        """The bytes of the unsplit model's tensors."""
+        return sum(self.tensor_bytes(name) for name in self.shapes)
+
+    @property
+    def replicated_bytes(self) -> int:
+        """The bytes every rank holds whole (each rank holds all of them)."""
+        return sum(self.tensor_bytes(name) for name in self.shapes if name not in self.splits)
+
+    def bytes_summary(self) -> str:
+        """Each rank's bytes against the whole model's, and the replicated bytes:
+        ``"per rank 273.5 MiB | 239.8 MiB of 513.1 MiB (53% | 47%; 137.5 KiB replicated on every rank)"``."""
+        per_rank = [self.bytes_per_rank(rank) for rank in range(self.world_size)]
+        whole = self.whole_bytes
+        sizes = _per_rank_text([format_bytes(size) for size in per_rank])
+        shares = _per_rank_text([f"{size / whole:.0%}" if whole else "-" for size in per_rank])
+        replicated = format_bytes(self.replicated_bytes)
+        return f"per rank {sizes} of {format_bytes(whole)} ({shares}; {replicated} replicated on every rank)"
+
+    def replicated_warning(self, share: float = REPLICATED_SHARE) -> str | None:
+        """Past ``share`` of the model's bytes held whole on every rank (over more than one rank), what says so:
+        the share, then the largest replicated modules (layers folded as ``*``), each with its class, its bytes
+        and why it stays whole; ``None`` below it."""
+        whole, replicated = self.whole_bytes, self.replicated_bytes
+        if self.world_size < 2 or not whole or replicated <= share * whole:
+            return None
+        sizes: dict[tuple[str, str, str], int] = {}
+        modules: dict[tuple[str, str, str], set[str]] = {}
+        for name, (module_class, reason) in self.kept_whole.items():
+            path = name.rpartition(".")[0]
+            key = (re.sub(r"\.\d+(?=\.|$)", ".*", path), module_class, reason)
+            sizes[key] = sizes.get(key, 0) + self.tensor_bytes(name)
+            modules.setdefault(key, set()).add(path)
+        largest = sorted(sizes, key=lambda key: -sizes[key])[:_NAMED_IN_WARNING]
+        lines = [
+            f"{self.model_name} over {self.world_size} ranks: {format_bytes(replicated)} of its "
+            f"{format_bytes(whole)} ({replicated / whole:.0%}) stays whole on every rank; the largest:"
+        ]
+        for key in largest:
+            module, module_class, reason = key
+            count = f" x{len(modules[key])}" if len(modules[key]) > 1 else ""
+            size = format_bytes(sizes[key])
+            lines.append(f"    {module or '(model)'} ({module_class}{count}, {size}) is replicated: {reason}")
+        return "\n".join(lines)
+
+    def log(self) -> None:
+        """Log each rank's bytes (info) and, past :data:`REPLICATED_SHARE` replicated, what stays whole (a warning)."""
+        logger.info("%s over %d ranks: %s", self.model_name, self.world_size, self.bytes_summary())
+        warning = self.replicated_warning()
+        if warning is not None:
+            logger.warning("%s", warning)
+
     # -- applying ------------------------------------------------------------------------------
 
     def apply(self, model: nn.Module, rank: int, tp_group=None, *, gather_logits: bool = True) -> nn.Module:
@@ -402,14 +514,12 @@ class ShardPlan:
     def report(self) -> str:
         """What is cut how, what stays replicated, each rank's shares where they differ, and the bytes each
         rank holds (layers folded as ``*``)."""
-        ranks = range(self.world_size)
         rows: dict[tuple[str, str, tuple, str], int] = {}
+        ranks = range(self.world_size)
         for name, shape in self.shapes.items():
             pieces = _per_rank_text([_shape(self.shard_shape(name, rank)) for rank in ranks])
             key = (re.sub(r"\.\d+\.", ".*.", name), describe(self.splits.get(name)), shape, pieces)
             rows[key] = rows.get(key, 0) + 1
-        whole = sum(math.prod(s) * self.dtypes[n].itemsize for n, s in self.shapes.items())
-        replicated = sum(math.prod(s) * self.dtypes[n].itemsize for n, s in self.shapes.items() if n not in self.splits)
         width = max((len(k[0]) for k in rows), default=0)
         lines = [f"{self.model_name} over {self.world_size} ranks" + ("" if self.uniform else ", shares by rank") + ":"]
         for (name, how, shape, piece), count in rows.items():
@@ -422,8 +532,7 @@ class ShardPlan:
                 attributes[folded] = attributes.get(folded, 0) + 1
         for (path, values), count in attributes.items():
             lines.append(f"    {path:<{width}}  {'set per rank':<28} {values}" + (f" x{count}" if count > 1 else ""))
-        sizes = _per_rank_text([_mib(self.bytes_per_rank(rank)) for rank in ranks])
-        lines.append(f"per rank {sizes} of {_mib(whole)} ({_mib(replicated)} replicated on every rank)")
+        lines.append(self.bytes_summary())
         return "\n".join(lines)
 
 
@@ -468,8 +577,35 @@ def _shape(shape: tuple[int, ...]) -> str:
     return "(" + ", ".join(map(str, shape)) + ")"
 
 
-def _mib(size: int) -> str:
-    return f"{size / 2**20:.1f} MiB" if size >= 2**20 else f"{size / 2**10:.1f} KiB"
+def format_bytes(size: int) -> str:
+    """``size`` bytes in GiB, MiB or KiB, one decimal."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if size >= scale:
+            return f"{size / scale:.1f} {unit}"
+    return f"{size / 2**10:.1f} KiB"
+
+
+def _enclosing(path: str) -> list[str]:
+    """``path`` and the paths of the modules around it, innermost first (``"a.b.c"``, ``"a.b"``, ``"a"``, ``""``)."""
+    parts = path.split(".") if path else []
+    return [".".join(parts[:end]) for end in range(len(parts), -1, -1)]
+
+
+def _vocabulary_refusal(module: nn.Module) -> str | None:
+    """Why ``module``'s type cannot be split over the vocabulary (:func:`~tpcore.layers.vocab_parallel_class`);
+    ``None`` when it can."""
+    if vocab_parallel_class(module) is not None:
+        return None
+    name = type(module).__name__
+    if isinstance(module, VocabParallelEmbedding):
+        return f"{name} is split over the vocabulary already"
+    if isinstance(module, nn.Embedding) and module.max_norm is not None:
+        return f"{name} renormalizes the rows it looks up (max_norm)"
+    if isinstance(module, nn.Embedding):
+        return f"the forward of {name} is not a lookup times one scale, which is what splits over the vocabulary"
+    if isinstance(module, nn.Linear):
+        return f"{name} has a forward of its own; only an exact nn.Linear head splits over the vocabulary"
+    return f"{name} is neither an nn.Embedding nor an nn.Linear"
 
 
 def piece_sizes(split: Split, size: int, world_size: int) -> set[int]:
@@ -511,9 +647,15 @@ def resolve_layer(layer: nn.Module, spec: Layer) -> tuple[Any, Any] | tuple[()] 
 
 
 def vocabulary_modules(model: nn.Module) -> list[nn.Module]:
-    """The input and output embeddings to split over the vocabulary: the model's and its sub-models'.
+    """The input and output embeddings to split over the vocabulary (see :func:`vocabulary_choices`)."""
+    return [module for module, refusal in vocabulary_choices(model).values() if refusal is None]
 
-    A module qualifies when its type has a vocabulary-parallel class (:func:`~tpcore.layers.vocab_parallel_class`)
+
+def vocabulary_choices(model: nn.Module) -> dict[str, tuple[nn.Module, str | None]]:
+    """The input and output embeddings of the model and its sub-models, by path, each with ``None`` where it
+    splits over the vocabulary, else why it stays whole.
+
+    A module splits when its type has a vocabulary-parallel class (:func:`~tpcore.layers.vocab_parallel_class`)
     and no module but it, its parents (BERT's head keeps the decoder's bias there) and the other
     vocabulary-parallel modules holding the same weight (BART's ``shared``, ``encoder.embed_tokens``,
     ``decoder.embed_tokens`` and ``lm_head``: one tied table) holds its weight or bias: a tensor that
@@ -524,29 +666,30 @@ def vocabulary_modules(model: nn.Module) -> list[nn.Module]:
         for tensor in module._parameters.values():
             if tensor is not None:
                 holders.setdefault(id(tensor), {})[id(module)] = module
-    found: dict[int, nn.Module] = {}
+    asked: dict[int, nn.Module] = {}
     for owner in sub_models(model).values():  # a composite model's towers name their own (CLIP's text tower)
         for getter in ("get_input_embeddings", "get_output_embeddings"):
             try:
                 module = getattr(owner, getter)()
             except (AttributeError, NotImplementedError):
                 continue
-            if isinstance(module, nn.Module) and vocab_parallel_class(module) is not None:
-                found[id(module)] = module
+            if isinstance(module, nn.Module):
+                asked[id(module)] = module
+    refusals = {key: _vocabulary_refusal(module) for key, module in asked.items()}
+    found = {key: module for key, module in asked.items() if refusals[key] is None}
     for module in list(found.values()):  # the modules a tied table is shared with
         for key, holder in holders.get(id(module.weight), {}).items():
             if holder.weight is module.weight and vocab_parallel_class(holder) is not None:
-                found[key] = holder
+                found[key] = asked[key] = holder
+                refusals[key] = None
     names = {id(module): name for name, module in model.named_modules()}
     parents = {names[key].rpartition(".")[0] for key in found if key in names}
     allowed = found.keys() | {id(module) for name, module in model.named_modules() if name in parents}
-    return [
-        module
-        for module in found.values()
-        if id(module) in names
-        and all(
-            holders.get(id(tensor), {}).keys() <= allowed
-            for tensor in (module.weight, getattr(module, "bias", None))
-            if tensor is not None
-        )
-    ]
+    for key, module in found.items():
+        for table in (module.weight, getattr(module, "bias", None)):
+            readers = [holder for other, holder in holders.get(id(table), {}).items() if other not in allowed]
+            if table is not None and readers:
+                reader = readers[0]
+                refusals[key] = f"{names.get(id(reader), 'a module')} ({type(reader).__name__}) reads its tensors too"
+                break
+    return {names[key]: (module, refusals[key]) for key, module in asked.items() if key in names}

@@ -13,6 +13,11 @@ message and traceback. If every rank answered, the pool stays usable and the err
 :class:`WorkerError`; if some rank gave no answer (it may be stuck in a collective with the failed
 one), the pool is torn down first (:mod:`tpcore.worker_errors`).
 
+While it waits for the replies of a call, the caller handles the events a rank sends before its reply
+(:mod:`tpcore.worker`): the rank's ``tpcore`` log records, re-emitted here with the rank (:mod:`tpcore.log`),
+and running counts, given to the call's ``on_progress``. Events do not move the deadline. The pool logs
+its ranks' start and stop, and a rank's death, to ``tpcore.process``.
+
 This module is also the public place of the names a function sent to the ranks and its caller use:
 :class:`RankContext`, :class:`WorkerError`, :class:`WorkerDiedError` and :func:`reraise`.
 """
@@ -21,8 +26,10 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import logging
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import threading
@@ -32,6 +39,7 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import wait
 from typing import Any
 
+from tpcore import log
 from tpcore.wire import ControlListener, byte_view, encode, recv, send
 from tpcore.worker import AUTHKEY_ENV, PARENT_ENV, RankContext, worker_command
 from tpcore.worker_errors import WorkerDiedError, WorkerError, reraise
@@ -42,6 +50,8 @@ START_TIMEOUT_S = 180.0
 CALL_TIMEOUT_S = 600.0
 #: after one rank fails, how long the others get to answer before the pool is presumed stuck
 ERROR_GRACE_S = 3.0
+
+logger = logging.getLogger(__name__)
 
 _live_pools: weakref.WeakSet = weakref.WeakSet()
 
@@ -97,6 +107,8 @@ class RankPool:
         self._lock = threading.Lock()
         self._conns: list = []
         self._procs: list[subprocess.Popen] = []
+        #: each rank's device (``"cpu"``, ``"cuda:0"``), as the rank names it once it has joined
+        self.devices: list[str] = []
         self._listener: ControlListener | None = None
         # The ranks meet in a store served here, listening on master_addr alone (a busy port fails now).
         self._store = listening_store(master_addr, master_port or 0, datetime.timedelta(seconds=start_timeout))
@@ -124,6 +136,7 @@ class RankPool:
         except BaseException:
             self.close(timeout=0.0)
             raise
+        logger.info("starting %d %s ranks (pids %s)", world_size, self.backend, ", ".join(map(str, self.pids)))
         if wait:
             self.wait_started()
 
@@ -137,7 +150,8 @@ class RankPool:
             self._conns = self._listener.accept_ranks(
                 self._authkey, self.world_size, self._deadline, self._check_started
             )
-            self._collect(max(0.0, self._deadline - time.monotonic()), "start")
+            self.devices = self._collect(max(0.0, self._deadline - time.monotonic()), "start")
+            logger.info("%r: every rank joined", self)
         except BaseException:
             self.close(timeout=3.0)
             raise
@@ -153,7 +167,9 @@ class RankPool:
         """Raise if a rank that has not connected yet has exited."""
         for rank, process in enumerate(self._procs):
             if rank not in connected and process.poll() is not None:
-                raise WorkerDiedError(f"start: rank {rank} exited (code {process.returncode}) before connecting")
+                message = f"start: rank {rank} (pid {process.pid}) {_ending(process.returncode)} before connecting"
+                logger.error("%s", message)
+                raise WorkerDiedError(message)
 
     @property
     def alive(self) -> bool:
@@ -179,7 +195,7 @@ class RankPool:
             self._ready()
             what = getattr(fn, "__qualname__", repr(fn))
             try:
-                with encode((fn, args, kwargs)) as message:  # large tensors: one shared segment for all ranks
+                with encode((fn, args, kwargs, log.caller_level())) as message:  # large tensors: one segment for all
                     for rank, conn in enumerate(self._conns):
                         self._send(rank, what, message.send, conn)
                 return self._collect(timeout, what)
@@ -198,24 +214,26 @@ class RankPool:
         tensors_for: Callable[[int], Any] | None = None,
         *,
         timeout: float = CALL_TIMEOUT_S,
+        on_progress: Callable[[int, int], None] | None = None,
     ):
         """Call ``fn(context, *args_for(rank))`` on every rank, one rank at a time.
 
         ``tensors_for(rank)`` may yield CPU tensors to stream to that rank right after the call
         message, as raw bytes; ``fn`` reads them with ``context.receive_tensors``. The caller thus
         holds one rank's share of one tensor at a time, and a rank only its own tensors.
+        ``on_progress(rank, count)`` gets each running count a rank reports (``context.report_progress``).
         """
         with self._lock:
             self._ready()
             what = getattr(fn, "__qualname__", repr(fn))
             try:
                 for rank, conn in enumerate(self._conns):
-                    with encode((fn, args_for(rank), {})) as message:
+                    with encode((fn, args_for(rank), {}, log.caller_level())) as message:
                         self._send(rank, what, message.send, conn)
                     for tensor in tensors_for(rank) if tensors_for else ():
                         frame = byte_view(tensor.detach().contiguous()) if tensor.numel() else b""
                         self._send(rank, what, conn.send_bytes, frame)
-                return self._collect(timeout, what)
+                return self._collect(timeout, what, on_progress)
             except BaseException:
                 self.close(timeout=3.0)
                 raise
@@ -233,8 +251,9 @@ class RankPool:
         except OSError as error:
             raise self._died(rank, what) from error
 
-    def _collect(self, timeout: float, what: str) -> list[Any]:
-        """One reply per rank, watching replies, deaths and the deadline."""
+    def _collect(self, timeout: float, what: str, on_progress: Callable[[int, int], None] | None = None) -> list[Any]:
+        """One reply per rank, watching replies, deaths and the deadline; the events a rank sends before its reply
+        are handled on the way (log records re-emitted here, running counts given to ``on_progress``)."""
         results: dict[int, Any] = {}
         errors: list[WorkerError] = []
         deadline = time.monotonic() + timeout
@@ -251,7 +270,13 @@ class RankPool:
                     status, payload = recv(ready)
                 except (EOFError, OSError):
                     raise self._died(rank, what) from None
-                if status == "error":
+                if status in _EVENTS:
+                    waiting[ready] = rank  # the reply is still to come
+                    if status == "log":
+                        log.emit_rank_record(rank, payload)
+                    elif on_progress is not None:
+                        on_progress(rank, payload)
+                elif status == "error":
                     errors.append(WorkerError(rank, *payload))
                     deadline = min(deadline, time.monotonic() + ERROR_GRACE_S)
                 else:
@@ -268,6 +293,7 @@ class RankPool:
             process.wait(1.0)
         except subprocess.TimeoutExpired:
             pass
+        logger.error("rank %d (pid %d) %s during %s", rank, process.pid, _ending(process.returncode), what)
         return WorkerDiedError(f"{what}: rank {rank} died (exit code {process.returncode}) without answering")
 
     def close(self, timeout: float = 10.0) -> None:
@@ -290,8 +316,17 @@ class RankPool:
         for conn in self._conns:
             conn.close()
         self._close_listener()
+        if self._procs:
+            codes = ", ".join(str(proc.returncode) for proc in self._procs)
+            logger.info("stopped %d %s ranks (exit codes %s)", len(self._procs), self.backend, codes)
         self._conns, self._procs = [], []
         self._store = None  # stop serving the rendezvous: the port is free again
+
+    def __repr__(self) -> str:
+        placement = ranks_text(self.world_size, self.backend, self.devices or [self.device])
+        if not self._procs:
+            return f"RankPool({placement}, closed)"
+        return f"RankPool({placement}, pids {', '.join(map(str, self.pids))})"
 
     def __enter__(self) -> RankPool:
         return self
@@ -304,6 +339,27 @@ class RankPool:
             self.close(timeout=1.0)
 
 
+#: what a rank may send before its reply: a log record, a running count
+_EVENTS = ("log", "progress")
+
+
+def ranks_text(world_size: int, backend: str, devices: Sequence[str]) -> str:
+    """``"2 gloo ranks on cpu"``, ``"2 nccl ranks on cuda:0, cuda:1"``: each device once, in rank order."""
+    return f"{world_size} {backend} rank{'s' if world_size != 1 else ''} on {', '.join(dict.fromkeys(devices))}"
+
+
+def _ending(returncode: int | None) -> str:
+    """How a rank's process ended, in words: ``"was killed by SIGKILL"``, ``"exited with code 1"``."""
+    if returncode is None:
+        return "stopped answering"
+    if returncode < 0:
+        try:
+            return f"was killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"was killed by signal {-returncode}"
+    return f"exited with code {returncode}"
+
+
 def _rank_environment(master_addr: str, backend: str) -> dict[str, str]:
     """The ranks' environment: the caller's, less an outer launcher's world, with the caller's imports,
     and collectives' sockets on the rendezvous address's interface unless the user chose one."""
@@ -311,6 +367,7 @@ def _rank_environment(master_addr: str, backend: str) -> dict[str, str]:
 
     env = {name: value for name, value in os.environ.items() if name not in LAUNCHER_VARIABLES}
     env[PARENT_ENV] = str(os.getpid())
+    env[log.LEVEL_ENV] = str(log.caller_level())  # a rank's records start at the caller's level
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # the caller's imports resolve
     interface = interface_of(master_addr)
     socket_variable = "NCCL_SOCKET_IFNAME" if backend == "nccl" else "GLOO_SOCKET_IFNAME"

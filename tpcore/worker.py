@@ -2,14 +2,19 @@
 
 A rank is a fresh interpreter (:func:`worker_command`). It watches its caller, connects back to it
 (:mod:`tpcore.wire`), binds its device, joins the group, then serves calls until told to stop: each
-call is ``fn(context, *args, **kwargs)`` with a :class:`RankContext`, answered ``("ok", result)`` or
-``("error", describe(exception))`` (:mod:`tpcore.worker_errors`).
+call is ``(fn, args, kwargs, log level)``, run as ``fn(context, *args, **kwargs)`` with a :class:`RankContext`
+and answered ``("ok", result)`` or ``("error", describe(exception))`` (:mod:`tpcore.worker_errors`).
+
+Before its answer a rank may send events, which the caller handles and keeps waiting: ``("log", record)``
+for each ``tpcore`` record at the caller's level (:mod:`tpcore.log`), ``("progress", count)`` for a running
+count (:meth:`RankContext.report_progress`). One lock orders every send, since records may come from any thread.
 """
 
 from __future__ import annotations
 
 import datetime
 import importlib
+import logging
 import os
 import sys
 import threading
@@ -17,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from tpcore import log
 from tpcore.wire import byte_view, connect, recv, send
 from tpcore.worker_errors import describe
 
@@ -27,6 +33,8 @@ AUTHKEY_ENV = "TPCORE_WORKER_AUTHKEY"
 PARENT_ENV = "TPCORE_WORKER_PARENT"
 #: what ``python -c`` runs in a rank; :func:`worker_entry` reads the arguments :func:`worker_command` appends
 WORKER_CODE = "import sys; from tpcore.worker import worker_entry; worker_entry(sys.argv[1:])"
+
+logger = logging.getLogger(__name__)
 
 
 def worker_command(
@@ -51,6 +59,7 @@ class RankContext:
     #: per-rank storage that lives as long as the worker (models kept between calls)
     store: dict = field(default_factory=dict)
     connection: Any = field(default=None, repr=False)
+    channel: Channel | None = field(default=None, repr=False)
 
     @property
     def group(self) -> Any:
@@ -71,6 +80,33 @@ class RankContext:
                 self.connection.recv_bytes()
             tensors.append(tensor)
         return tensors
+
+    def report_progress(self, count: int) -> None:
+        """Tell the caller this rank's running count (of bytes loaded, say); the call's ``on_progress`` gets it."""
+        if self.channel is not None:
+            self.channel.send(("progress", count))
+
+
+class Channel:
+    """The rank's sending end of its connection: whole messages, one at a time, from any thread.
+
+    A send started while this thread is already sending (a record logged from inside a send) raises
+    ``RuntimeError`` rather than wait for itself."""
+
+    def __init__(self, connection):
+        self.connection = connection
+        self._lock = threading.Lock()
+        self._sender: int | None = None
+
+    def send(self, message) -> None:
+        if self._sender == threading.get_ident():
+            raise RuntimeError("a send is already under way on this thread")
+        with self._lock:
+            self._sender = threading.get_ident()
+            try:
+                send(self.connection, message)
+            finally:
+                self._sender = None
 
 
 def _exit_with_parent(parent_pid: int, interval: float = 0.5) -> None:
@@ -98,57 +134,65 @@ def _worker_main(
 ) -> None:
     """A rank: connect to the caller, import what it will need, bind its device, join the group, then serve
     calls until told to stop."""
+    started = time.monotonic()
     _exit_with_parent(int(os.environ.pop(PARENT_ENV)))
     conn = connect(address, bytes.fromhex(os.environ.pop(AUTHKEY_ENV)), rank)
-    try:
-        import torch
-        import torch.distributed as dist
-
-        _import_quietly(preload)
-
-        from tpcore import shm
-        from tpcore.distributed import bind_device, device_for, init_process_group
-
-        torch.set_num_threads(threads)
-        device = device_for(backend, rank, device_kind)
-        bind_device(device)  # before the group: NCCL (and CUDA's context) on this rank's GPU, not cuda:0
-        store = dist.TCPStore(master_addr, master_port, world_size, False, timeout=datetime.timedelta(minutes=5))
-        init_process_group(backend, rank, world_size, store, device=device)
-        shm.attach(dist.group.WORLD)
-        context = RankContext(rank, world_size, backend, dist.group.WORLD, device, connection=conn)
-        send(conn, ("ok", None))
-    except BaseException as error:  # report, do not hang the caller
-        send(conn, ("error", describe(error)))
-        return
-    while True:
+    channel = Channel(conn)
+    # every tpcore record goes to the caller; restored should this function return (a failed start)
+    with log.records_forwarded(lambda record: channel.send(("log", record)), log.caller_level()):
         try:
-            message = recv(conn)
-        except (EOFError, OSError):  # the caller is gone
-            break
-        if message is None:
-            break
-        _answer(context, conn, message)
-        message = None  # a call's inputs (and through them its outputs) are not kept until the next call
-    dist.destroy_process_group()
-    conn.close()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # skip interpreter teardown: gloo threads may abort in static destructors
+            import torch
+            import torch.distributed as dist
+
+            _import_quietly(preload)
+
+            from tpcore import shm
+            from tpcore.distributed import bind_device, device_for, init_process_group
+
+            torch.set_num_threads(threads)
+            device = device_for(backend, rank, device_kind)
+            bind_device(device)  # before the group: NCCL (and CUDA's context) on this rank's GPU, not cuda:0
+            store = dist.TCPStore(master_addr, master_port, world_size, False, timeout=datetime.timedelta(minutes=5))
+            init_process_group(backend, rank, world_size, store, device=device)
+            shm.attach(dist.group.WORLD)
+            context = RankContext(rank, world_size, backend, dist.group.WORLD, device, connection=conn, channel=channel)
+            logger.info(
+                "joined the %s group on %s (pid %d) in %.1f s", backend, device, os.getpid(), time.monotonic() - started
+            )
+            channel.send(("ok", str(device)))
+        except BaseException as error:  # report, do not hang the caller
+            channel.send(("error", describe(error)))
+            return
+        while True:
+            try:
+                message = recv(conn)
+            except (EOFError, OSError):  # the caller is gone
+                break
+            if message is None:
+                break
+            _answer(context, channel, message)
+            message = None  # a call's inputs (and through them its outputs) are not kept until the next call
+        dist.destroy_process_group()
+        conn.close()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # skip interpreter teardown: gloo threads may abort in static destructors
 
 
-def _answer(context: RankContext, conn, message) -> None:
-    """Run one call ``(fn, args, kwargs)`` and send its reply."""
+def _answer(context: RankContext, channel: Channel, message) -> None:
+    """Run one call ``(fn, args, kwargs, log level)`` and send its reply."""
     try:
-        fn, args, kwargs = message
+        fn, args, kwargs, level = message
+        log.set_rank_level(level)
         result = fn(context, *args, **kwargs)
         synchronize(context.device)
         reply = ("ok", result)
     except BaseException as error:
         reply = ("error", describe(error))
     try:
-        send(conn, reply)
+        channel.send(reply)
     except Exception as error:  # e.g. an unpicklable result
-        send(conn, ("error", describe(error)))
+        channel.send(("error", describe(error)))
 
 
 def _import_quietly(modules) -> None:
