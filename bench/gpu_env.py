@@ -42,7 +42,7 @@ except ImportError:  # Python 3.10
 
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECTS = [ROOT / "pyproject.toml", *sorted(ROOT.glob("plugins/*/pyproject.toml"))]
-#: the files bench/gpu.sh writes into its output folder, in the order the summary reads them
+#: the text files bench/gpu.sh writes into its output folder, in the order the summary reads them
 OUTPUTS = (
     "versions.json",
     "pytest-gpu.xml",
@@ -51,16 +51,25 @@ OUTPUTS = (
     "probe.log",
     "spmd.json",
     "spmd.log",
+    "peers.md",
+    "peers.log",
     "summary.txt",
 )
+#: and the chart beside peers.md (where matplotlib is installed), listed but not scrubbed
+CHART = "peers.png"
 
 
 def _project(pyproject: Path) -> dict:
-    """The ``[project]`` table of a pyproject.toml (name, version and entry points are all that is read)."""
-    text = pyproject.read_text()
-    if tomllib is not None:
-        return tomllib.loads(text)["project"]
-    raise RuntimeError("Python 3.11 or newer is needed to read pyproject.toml without tomli")
+    """The ``[project]`` table of a pyproject.toml (name, version and entry points are all that is read), with
+    a dynamic version read where ``[tool.hatch.version]`` points (its ``__version__ = "..."`` line)."""
+    if tomllib is None:
+        raise RuntimeError("Python 3.11 or newer is needed to read pyproject.toml without tomli")
+    toml = tomllib.loads(pyproject.read_text())
+    project = dict(toml["project"])
+    if "version" not in project:
+        source = pyproject.parent / toml["tool"]["hatch"]["version"]["path"]
+        project["version"] = re.search(r"""^__version__\s*=\s*["']([^"']+)["']""", source.read_text(), re.M)[1]
+    return project
 
 
 def _normalized(name: str) -> str:
@@ -276,7 +285,7 @@ def summary(out: Path, steps: list[tuple[str, str, str]]) -> tuple[str, bool]:
             if record:
                 lines.append(_probe_line("ParallelEngine(1)(path)", record))
                 ok &= record.get("status") == "pass"
-    present = [file for file in OUTPUTS if (out / file).exists() or file == "summary.txt"]
+    present = [file for file in (*OUTPUTS, CHART) if (out / file).exists() or file == "summary.txt"]
     lines += ["", f"{'all passed' if ok else 'SOMETHING FAILED'}; files in {out}: {' '.join(present)}"]
     return "\n".join(lines) + "\n", ok
 
