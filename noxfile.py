@@ -6,8 +6,8 @@
     nox -s lint                # ruff check + ruff format --check + mypy over tpcore/
     nox -s build               # sdists and wheels of tpcore and every plugin into dist/ (pip install --find-links dist)
     nox -s demo                # real all-MiniLM-L6-v2 weights, split across CPU ranks
-    nox -s bench               # bench/: proxy overhead and memory of parallelize(), tpcore against its peers
-    nox -s gpu_equivalence     # on the offline GPU machine: bench/gpu.sh (CUDA/NCCL tests and probes), system torch
+    nox -s bench               # every script in bench/ into bench/results/ (-- --quick --output DIR: a trial)
+    nox -s gpu_equivalence     # on the offline GPU machine: bench/gpu.sh (CUDA/NCCL tests, probes, bench), system torch
 
 Sessions build their virtualenvs with uv (``pip install nox uv``). Every install passes
 ``-c constraints.txt``, which pins torch to the local CPU wheel.
@@ -114,20 +114,26 @@ def demo_vision(session: nox.Session) -> None:
     session.run("python", "-m", "tp_vision.demo", *session.posargs)
 
 
+#: every benchmark script, in the order ``nox -s bench`` runs them (about 20 minutes on 2 idle cores)
+BENCH_SCRIPTS = ("proxy_overhead.py", "memory.py", "peers.py", "partial_sums.py", "uneven.py", "tp_plan_coverage.py")
+
+
 @nox.session(reuse_venv=True)
 def bench(session: nox.Session) -> None:
-    """The benchmarks in bench/ (results written to bench/results/); run them on an otherwise idle machine."""
+    """Every script in bench/, results written to bench/results/: run it on an otherwise idle machine. Arguments
+    after "--" go to each script: ``nox -s bench -- --quick --output /tmp/bench`` is a trial run of them all."""
     install(session, *editable_project())
     # peers.py: accelerate for transformers' own tensor parallelism (a peer), matplotlib for its chart.
     install(session, "accelerate", "matplotlib")
-    for script in ("proxy_overhead.py", "memory.py", "peers.py"):
+    for script in BENCH_SCRIPTS:
         session.run("python", f"bench/{script}", *session.posargs)
 
 
 @nox.session(venv_backend="none")
 def gpu_equivalence(session: nox.Session) -> None:
-    """bench/gpu.sh on the offline GPU machine: versions, the "gpu" tests, the CUDA probes, torchrun; results in
-    bench/results/gpu (arguments after "--" go to the script: an output folder, --wheels DIR, --cpu).
+    """bench/gpu.sh on the offline GPU machine: versions, the "gpu" tests, the CUDA probes, torchrun and the bench's
+    GPU part (bench/peers.py on NCCL ranks), in 8 minutes; results in bench/results/gpu (arguments after "--" go to
+    the script: an output folder, --wheels DIR, --cpu).
 
     That machine has no network and torch + transformers installed system-wide, so this session makes no venv:
     the script runs on ``python3`` (else ``python``) and installs tpcore and the plugins from wheels built

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# tpcore on an offline GPU machine, in at most 8 minutes: versions, the gpu-marked tests, the CUDA probes and
-# shard-on-load under torchrun, each step under its own timeout, all results in one folder (8 files at most).
+# tpcore on an offline GPU machine, in at most 8 minutes: versions, the gpu-marked tests, the CUDA probes,
+# shard-on-load under torchrun and the bench's GPU part (tpcore beside its peers on NCCL ranks), each step under
+# its own timeout, all results in one folder (11 files at most).
 #
 #   bash bench/gpu.sh [--cpu] [--wheels DIR] [OUT]      # OUT defaults to bench/results/gpu
 #
@@ -8,8 +9,9 @@
 # cloudpickle and pluggy. tpcore and its plugins come from the wheels in DIR (default dist/, built beforehand:
 # python3 -m pip wheel --no-deps -w dist . plugins/*), else from an installed copy, else from this source tree
 # (see bench/gpu_env.py). Nothing is downloaded. Without CUDA (or with --cpu) the CUDA steps record
-# "skipped: no CUDA", the probes that mean something on CPU run there on gloo ranks, and the script exits 0
-# if those pass. PYTHON overrides the interpreter; PYTEST_ADDOPTS reaches the tests.
+# "skipped: no CUDA", the probes that mean something on CPU run there on gloo ranks, the bench runs a trial on
+# tiny models, and the script exits 0 if those pass. PYTHON overrides the interpreter; PYTEST_ADDOPTS reaches
+# the tests.
 set -u -o pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -22,19 +24,20 @@ while (($#)); do
     case $1 in
         --cpu) CPU_FLAG=(--cpu) ;;
         --wheels) WHEELS=$2; shift ;;
-        -h | --help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h | --help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         -*) echo "unknown option $1 (see --help)" >&2; exit 2 ;;
         *) OUT=$1 ;;
     esac
     shift
 done
 
-# Step budgets in seconds, each killed 5 s after its budget: 20 + 20 + 175 + 165 + 70 + 5 x 5 = 475 at the most.
-BUDGET_INSTALL=20 BUDGET_VERSIONS=20 BUDGET_TESTS=175 BUDGET_PROBE=165 BUDGET_SPMD=70
+# Step budgets in seconds, each killed 5 s after its budget: 20 + 20 + 145 + 120 + 45 + 100 + 6 x 5 = 480 at the most.
+BUDGET_INSTALL=20 BUDGET_VERSIONS=20 BUDGET_TESTS=145 BUDGET_PROBE=120 BUDGET_SPMD=45 BUDGET_BENCH=100
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 PIP_NO_INDEX=1 PYTHONUNBUFFERED=1
 
 mkdir -p "$OUT"
-for file in versions.json pytest-gpu.xml pytest-gpu.log probe.json probe.log spmd.json spmd.log summary.txt; do
+for file in versions.json pytest-gpu.xml pytest-gpu.log probe.json probe.log spmd.json spmd.log peers.md peers.png \
+    peers.log summary.txt; do
     rm -f "$OUT/$file"
 done
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/tpcore-gpu.XXXXXX")
@@ -88,7 +91,12 @@ if ((${#CPU_FLAG[@]})); then
 else
     WHY="no CUDA"
 fi
-((CUDA)) || CPU_FLAG=(--cpu)
+if ((!CUDA)); then
+    CPU_FLAG=(--cpu)
+    # No gpu tests to run: their time goes to the steps that run on the CPU, slower there (20 + 20 + 165 + 70 + 150
+    # + 5 x 5 = 450 s at the most).
+    BUDGET_PROBE=165 BUDGET_SPMD=70 BUDGET_BENCH=150
+fi
 
 # 3. the gpu-marked tests: every world size up to the visible GPUs, fp16 and bf16 (the rest skip and say why)
 if ((CUDA)); then
@@ -105,5 +113,16 @@ step probe "$BUDGET_PROBE" "$OUT/probe.log" "$PYTHON" bench/gpu_probe.py ${CPU_F
 step torchrun "$BUDGET_SPMD" "$OUT/spmd.log" bash -c '
     "$1" bench/gpu_spmd.py save "$2" && "$1" -m torch.distributed.run --standalone --nproc-per-node 1 \
         bench/gpu_spmd.py run "$2" "$3" "${@:4}"' _ "$PYTHON" "$WORK/checkpoint" "$OUT/spmd.json" ${CPU_FLAG[@]+"${CPU_FLAG[@]}"}
+
+# 6. the bench's GPU part: tpcore (SPMD, parallelize()) beside unsplit, DTensor TP and HF tp_plan on NCCL ranks,
+#    one per GPU: a Llama (forward, decode, memory, collectives), fp16/bf16, BART beam 4, ViT, N=4 with 4 GPUs. Parts
+#    not started 40 s before the budget ends are skipped (peers.md says so); the file is rewritten after each part.
+if ((CUDA)); then
+    BENCH=(--device cuda --parts llama,half,bart,vit,n4,start)
+else
+    BENCH=(--quick --parts llama)  # on the CPU: a trial that the script runs end to end
+fi
+step bench "$BUDGET_BENCH" "$OUT/peers.log" \
+    "$PYTHON" bench/peers.py "${BENCH[@]}" --budget $((BUDGET_BENCH - 40)) --output "$OUT/peers.md"
 
 printf '%s' "$STEPS" | "$PYTHON" bench/gpu_env.py summary "$OUT"

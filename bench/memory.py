@@ -31,7 +31,7 @@ import threading
 import time
 from pathlib import Path
 
-from _common import MIB, choose_backend, markdown_table, plain_table, write_result
+from _common import MIB, choose_backend, common_arguments, markdown_table, plain_table, write_result
 
 STATUS = Path("/proc/self/status")
 
@@ -149,9 +149,11 @@ def parse_args(argv=None):
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--heads", type=int, default=12)
     parser.add_argument("--backend", default=None, help="gloo or nccl; default: NCCL with a GPU per rank, else gloo")
-    parser.add_argument("--note", default=None, help="a remark to put in the result file")
-    parser.add_argument("--output", default=None, help="result file (default bench/results/memory.md)")
-    return parser.parse_args(argv)
+    common_arguments(parser, "memory", "2 layers, hidden 128, N=2")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.ranks, args.layers, args.hidden, args.heads = "2", 2, 128, 4
+    return args
 
 
 def main(argv=None) -> None:

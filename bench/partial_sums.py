@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import markdown_table, plain_table, write_result  # noqa: E402
+from _common import common_arguments, markdown_table, plain_table, write_result  # noqa: E402
 
 WAYS = ("bf16", "fp32")
 
@@ -92,9 +92,10 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=10, help="timed forwards per way (default 10)")
-    parser.add_argument("--note", default=None, help="a remark to put in the result file")
-    parser.add_argument("--output", default=None, help="result file (default bench/results/partial_sums.md)")
+    common_arguments(parser, "partial_sums", "N=2, 2 timed forwards")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.ranks, args.repeats = "2", 2
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     from tpcore.precision import cast_model

@@ -1,29 +1,10 @@
-"""tpcore side by side with its peers: one Llama checkpoint, five ways of running it, in one invocation.
+"""tpcore beside its peers: the same seeded checkpoints run unsplit, by tpcore (SPMD and ``parallelize()``), by
+PyTorch's DTensor TP and by transformers' tp_plan, in one invocation. What each part runs and how it is measured:
+bench/README.md.
 
-A random-init Llama of about 100 M parameters (hidden 768, 8 layers, 12 heads, intermediate 2048,
-vocab 32000, untied LM head) is built from a seeded config and saved once with ``save_pretrained``
-(safetensors) into a temporary folder; every way starts from that checkpoint:
-
-- **unsplit**: ``from_pretrained`` in this process, ``--threads`` torch threads (default: all cores);
-- **tpcore SPMD**: in the ranks of a ``tpcore.process.RankPool(2, "gloo")`` (1 thread per rank on
-  2 cores), each rank runs ``ParallelEngine(2, "gloo", process_group=context.group)
-  .parallelize(checkpoint)``;
-- **tpcore parallelize()**: ``tpcore.parallelize(checkpoint, num_gpus=2)``, timed in this process
-  (inputs in, outputs back);
-- **DTensor TP**: in RankPool ranks, PyTorch's ``parallelize_module`` with ``ColwiseParallel`` for
-  q/k/v/gate/up and ``RowwiseParallel`` for o/down over ``init_device_mesh("cpu", (2,))``;
-- **HF tp_plan**: in RankPool ranks, ``from_pretrained(checkpoint, distributed_config=
-  DistributedConfig(tp_plan="auto"))`` (needs ``accelerate``).
-
-Measured per way: forward latency at batch 1 and 8 (seq 128), greedy ``generate()`` latency per
-new token, parameter bytes a rank holds and its peak RSS, checkpoint-to-ready time, collectives
-per layer and per forward (``CommDebugMode``), and the largest logit difference from the unsplit
-model. A second part splits a random-init GPT-2 (124 M) with ``tpcore.parallelize()`` at N=2 and
-N=4 from its checkpoint: a rank's parameter share and the caller's peak RSS. A way that cannot run
-is reported as n/a with the reason. Writes ``bench/results/peers.md`` and ``bench/results/peers.png``.
-
-    python bench/peers.py            # about 5-8 minutes on 2 CPU cores
-    python bench/peers.py --quick    # tiny models, a trial run of about a minute
+    python bench/peers.py                        # ~10 min on 2 CPU cores -> bench/results/peers.md, peers.png
+    python bench/peers.py --quick --output /tmp  # tiny models: a trial run of a few minutes
+    python bench/peers.py --device cuda          # NCCL ranks, one per GPU (the part bench/gpu.sh runs)
 """
 
 from __future__ import annotations
@@ -31,6 +12,8 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -40,17 +23,33 @@ from pathlib import Path
 import cloudpickle
 import memory
 import torch
-from _common import MIB, _version, cpu_busy, load_average, markdown_table, median_ms, plain_table, write_result
+from _common import (
+    MIB,
+    Entry,
+    Figure,
+    _version,
+    bar_chart,
+    common_arguments,
+    cpu_busy,
+    first_line,
+    fmt,
+    load_average,
+    markdown_table,
+    max_abs_diff,
+    ratio_tables,
+    result_path,
+    run_part,
+    spread_ms,
+    way_table,
+    write_result,
+)
 from memory import RssSampler, proc_status, reset_peak, settle
 
 # memory.py's helpers also run on the ranks here: send them by value, as the functions of this script.
 cloudpickle.register_pickle_by_value(memory)
 
-BACKEND = "gloo"
-#: every way runs this attention (tpcore builds a model from a checkpoint with its config's default, sdpa)
-ATTENTION = "sdpa"
-STORE_KEY = "peers_model"  # where a rank of this script keeps its model (tpcore's proxy uses "model")
-PROXY_STORE_KEY = "model"
+ATTENTION = "sdpa"  # every way runs it (tpcore builds a model from a checkpoint with its config's default, sdpa)
+GENERATE = {"do_sample": False, "pad_token_id": 0}
 
 # --- run on the ranks and in the caller (module-level, so cloudpickle sends them by value) ---------
 
@@ -59,75 +58,86 @@ def tensor_bytes(model) -> int:
     """Bytes of the parameters and buffers this process holds (a DTensor counts its local shard)."""
     seen, total = set(), 0
     for tensor in [*model.parameters(), *model.buffers()]:
-        if id(tensor) in seen:
-            continue
-        seen.add(id(tensor))
-        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-        total += local.numel() * local.element_size()
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+            total += local.numel() * local.element_size()
     return total
 
 
-def attention(model) -> str:
-    """The attention implementation the model's layers use."""
-    return str(getattr(getattr(model, "config", None), "_attn_implementation", "n/a"))
+def reset_peaks(device) -> int:
+    """Start measuring a peak here; returns the floor: the CUDA allocator's bytes on a GPU, else this process's RSS."""
+    settle()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return torch.cuda.memory_allocated(device)
+    reset_peak()
+    return proc_status()["VmRSS"]
 
 
-def run_round(model, inputs: dict, plan: dict) -> dict:
-    """One round of one way: forward calls at batch 1 and at the large batch, ``generate()`` with 1
-    and with ``1 + K`` new tokens; each call's seconds. ``plan["warmup"]``: untimed calls only."""
+def peak(device) -> int:
+    """The peak since :func:`reset_peaks`: the CUDA allocator's on a GPU, else ``VmHWM``."""
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else proc_status()["VmHWM"]
+
+
+def model_facts(model) -> dict:
+    """Tensor bytes, dtype and attention of a loaded model."""
+    return {
+        "rank_bytes": tensor_bytes(model),
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "attn": str(getattr(getattr(model, "config", None), "_attn_implementation", "n/a")),
+    }
+
+
+def run_round(model, calls: dict, inputs: dict, plan: dict, device) -> dict:
+    """Each call once (``plan["repeat"]`` times where given), timed; the outputs named in ``plan["keep"]``
+    (``{call: attribute, or None for the output itself}``), on the CPU. ``plan["warmup"]``: untimed, once each."""
     import time
 
     import torch
 
-    def timed(call) -> tuple[float, object]:
-        start = time.perf_counter()
-        output = call()
-        return time.perf_counter() - start, output
+    from tpcore.transfer import to_device
 
-    def generate(new_tokens: int):
-        return model.generate(
-            **inputs["prompt"],
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,  # no early stop at an EOS token
-            do_sample=False,
-            pad_token_id=0,
-        )
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
-    times: dict[str, list[float]] = {"b1": [], "large": [], "gen1": [], "genK": []}
-    logits = None
+    times, kept = {}, {}
     with torch.inference_mode():
-        if plan["warmup"]:
-            model(**inputs["b1"])
-            model(**inputs["large"])
-            generate(2)
-            return {"times": times, "logits": None}
-        for _ in range(plan["b1_calls"]):
-            seconds, output = timed(lambda: model(**inputs["b1"]))
-            times["b1"].append(seconds)
-            logits = output.logits
-        for _ in range(plan["large_calls"]):
-            times["large"].append(timed(lambda: model(**inputs["large"]))[0])
-        times["gen1"].append(timed(lambda: generate(1))[0])
-        times["genK"].append(timed(lambda: generate(1 + plan["new_tokens"]))[0])
-    return {"times": times, "logits": logits.float().cpu() if plan["logits"] else None}
+        for name, (method, key, kwargs) in calls.items():
+            arguments = to_device(inputs[key], device)
+            for _ in range(1 if plan["warmup"] else plan["repeat"].get(name, 1)):
+                sync()
+                start = time.perf_counter()
+                output = getattr(model, method)(**arguments, **kwargs)
+                sync()
+                times.setdefault(name, []).append(time.perf_counter() - start)
+            if name in plan["keep"]:
+                attribute = plan["keep"][name]
+                kept[name] = (getattr(output, attribute) if attribute else output).detach().cpu()
+    return {"times": {} if plan["warmup"] else times, "outputs": kept}
 
 
-def rank_round(context, key: str, inputs: dict, plan: dict) -> dict:
-    """``run_round`` on a rank's model; only rank 0 sends logits back."""
-    return run_round(context.store[key], inputs, {**plan, "logits": plan["logits"] and context.rank == 0})
+def rank_round(context, key: str, calls: dict, inputs: dict, plan: dict) -> dict:
+    """``run_round`` on a rank's model; only rank 0 keeps outputs."""
+    plan = {**plan, "keep": plan["keep"] if context.rank == 0 else {}}
+    return run_round(context.store[key], calls, inputs, plan, context.device)
 
 
 def rank_memory(context, key: str) -> dict:
-    """A rank's tensor bytes, ``VmRSS`` and ``VmHWM`` (peak RSS since its start or its last reset)."""
-    return {"tensor_bytes": tensor_bytes(context.store[key]), **proc_status()}
+    """A rank's tensor bytes and its peak since loading."""
+    return {"rank_bytes": tensor_bytes(context.store[key]), "peak": peak(context.device)}
+
+
+def rank_drop(context, key: str) -> None:
+    context.store.pop(key, None)
+    settle()
 
 
 def rank_collectives(context, key: str, inputs: dict) -> dict:
-    """Collectives of one forward, in total and inside the first decoder layer. tpcore's layers count
-    their own (``tpcore.comm.count_collectives``: the shared-memory transport bypasses
-    ``torch.distributed``); the peers' are seen by ``CommDebugMode`` (DTensor's functional
-    collectives and c10d ops such as a plain ``dist.all_reduce``). A cross-check counts the calls
-    of the ``torch.distributed`` functions themselves."""
+    """Collectives of one forward, in total and inside the first decoder layer. tpcore's layers count their own
+    (``tpcore.comm.count_collectives``: its shared-memory transport bypasses ``torch.distributed``); the peers'
+    are seen by ``CommDebugMode``. A cross-check counts the calls of the ``torch.distributed`` functions."""
     import warnings
 
     import torch
@@ -135,6 +145,7 @@ def rank_collectives(context, key: str, inputs: dict) -> dict:
     from torch.distributed.tensor.debug import CommDebugMode
 
     from tpcore.comm import count_collectives
+    from tpcore.transfer import to_device
 
     names = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "all_to_all")
     originals = {name: getattr(dist, name) for name in names if hasattr(dist, name)}
@@ -149,21 +160,15 @@ def rank_collectives(context, key: str, inputs: dict) -> dict:
 
     model = context.store[key]
     layer0 = next(module for name, module in model.named_modules() if name.endswith("layers.0"))
-    snapshots = {}
-    hooks = []
+    snapshots, hooks = {}, []
     try:
         for name, function in originals.items():
             setattr(dist, name, counting(function))
-        with (
-            warnings.catch_warnings(),
-            torch.inference_mode(),
-            CommDebugMode() as mode,
-            count_collectives() as own,
-        ):
+        with warnings.catch_warnings(), torch.inference_mode(), CommDebugMode() as mode, count_collectives() as own:
             warnings.simplefilter("ignore")  # "For backward hooks to be called, module output should be a Tensor"
             hooks.append(layer0.register_forward_pre_hook(lambda *_: snapshots.update(before=dict(own))))
             hooks.append(layer0.register_forward_hook(lambda *_: snapshots.update(after=dict(own))))
-            model(**inputs)
+            model(**to_device(inputs, context.device))
     finally:
         for name, function in originals.items():
             setattr(dist, name, function)
@@ -194,66 +199,60 @@ def rank_collectives(context, key: str, inputs: dict) -> dict:
 
 
 def save_checkpoints(context, models: list, seed: int) -> list[dict]:
-    """Build each seeded random-init model and ``save_pretrained`` it (safetensors) into its folder."""
+    """Build each seeded random-init model (``(auto class, config, folder)``) and ``save_pretrained`` it."""
     import torch
     import transformers
-    from transformers import AutoModelForCausalLM
 
     transformers.utils.logging.disable_progress_bar()
     figures = []
-    for config, directory in models:
+    for auto_class, config, directory in models:
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config).eval()
+        model = getattr(transformers, auto_class).from_config(config).eval()
         model.save_pretrained(directory)
-        figures.append(
-            {
-                "parameters": sum(p.numel() for p in model.parameters()),
-                "bytes": tensor_bytes(model),
-                "class": type(model).__name__,
-            }
-        )
+        parameters = sum(p.numel() for p in model.parameters())
+        figures.append({"parameters": parameters, "bytes": tensor_bytes(model), "class": type(model).__name__})
         del model
     return figures
 
 
-def load_tpcore(context, checkpoint: str, attn: str):
-    """``ParallelEngine.parallelize`` of the checkpoint folder: each rank reads only its slices
-    (with the config's default attention, sdpa)."""
+def dtype_of(spec: dict):
+    return getattr(torch, spec["dtype"]) if spec["dtype"] else None
+
+
+def load_tpcore(context, spec: dict):
+    """``ParallelEngine.parallelize`` of the checkpoint folder: each rank reads only its slices."""
     from tpcore import ParallelEngine
 
-    engine = ParallelEngine(context.world_size, context.backend, process_group=context.group)
-    return engine.parallelize(checkpoint)
+    engine = ParallelEngine(context.world_size, context.backend, process_group=context.group, dtype=dtype_of(spec))
+    return engine.parallelize(spec["checkpoint"], fp16=spec["fp16"])
 
 
-def load_dtensor(context, checkpoint: str, attn: str):
-    """PyTorch's native TP: colwise q/k/v/gate/up, rowwise o/down, over a 1-D CPU mesh."""
+def load_dtensor(context, spec: dict):
+    """PyTorch's native TP: ``from_pretrained`` whole, then ``parallelize_module`` with the model's colwise and
+    rowwise linears over a 1-D mesh of the ranks' devices."""
+    import transformers
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-    from transformers import AutoModelForCausalLM
 
-    mesh = init_device_mesh("cpu", (context.world_size,))  # over the default (gloo) group the ranks joined
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation=attn).eval().requires_grad_(False)
-    plan = {f"model.layers.*.self_attn.{name}": ColwiseParallel() for name in ("q_proj", "k_proj", "v_proj")}
-    plan |= {f"model.layers.*.mlp.{name}": ColwiseParallel() for name in ("gate_proj", "up_proj")}
-    plan |= {"model.layers.*.self_attn.o_proj": RowwiseParallel(), "model.layers.*.mlp.down_proj": RowwiseParallel()}
-    parallelize_module(model, mesh, plan, src_data_rank=None)  # every rank loaded the weights: no scatter
-    for layer in model.model.layers:  # local head counts, for attention classes that store them
-        for name in ("num_heads", "num_key_value_heads"):
-            if isinstance(getattr(layer.self_attn, name, None), int):
-                setattr(layer.self_attn, name, getattr(layer.self_attn, name) // context.world_size)
-    return model
+    mesh = init_device_mesh(context.device.type, (context.world_size,))  # over the group the ranks joined
+    model = getattr(transformers, spec["auto_class"]).from_pretrained(
+        spec["checkpoint"], dtype=dtype_of(spec), attn_implementation=ATTENTION
+    )
+    model = model.eval().requires_grad_(False).to(context.device)
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    plan = {pattern: styles[style]() for pattern, style in spec["dtensor_plan"].items()}
+    return parallelize_module(model, mesh, plan, src_data_rank=None)  # every rank loaded the weights: no scatter
 
 
-def load_hf_tp(context, checkpoint: str, attn: str):
-    """transformers' own TP (the config's ``base_model_tp_plan``) in the ranks' existing gloo world.
+def load_hf(context, spec: dict):
+    """transformers' own TP (the config's ``base_model_tp_plan``) in the ranks' existing group.
 
-    ``DistributedConfig(tp_plan="auto")`` derives ``tp_size`` from ``WORLD_SIZE`` (default 1: no split
-    at all), so it is passed explicitly; ``RANK``/``LOCAL_RANK``/``WORLD_SIZE`` are set as torchrun
-    would (transformers reads ``LOCAL_RANK`` to bind an accelerator; nothing to bind on CPU).
+    ``DistributedConfig(tp_plan="auto")`` takes ``tp_size`` from ``WORLD_SIZE`` (default 1: no split), so it is
+    passed; ``RANK``/``LOCAL_RANK``/``WORLD_SIZE`` are set as torchrun would (``LOCAL_RANK`` picks the GPU).
     """
     import os
 
-    from transformers import AutoModelForCausalLM
+    import transformers
     from transformers.distributed import DistributedConfig
 
     os.environ.update(
@@ -263,228 +262,656 @@ def load_hf_tp(context, checkpoint: str, attn: str):
         LOCAL_WORLD_SIZE=str(context.world_size),
     )
     config = DistributedConfig(tp_plan="auto", tp_size=context.world_size)
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, distributed_config=config, attn_implementation=attn)
+    model = getattr(transformers, spec["auto_class"]).from_pretrained(
+        spec["checkpoint"], distributed_config=config, dtype=dtype_of(spec), attn_implementation=ATTENTION
+    )
     return model.eval()
 
 
-LOADERS = {"tpcore SPMD": load_tpcore, "DTensor TP": load_dtensor, "HF tp_plan": load_hf_tp}
-
-
-def rank_load(context, way: str, checkpoint: str, attn: str) -> dict:
-    """Load and split the checkpoint one way; the figures of this rank. The clock starts after the
-    imports, the floor is this rank's RSS then, and its peak RSS is reset there."""
+def rank_load(context, loader, key: str, spec: dict) -> dict:
+    """Load a checkpoint with ``loader`` and keep it under ``key``; the figures of this rank. The clock starts
+    after the imports; the floor is this rank's memory then, and its peak is reset there."""
+    import importlib
     import time
     import warnings
 
     import torch.distributed.tensor.parallel  # noqa: F401
     import transformers
-    from transformers.models.llama import modeling_llama  # noqa: F401
 
     import tpcore  # noqa: F401
 
     transformers.utils.logging.disable_progress_bar()
-    if way == "HF tp_plan":
-        import accelerate  # noqa: F401  (transformers needs it for tp_plan; ImportError: n/a)
-    settle()
-    floor = proc_status()["VmRSS"]
-    reset_peak()
+    importlib.import_module(spec["modeling"])
+    floor = reset_peaks(context.device)
     start = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model = LOADERS[way](context, checkpoint, attn)
+        model = loader(context, spec)
     ready = time.perf_counter() - start
-    context.store[STORE_KEY] = model
+    context.store[key] = model
     return {
         "ready_s": ready,
         "floor": floor,
-        "load_peak": proc_status()["VmHWM"],
-        "tensor_bytes": tensor_bytes(model),
-        "attn": attention(model),
+        "load_peak": peak(context.device),
+        **model_facts(model),
         "warnings": sorted({f"{w.category.__name__}: {str(w.message).splitlines()[0][:160]}" for w in caught}),
     }
 
 
-# --- caller side -------------------------------------------------------------------------------------
+# --- the ways (caller side) ----------------------------------------------------------------------------
 
 
-@dataclass
 class Way:
-    name: str
-    where: str  # "caller" or "ranks"
-    new_tokens: int
-    model: object = None
-    pool: object = None  # the ranks (for the proxy: tpcore's own pool)
-    key: str = STORE_KEY
-    na: str | None = None
-    ready_s: float | None = None
-    start_s: float | None = None  # starting the ranks, before the clock of ready_s
-    floor: int | None = None
-    load_peak: int | None = None
-    run_peak: int | None = None
-    rank_bytes: int | None = None
-    attn: str | None = None
-    notes: list[str] = field(default_factory=list)
-    times: dict[str, list[float]] = field(default_factory=dict)
-    diff: float | None = None
-    logits: object = None  # rank 0's batch-1 logits of the first timed round
-    collectives: dict | None = None
+    """One way of running a checkpoint, in ``dtype`` (or with ``fp16=True``) on N ranks: subclasses ``load``
+    a task's checkpoint, time a ``round`` of its calls, report the largest rank's ``memory`` and the
+    ``collectives`` of one forward, and ``unload`` it (``_common.run_part`` drives them)."""
 
-    def figure(self, name: str) -> float | None:
-        """The figures that the ratio tables and the chart compare (None: not available)."""
-        if self.na:
-            return None
-        if name in ("b1", "large"):
-            return median_ms(self.times[name]) if self.times.get(name) else None
-        if name == "decode":  # (t(1 + K) - t(1)) / K from the medians over all rounds
-            if not self.times.get("genK"):
-                return None
-            return (median_ms(self.times["genK"]) - median_ms(self.times["gen1"])) / self.new_tokens
-        values = {
-            "rank_bytes": self.rank_bytes,
-            "peak_above_floor": (self.run_peak - self.floor) if self.run_peak and self.floor else None,
-            "ready_s": self.ready_s,
-        }
-        return values[name]
+    loaded_by = ""
+
+    def __init__(self, name: str, ranks: int, device: str, dtype: str | None = None, fp16: bool = False):
+        self.name, self.ranks, self.device, self.dtype, self.fp16 = name, ranks, device, dtype, fp16
+
+    def spec(self, task: Task) -> dict:
+        """What a rank needs to load ``task`` this way."""
+        return {**task.spec(), "dtype": self.dtype, "fp16": self.fp16}
 
 
-def first_line(error: BaseException, limit: int = 200) -> str:
-    """The gist of an error (a rank's error without the remote traceback), for an n/a cell."""
-    message = getattr(error, "remote_message", None) or str(error)
-    name = getattr(error, "type_name", None) or type(error).__name__
-    text = f"{name}: {message.strip().splitlines()[0] if message.strip() else ''}"
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+class Unsplit(Way):
+    """``from_pretrained`` in this process (on ``cuda:0`` with ``--device cuda``)."""
+
+    loaded_by = "`from_pretrained`"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.model = None
+        self.torch_device = torch.device("cuda", 0) if self.device == "cuda" else torch.device("cpu")
+
+    def load(self, task: Task, entry: Entry) -> None:
+        import transformers
+
+        entry.floor = reset_peaks(self.torch_device)
+        start = time.perf_counter()
+        self.model = getattr(transformers, task.auto_class).from_pretrained(
+            task.checkpoint, dtype=dtype_of(self.spec(task)), attn_implementation=ATTENTION
+        )
+        self.model = self.model.eval().to(self.torch_device)
+        entry.ready_s = time.perf_counter() - start
+        entry.load_peak = peak(self.torch_device)
+        facts = model_facts(self.model)
+        entry.rank_bytes, entry.dtype, entry.attn = facts["rank_bytes"], facts["dtype"], facts["attn"]
+
+    def round(self, task: Task, plan: dict) -> dict:
+        return run_round(self.model, task.calls, task.inputs, plan, self.torch_device)
+
+    def memory(self) -> dict:
+        return {"rank_bytes": tensor_bytes(self.model), "peak": peak(self.torch_device)}
+
+    def collectives(self, task: Task) -> dict:
+        return {"total": 0, "layer0": 0, "by_op": {}, "layer0_by_op": {}, "dist_calls": 0, "counted_by": "none needed"}
+
+    def unload(self) -> None:
+        self.model = None
+        settle()
 
 
-def llama_config(args):
-    from transformers import LlamaConfig
+class Proxy(Way):
+    """``tpcore.parallelize(checkpoint, num_gpus=N)``, timed in this process: inputs sent, outputs brought back."""
 
-    return LlamaConfig(
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.heads,
-        vocab_size=args.vocab,
-        max_position_embeddings=max(512, args.seq + 1),
-        tie_word_embeddings=False,
-    )
+    loaded_by = "tpcore from the checkpoint folder (each rank reads its slices)"
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.model = None
 
-def gpt2_config(args):
-    from transformers import GPT2Config
+    def load(self, task: Task, entry: Entry) -> None:
+        import tpcore
 
-    return GPT2Config(
-        vocab_size=args.gpt2_vocab, n_embd=args.gpt2_hidden, n_layer=args.gpt2_layers, n_head=args.gpt2_heads
-    )
+        options = {"fp16": True} if self.fp16 else {"dtype": dtype_of(self.spec(task))}
+        start = time.perf_counter()
+        self.model = tpcore.parallelize(task.checkpoint, num_gpus=self.ranks, backend=backend(self.device), **options)
+        entry.ready_s = time.perf_counter() - start
+        facts = self.model._tpcore_handle.pool.run(rank_facts)[0]
+        entry.rank_bytes = max(self.model.memory_allocated().values())
+        entry.dtype, entry.attn = facts["dtype"], facts["attn"]
 
+    def round(self, task: Task, plan: dict) -> dict:
+        return run_round(self.model, task.calls, task.inputs, plan, torch.device("cpu"))
 
-def make_inputs(args) -> dict:
-    generator = torch.Generator().manual_seed(1234)
+    def memory(self) -> dict:
+        return largest(self._pool().run(rank_memory, "model"))
 
-    def ids(batch: int, seq: int) -> dict:
-        input_ids = torch.randint(0, args.vocab, (batch, seq), generator=generator)
-        return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+    def collectives(self, task: Task) -> dict:
+        return self._pool().run(rank_collectives, "model", task.inputs["b1"])[0]
 
-    return {"b1": ids(1, args.seq), "large": ids(args.batch, args.seq), "prompt": ids(1, args.prompt)}
+    def _pool(self):
+        return self.model._tpcore_handle.pool  # tpcore's own ranks keep the served model under "model"
 
-
-def load_unsplit(way: Way, checkpoint: str, args, inputs: dict, plan: dict) -> None:
-    from transformers import AutoModelForCausalLM
-
-    settle()
-    way.floor = proc_status()["VmRSS"]
-    reset_peak()
-    start = time.perf_counter()
-    way.model = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation=ATTENTION).eval()
-    way.ready_s = time.perf_counter() - start
-    way.load_peak = proc_status()["VmHWM"]
-    way.rank_bytes = tensor_bytes(way.model)
-    way.attn = attention(way.model)
-    run_round(way.model, inputs, {**plan, "warmup": True})  # its peak with activations, before the others come
-    way.run_peak = proc_status()["VmHWM"]
+    def unload(self) -> None:
+        if self.model is not None:
+            self.model.deparallelize()
+        self.model = None
 
 
-def load_proxy(way: Way, checkpoint: str, args, inputs: dict, plan: dict) -> None:
-    import tpcore
-
-    start = time.perf_counter()
-    way.model = tpcore.parallelize(checkpoint, num_gpus=args.ranks, backend=BACKEND)  # the caller never holds it
-    way.ready_s = time.perf_counter() - start
-    way.pool, way.key = getattr(way.model._tpcore_handle, "pool", None), PROXY_STORE_KEY
-    way.rank_bytes = max(way.model.memory_allocated().values())
-    way.attn = attention(way.model)
-    run_round(way.model, inputs, {**plan, "warmup": True})
+def rank_facts(context) -> dict:
+    return model_facts(context.store["model"])
 
 
-def load_on_ranks(way: Way, checkpoint: str, args, inputs: dict, plan: dict) -> None:
-    from tpcore.process import RankPool
-
-    start = time.perf_counter()
-    way.pool = RankPool(args.ranks, BACKEND)
-    way.start_s = time.perf_counter() - start
-    results = way.pool.run(rank_load, way.name, checkpoint, ATTENTION)
-    way.ready_s = max(r["ready_s"] for r in results)
-    way.floor = max(r["floor"] for r in results)
-    way.load_peak = max(r["load_peak"] for r in results)
-    way.rank_bytes = max(r["tensor_bytes"] for r in results)
-    way.attn = results[0]["attn"]
-    way.notes += [w for w in results[0]["warnings"] if "FutureWarning" in w or "Deprecat" in w]
-    way.pool.run(rank_round, way.key, inputs, {**plan, "warmup": True})
+def largest(figures: list[dict]) -> dict:
+    """The largest rank's figures."""
+    return {key: max(f[key] for f in figures) for key in figures[0]}
 
 
-def time_round(way: Way, inputs: dict, plan: dict) -> None:
-    """One timed round of one way; a call's time on the ranks is the slowest rank's."""
-    if way.where == "caller":
-        result = run_round(way.model, inputs, plan)
-        times, logits = result["times"], result["logits"]
-    else:
-        results = way.pool.run(rank_round, way.key, inputs, plan)
+class OnRanks(Way):
+    """A way whose ranks are a ``RankPool`` of this script (shared by the ways of one ``pool`` name), each
+    loading with ``loader`` and keeping its model under the way's name."""
+
+    loader = None
+    pool_name = ""
+
+    def __init__(self, *args, pools: Pools, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.pools = pools
+        self.pool = None
+
+    def load(self, task: Task, entry: Entry) -> None:
+        self.pool, entry.start_s = self.pools.get(self.pool_name, self.ranks, self.device)
+        results = self.pool.run(rank_load, type(self).loader, self.name, self.spec(task))
+        entry.ready_s = max(r["ready_s"] for r in results)
+        entry.floor, entry.load_peak = max(r["floor"] for r in results), max(r["load_peak"] for r in results)
+        entry.rank_bytes = max(r["rank_bytes"] for r in results)
+        entry.dtype, entry.attn = results[0]["dtype"], results[0]["attn"]
+        entry.notes += [w for w in results[0]["warnings"] if "FutureWarning" in w or "Deprecat" in w]
+
+    def round(self, task: Task, plan: dict) -> dict:
+        results = self.pool.run(rank_round, self.name, task.calls, task.inputs, plan)
         times = {
             name: [max(per_rank) for per_rank in zip(*(r["times"][name] for r in results), strict=True)]
             for name in results[0]["times"]
-        }
-        logits = results[0]["logits"]
-    for name, values in times.items():
-        way.times.setdefault(name, []).extend(values)
-    if logits is not None:
-        way.logits = logits
+        }  # a call's time is the slowest rank's
+        return {"times": times, "outputs": results[0]["outputs"]}
+
+    def memory(self) -> dict:
+        return largest(self.pool.run(rank_memory, self.name))
+
+    def collectives(self, task: Task) -> dict:
+        return self.pool.run(rank_collectives, self.name, task.inputs["b1"])[0]
+
+    def unload(self) -> None:
+        if self.pool is not None and self.pool.alive:
+            self.pool.run(rank_drop, self.name)
+        self.pool = None
 
 
-def finish_ranks(way: Way, inputs: dict) -> None:
-    """Collectives of one forward, and the ranks' memory after every timed call."""
-    if way.name == "unsplit":
-        way.collectives = {
-            "total": 0,
-            "layer0": 0,
-            "by_op": {},
-            "layer0_by_op": {},
-            "dist_calls": 0,
-            "counted_by": "none needed",
-        }
+class Spmd(OnRanks):
+    """``ParallelEngine(N, process_group=context.group).parallelize(checkpoint)`` on each rank, timed there."""
+
+    loader = staticmethod(load_tpcore)
+    pool_name = "tpcore SPMD"
+    loaded_by = Proxy.loaded_by
+
+
+class DTensorTP(OnRanks):
+    loader = staticmethod(load_dtensor)
+    pool_name = "DTensor TP"
+    loaded_by = "`from_pretrained` whole on each rank, then `parallelize_module`"
+
+
+class HFTpPlan(OnRanks):
+    loader = staticmethod(load_hf)
+    pool_name = "HF tp_plan"
+    loaded_by = "`from_pretrained(..., distributed_config=DistributedConfig(tp_plan='auto'))` on each rank"
+
+
+class Pools:
+    """The script's ``RankPool``s, one per (name, N), started on first use and closed together."""
+
+    def __init__(self):
+        self.pools: dict = {}
+
+    def get(self, name: str, ranks: int, device: str):
+        """``(pool, seconds it took to start, or None if it was running already)``."""
+        from tpcore.process import RankPool
+
+        pool = self.pools.get((name, ranks))
+        if pool is not None and pool.alive:
+            return pool, None
+        start = time.perf_counter()
+        self.pools[name, ranks] = RankPool(ranks, backend(device), device=device)
+        return self.pools[name, ranks], time.perf_counter() - start
+
+    def close(self, ranks: int | None = None) -> None:
+        for key in [key for key in self.pools if ranks is None or key[1] == ranks]:
+            self.pools.pop(key).close()
+
+
+def backend(device: str) -> str:
+    return "nccl" if device == "cuda" else "gloo"
+
+
+# --- the models and what a round runs on them ----------------------------------------------------------------
+
+
+@dataclass
+class Task:
+    """One checkpoint and what a round runs on it: ``calls`` = ``{name: (method, input key, kwargs)}``."""
+
+    name: str
+    auto_class: str
+    modeling: str  # the module a rank imports before its floor is read
+    config: object
+    inputs: dict
+    calls: dict
+    keep: dict  # {call: (output attribute, or None for tokens; label)}: compared with the unsplit model's
+    figures: list[Figure]
+    dtensor_plan: dict
+    repeat: dict = field(default_factory=dict)
+    checkpoint: str = ""
+    model_class: str = ""
+    parameters: int = 0
+    bytes: int = 0
+
+    def describe(self) -> str:
+        keys = (
+            "num_hidden_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "intermediate_size",
+            "vocab_size",
+            "image_size",
+        )
+        sizes = ", ".join(f"{key} {getattr(self.config, key)}" for key in keys if hasattr(self.config, key))
+        return (
+            f"Random-init `{self.model_class}` ({sizes}, seed 0): {self.parameters / 1e6:.1f} M parameters, "
+            f"{self.bytes / MIB:.1f} MiB (fp32), saved with `save_pretrained`."
+        )
+
+    def spec(self) -> dict:
+        """What a rank needs to load it."""
+        fields = ("checkpoint", "auto_class", "modeling", "dtensor_plan")
+        return {name: getattr(self, name) for name in fields}
+
+
+def ids(generator, vocab: int, batch: int, seq: int) -> dict:
+    input_ids = torch.randint(3, vocab, (batch, seq), generator=generator)
+    return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+
+
+def generate_call(key: str, new_tokens: int, **options) -> tuple:
+    return ("generate", key, {**GENERATE, "max_new_tokens": new_tokens, "min_new_tokens": new_tokens, **options})
+
+
+def llama_task(args, layers: int | None = None, vocab: int | None = None, large: bool = True) -> Task:
+    """The decoder: forward at batch 1 and the large batch, greedy ``generate()`` per new token."""
+    from transformers import LlamaConfig
+
+    vocab = vocab or args.vocab
+    config = LlamaConfig(
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=layers or args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.heads,
+        vocab_size=vocab,
+        max_position_embeddings=max(512, args.seq + 1),
+        tie_word_embeddings=False,
+    )
+    generator, k = torch.Generator().manual_seed(1234), args.new_tokens
+    inputs = {"b1": ids(generator, vocab, 1, args.seq), "prompt": ids(generator, vocab, 1, args.prompt)}
+    calls = {"b1": ("__call__", "b1", {})}
+    figures: list[Figure] = [("b1", f"fwd 1x{args.seq} ms", lambda e: e.ms("b1"))]
+    if large:
+        inputs["large"] = ids(generator, vocab, args.batch, args.seq)
+        calls["large"] = ("__call__", "large", {})
+        figures.append(("large", f"fwd {args.batch}x{args.seq} ms", lambda e: e.ms("large")))
+    calls |= {"gen1": generate_call("prompt", 1), "genK": generate_call("prompt", 1 + k)}
+    figures.append(("decode", "decode ms/token", lambda e: e.per_token_ms("gen1", "genK", k)))
+    layer = "model.layers.*."
+    plan = {f"{layer}self_attn.{name}": "colwise" for name in ("q_proj", "k_proj", "v_proj")}
+    plan |= {f"{layer}mlp.{name}": "colwise" for name in ("gate_proj", "up_proj")}
+    plan |= {f"{layer}self_attn.o_proj": "rowwise", f"{layer}mlp.down_proj": "rowwise"}
+    return Task(
+        "llama",
+        "AutoModelForCausalLM",
+        "transformers.models.llama.modeling_llama",
+        config,
+        inputs,
+        calls,
+        {"b1": ("logits", "max abs diff, logits 1x" + str(args.seq)), "genK": (None, "greedy tokens")},
+        figures,
+        plan,
+        repeat={"b1": args.b1_calls},
+    )
+
+
+def bart_task(args) -> Task:
+    """The encoder-decoder: ``generate(num_beams=4)`` per new token (K = half of ``--new-tokens``: beam search is
+    slow), and one forward's logits."""
+    from transformers import BartConfig
+
+    size = args.bart
+    config = BartConfig(
+        vocab_size=size["vocab"],
+        d_model=size["hidden"],
+        encoder_layers=size["layers"],
+        decoder_layers=size["layers"],
+        encoder_attention_heads=size["heads"],
+        decoder_attention_heads=size["heads"],
+        encoder_ffn_dim=4 * size["hidden"],
+        decoder_ffn_dim=4 * size["hidden"],
+        max_position_embeddings=512,
+    )
+    generator, k = torch.Generator().manual_seed(1234), max(1, args.new_tokens // 2)
+    source = ids(generator, size["vocab"], 1, args.prompt * 2)
+    decoder = {"decoder_input_ids": torch.randint(3, size["vocab"], (1, args.prompt), generator=generator)}
+    calls = {
+        "b1": ("__call__", "forward", {}),
+        "beam1": generate_call("source", 1, num_beams=4),
+        "beamK": generate_call("source", 1 + k, num_beams=4),
+    }
+    figures: list[Figure] = [
+        ("beam", f"beam 4, 1 + {k} tokens ms", lambda e: e.ms("beamK")),
+        ("beam_token", "beam 4 ms/token", lambda e: e.per_token_ms("beam1", "beamK", k)),
+    ]
+    plan = {}
+    for stack, attentions in (("encoder", ("self_attn",)), ("decoder", ("self_attn", "encoder_attn"))):
+        layer = f"model.{stack}.layers.*."
+        for attention in attentions:
+            plan |= {f"{layer}{attention}.{name}": "colwise" for name in ("q_proj", "k_proj", "v_proj")}
+            plan[f"{layer}{attention}.out_proj"] = "rowwise"
+        plan |= {f"{layer}fc1": "colwise", f"{layer}fc2": "rowwise"}
+    inputs = {"source": source, "forward": source | decoder}
+    keep = {"b1": ("logits", "max abs diff, logits"), "beamK": (None, "beam tokens")}
+    return Task(
+        "bart",
+        "AutoModelForSeq2SeqLM",
+        "transformers.models.bart.modeling_bart",
+        config,
+        inputs,
+        calls,
+        keep,
+        figures,
+        plan,
+    )
+
+
+def vit_task(args) -> Task:
+    """The vision encoder: forward at batch 1 and 8."""
+    from transformers import ViTConfig
+
+    size = args.vit
+    config = ViTConfig(
+        hidden_size=size["hidden"],
+        num_hidden_layers=size["layers"],
+        num_attention_heads=size["heads"],
+        intermediate_size=4 * size["hidden"],
+        image_size=size["image"],
+        patch_size=size["patch"],
+    )
+    generator = torch.Generator().manual_seed(1234)
+    image = (3, size["image"], size["image"])
+    inputs = {
+        "b1": {"pixel_values": torch.randn(1, *image, generator=generator)},
+        "large": {"pixel_values": torch.randn(8, *image, generator=generator)},
+    }
+    calls = {"b1": ("__call__", "b1", {}), "large": ("__call__", "large", {})}
+    figures: list[Figure] = [
+        ("b1", "fwd 1 image ms", lambda e: e.ms("b1")),
+        ("large", "fwd 8 images ms", lambda e: e.ms("large")),
+    ]
+    layer = "layers.*."
+    plan = {f"{layer}attention.{name}": "colwise" for name in ("q_proj", "k_proj", "v_proj")}
+    plan |= {f"{layer}attention.o_proj": "rowwise", f"{layer}mlp.fc1": "colwise", f"{layer}mlp.fc2": "rowwise"}
+    keep = {"b1": ("last_hidden_state", "max abs diff, last hidden state")}
+    return Task("vit", "AutoModel", "transformers.models.vit.modeling_vit", config, inputs, calls, keep, figures, plan)
+
+
+# --- the parts ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Report:
+    """The result's sections, in the order of ``SECTIONS``, rewritten after each part (a run cut short keeps
+    what it had), with the Llama part's chart."""
+
+    args: argparse.Namespace
+    chart: list  # the chart's panels (chart_panels)
+    chart_title: str
+    header: str = ""
+    sections: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    entries: dict[str, list[Entry]] = field(default_factory=dict)
+    start: dict[str, float] = field(default_factory=dict)
+
+    def add(self, name: str, text: str) -> None:
+        self.sections[name] = text
+        print("\n" + text.replace("**", ""), flush=True)
+        self.write()
+
+    def write(self) -> None:
+        sections = [self.header]
+        if "llama" in self.entries:
+            path = result_path("peers", self.args.output, ".png")
+            title = f"{self.chart_title}, N={self.args.ranks} {backend(self.args.device)} ranks"
+            error = bar_chart(self.entries["llama"], self.chart, path, title)
+            sections.append(f"![forward, decode and memory per way]({path.name})" if error is None else error)
+        sections += [self.sections[name] for name in SECTIONS if name in self.sections]
+        if self.notes:
+            sections.append("## Notes\n\n" + "\n".join(f"- {note}" for note in self.notes))
+        title = "tpcore and its peers, side by side"
+        write_result("peers", title, sections, backend(self.args.device), self.args.note, self.args.output)
+
+
+def five_ways(args, n: int, pools: Pools) -> list[Way]:
+    """Unsplit, tpcore SPMD and parallelize() at N = ``n``, and the peers unless ``--skip-peers``."""
+    ways: list[Way] = [
+        Unsplit("unsplit", 1, args.device),
+        Spmd("tpcore SPMD", n, args.device, pools=pools),
+        Proxy("tpcore parallelize()", n, args.device),
+    ]
+    if not args.skip_peers:
+        ways += [
+            DTensorTP("DTensor TP", n, args.device, pools=pools),
+            HFTpPlan("HF tp_plan", n, args.device, pools=pools),
+        ]
+    return ways
+
+
+def llama_part(args, task: Task, pools: Pools, report: Report) -> None:
+    """The decoder, five ways at N = ``--ranks``: the full table, ratios, spread, collectives and loading."""
+    n = args.ranks
+    ways = five_ways(args, n, pools)
+    entries = run_part(task, ways, args.rounds, measure_ranks=True)
+    report.entries["llama"] = entries
+    by_name = {e.way: e for e in entries}
+    proxy, spmd = by_name["tpcore parallelize()"], by_name["tpcore SPMD"]
+    if not proxy.na:  # its ranks' floor: the SPMD ranks' (the same imports); their loading is not observable
+        proxy.floor = spmd.floor
+    figures = [
+        *task.figures,
+        ("rank_bytes", "rank params", lambda e: e.rank_bytes),
+        ("peak_above_floor", "rank peak - floor", Entry.peak_above_floor),
+        ("ready_s", "checkpoint to ready", lambda e: e.ready_s),
+    ]
+    live = [e for e in entries if not e.na]
+    spread_header = ["way", *(f"{name} ms" for name in task.calls), "timed calls"]
+    spread_rows = [[e.way, *(spread_ms(e.times.get(name, [])) for name in task.calls),
+                    " / ".join(str(len(e.times.get(name, []))) for name in task.calls)] for e in live]  # fmt: skip
+    comm_header = ["way", "counted by", "per forward, by op", "in layer 0, by op", "torch.distributed.* calls"]
+    comm_rows = [
+        [
+            e.way,
+            f"`{e.collectives['counted_by']}`",
+            ", ".join(f"{op} x{k}" for op, k in e.collectives["by_op"].items()) or "none",
+            ", ".join(f"{op} x{k}" for op, k in e.collectives["layer0_by_op"].items()) or "none",
+            str(e.collectives["dist_calls"]),
+        ]
+        for e in live
+        if e.collectives
+    ]
+    load_header = ["way", "loaded by", "attention", "ranks started s", "ready s", "peak while loading MiB", "floor MiB"]
+    loaded_by = {way.name: way.loaded_by for way in ways}
+    load_rows = [
+        [
+            e.way,
+            loaded_by[e.way],
+            e.attn or "n/a",
+            fmt(e.start_s, ".1f") if e.start_s is not None else ("in ready s" if e.way.endswith("()") else "-"),
+            fmt(e.ready_s, ".1f"),
+            fmt(e.load_peak and e.load_peak / MIB, ".0f"),
+            fmt(e.floor and e.floor / MIB, ".0f"),
+        ]
+        for e in live
+    ]
+    text = [
+        f"## Llama, N={n}\n\n{task.describe()}\n\n" + way_table(task, entries, task.bytes, with_memory=True),
+        "### Ratios\n\nEach table: the row way's figure divided by the column way's (below 1: the row way is "
+        "faster or smaller).\n\n" + "\n\n".join(markdown_table(h, r) for h, r in ratio_tables(entries, figures)),
+        "### Spread\n\np25 - p75 of the timed calls in ms.\n\n" + markdown_table(spread_header, spread_rows),
+        "### Collectives in one forward\n\n" + markdown_table(comm_header, comm_rows),
+        "### Loading\n\n" + markdown_table(load_header, load_rows),
+    ]
+    report.notes += [f"{e.way}: {note}" for e in entries for note in e.notes]
+    report.add("llama", "\n\n".join(text))
+
+
+def other_part(args, task: Task, pools: Pools, report: Report, title: str) -> None:
+    """A model through the same five ways, at N = ``--ranks``: timings, rank params and differences."""
+    n = args.ranks
+    ways = five_ways(args, n, pools)
+    entries = run_part(task, ways, args.more_rounds, measure_ranks=False)
+    report.entries[task.name] = entries
+    report.add(task.name, f"## {title}, N={n}\n\n{task.describe()}\n\n" + way_table(task, entries, task.bytes, False))
+
+
+def half_part(args, task: Task, pools: Pools, report: Report) -> None:
+    """tpcore in fp16 and bf16 against the unsplit model in the same dtype and in fp32; ``fp16=True`` as tpcore
+    resolves it on this machine."""
+    n = args.ranks
+    ways: list[Way] = []
+    for dtype in ("float32", "float16", "bfloat16"):
+        short = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}[dtype]
+        ways += [
+            Unsplit(f"unsplit {short}", 1, args.device, dtype=dtype),
+            Spmd(f"tpcore SPMD {short}", n, args.device, dtype=dtype, pools=pools),
+            Proxy(f"tpcore parallelize() {short}", n, args.device, dtype=dtype),
+        ]
+    ways.append(Spmd("tpcore SPMD fp16=True", n, args.device, fp16=True, pools=pools))
+    entries = run_part(task, ways, args.more_rounds, measure_ranks=False)
+    report.entries["half"] = entries
+    by_name = {e.way: e for e in entries}
+    unsplit = {e.dtype: e for e in entries if e.way.startswith("unsplit") and not e.na}
+    header = ["way", "dtype on the ranks", *(label for _, label, _ in task.figures)]
+    header += [f"{label} x fp32" for _, label, _ in task.figures]
+    header += ["logits max diff vs unsplit same dtype", "vs unsplit fp32", "finite", "greedy tokens vs fp32"]
+    rows = []
+    for entry in entries:
+        if entry.na:
+            rows.append([entry.way, f"n/a ({entry.na})", *[""] * (len(header) - 2)])
+            continue
+        fp32 = by_name.get(entry.way.rsplit(" ", 1)[0] + " fp32")  # the same way in fp32
+        logits = entry.outputs.get("b1")
+        rows.append(
+            [
+                entry.way,
+                entry.dtype or "n/a",
+                *(fmt(read(entry), ".1f") for _, _, read in task.figures),
+                *(ratio(read, entry, fp32) for _, _, read in task.figures),
+                max_abs_diff(logits, output_of(unsplit.get(entry.dtype), "b1")),
+                max_abs_diff(logits, output_of(unsplit.get("float32"), "b1")),
+                "n/a" if logits is None else ("yes" if bool(torch.isfinite(logits).all()) else "NO"),
+                max_abs_diff(entry.outputs.get("genK"), output_of(unsplit.get("float32"), "genK")),
+            ]
+        )
+    text = (
+        f"## Half precision, N={n}\n\n{task.describe()} `fp16=True` resolves to **{resolved_fp16()}** on this "
+        "machine (`tpcore.precision.resolve_dtype`). x fp32: against the same way in fp32.\n\n"
+        + markdown_table(header, rows)
+    )
+    report.add("half", text)
+
+
+def ratio(read, entry: Entry, base: Entry | None) -> str:
+    mine, theirs = read(entry), None if base is None or base.na else read(base)
+    return "n/a" if mine is None or not theirs else f"{mine / theirs:.1f}"
+
+
+def output_of(entry: Entry | None, call: str):
+    return None if entry is None or entry.na else entry.outputs.get(call)
+
+
+def resolved_fp16() -> str:
+    from tpcore.precision import resolve_dtype
+
+    dtype = resolve_dtype(True, None, "cpu")
+    return "no cast (the model's own dtype)" if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def wide_part(args, task: Task, pools: Pools, report: Report) -> None:
+    """The Llama at N=4 where its heads allow, all ways (on 2 cores the ranks oversubscribe them)."""
+    n = 4
+    if args.heads % n:
+        report.add("n4", f"## Llama, N={n}\n\nskipped: {args.heads} heads do not divide over {n} ranks.")
         return
-    if way.pool is None:
-        way.notes.append("no access to its ranks: collectives and rank memory not measured")
+    if args.device == "cuda" and torch.cuda.device_count() < n:
+        report.add("n4", f"## Llama, N={n}\n\nskipped: {torch.cuda.device_count()} GPU(s); NCCL needs one per rank.")
         return
-    way.collectives = way.pool.run(rank_collectives, way.key, inputs["b1"])[0]
-    memory_figures = way.pool.run(rank_memory, way.key)
-    way.rank_bytes = max(m["tensor_bytes"] for m in memory_figures)
-    way.run_peak = max(m["VmHWM"] for m in memory_figures)
+    ways = five_ways(args, n, pools)
+    entries = run_part(task, ways, args.more_rounds, measure_ranks=False)
+    report.entries["n4"] = entries
+    cores = os.cpu_count() or 1
+    crowd = (
+        f" **{n} ranks on {cores} cores oversubscribe them**: each rank has 1 thread, and a rank waiting in a "
+        "collective may hold a core another rank needs; read these timings as what oversubscription costs."
+        if args.device == "cpu" and cores < n
+        else ""
+    )
+    pools.close(n)
+    report.add("n4", f"## Llama, N={n}\n\n{task.describe()}{crowd}\n\n" + way_table(task, entries, task.bytes, False))
 
 
-def close(way: Way) -> None:
-    try:
-        if way.name == "tpcore parallelize()" and way.model is not None:
-            way.model.deparallelize()
-        elif way.pool is not None:
-            way.pool.close()
-    except Exception as error:  # report, keep closing the others
-        print(f"  {way.name}: closing failed: {first_line(error)}")
-    way.model = way.pool = None
+def start_part(args, report: Report) -> None:
+    """The bounds of a rank's start: a bare interpreter's ``import torch, transformers``, and with the model's
+    modeling module too, each timed alone (median of ``--start-repeats``), beside ``parallelize(dir)``'s ready time."""
+    commands = {
+        "import torch, transformers": "import torch, transformers",
+        "+ modeling_llama": "import torch, transformers; import transformers.models.llama.modeling_llama",
+    }
+    seconds: dict[str, list[float]] = {name: [] for name in commands}
+    for _ in range(args.start_repeats):  # interleaved, so that drifting load hits both alike
+        for name, code in commands.items():
+            start = time.perf_counter()
+            subprocess.run([sys.executable, "-c", code], check=True)
+            seconds[name].append(time.perf_counter() - start)
+    report.start = {name: statistics.median(values) for name, values in seconds.items()}
+    start_section(args, report)
 
 
-def gpt2_part(args, checkpoint: str, model_bytes: int) -> list[list[str]]:
-    """Split the GPT-2 checkpoint with ``tpcore.parallelize()`` at each N: a rank's tensor bytes and
-    the caller's peak RSS above its RSS just before the call, both against the model size."""
+def start_section(args, report: Report) -> None:
+    """Ready times of ``parallelize(dir)`` beside the import bounds."""
+    rows = [[f"a bare interpreter: {name}", f"{value:.2f}"] for name, value in report.start.items()]
+    for part in ("llama", "n4"):
+        for entry in report.entries.get(part, []):
+            if entry.way == "tpcore parallelize()" and not entry.na:
+                n = args.ranks if part == "llama" else 4
+                rows.append([f"`parallelize(dir, num_gpus={n})`, checkpoint to ready", f"{entry.ready_s:.2f}"])
+            if entry.way == "tpcore SPMD" and entry.start_s is not None:
+                n = args.ranks if part == "llama" else 4
+                rows.append(
+                    [f"a `RankPool({n})` started (all ranks joined, imports in the ranks)", f"{entry.start_s:.2f}"]
+                )
+    if rows:
+        report.add(
+            "start",
+            "## Start\n\nThe bounds of a rank's start: a bare interpreter (`python -c`) importing torch and "
+            f"transformers, and also the model's modeling module (median of {args.start_repeats}, each alone), "
+            "beside what `parallelize()` takes from the checkpoint folder to a served model.\n\n"
+            + markdown_table(["what", "s"], rows),
+        )
+
+
+def gpt2_part(args, checkpoint: str, model_bytes: int, report: Report) -> None:
+    """``tpcore.parallelize(checkpoint)`` of a GPT-2 at each N: a rank's tensor bytes and the caller's peak
+    RSS above its RSS just before the call, against the model size (run while the caller holds no model)."""
     import tpcore
 
     rows = []
@@ -495,11 +922,10 @@ def gpt2_part(args, checkpoint: str, model_bytes: int) -> list[list[str]]:
         start, model = time.perf_counter(), None
         try:
             with RssSampler() as sampler:
-                model = tpcore.parallelize(checkpoint, num_gpus=n, backend=BACKEND)
+                model = tpcore.parallelize(checkpoint, num_gpus=n, backend=backend(args.device))
             seconds = time.perf_counter() - start
             hwm = proc_status()["VmHWM"]
-            allocated = model.memory_allocated()
-            rank_peaks = model.memory_peak()
+            allocated, rank_peaks = model.memory_allocated(), model.memory_peak()
         except Exception as error:
             rows.append([str(n), f"n/a ({first_line(error)})", "", "", "", ""])
             continue
@@ -509,115 +935,57 @@ def gpt2_part(args, checkpoint: str, model_bytes: int) -> list[list[str]]:
             del model
             settle()
         share = max(allocated.values())
-        sampled_extra, hwm_extra = sampler.peak - before, hwm - before
+        sampled, by_hwm = sampler.peak - before, hwm - before
         rows.append(
             [
                 str(n),
                 f"{share / MIB:.1f} ({share / model_bytes:.3f}x)",
                 f"{max(rank_peaks.values()) / MIB:.1f}",
-                f"{sampled_extra / MIB:.1f} ({sampled_extra / model_bytes:.2f}x)",
-                f"{hwm_extra / MIB:.1f} ({hwm_extra / model_bytes:.2f}x)" if hwm_reset else "n/a (no reset)",
+                f"{sampled / MIB:.1f} ({sampled / model_bytes:.2f}x)",
+                f"{by_hwm / MIB:.1f} ({by_hwm / model_bytes:.2f}x)" if hwm_reset else "n/a (no reset)",
                 f"{seconds:.1f}",
             ]
         )
-        print(
-            f"  GPT-2 N={n}: rank tensors {share / MIB:.1f} MiB ({share / model_bytes:.3f}x of the model), caller "
-            f"peak +{sampled_extra / MIB:.1f} MiB sampled ({sampled_extra / model_bytes:.2f}x), "
-            f"+{hwm_extra / MIB:.1f} MiB VmHWM; {seconds:.1f} s"
-        )
-    return rows
+    header = ["N", "rank tensors MiB (x model)", "rank peak MiB", "caller peak above baseline, sampled MiB (x model)",
+              "same, VmHWM MiB (x model)", "parallelize() s"]  # fmt: skip
+    line = (
+        f"Random-init `GPT2LMHeadModel`: vocab {args.gpt2['vocab']}, hidden {args.gpt2['hidden']}, "
+        f"{args.gpt2['layers']} layers, {args.gpt2['heads']} heads, tied LM head: "
+        f"model size {model_bytes / MIB:.1f} MiB."
+    )
+    report.add("gpt2", "## GPT-2: what a rank and the caller hold\n\n" + line + "\n\n" + markdown_table(header, rows))
 
 
-def loaded_by(way: Way) -> str:
-    """How a way went from the checkpoint folder to its model, for the loading table."""
-    if way.name.startswith("tpcore"):
-        return "tpcore from the checkpoint folder (each rank reads its slices)"
-    return {
-        "unsplit": "`from_pretrained`",
-        "DTensor TP": "`from_pretrained` whole on each rank, then `parallelize_module`",
-        "HF tp_plan": "`from_pretrained(..., distributed_config=DistributedConfig(tp_plan='auto'))` on each rank",
-    }[way.name]
-
-
-def spread_ms(seconds: list[float]) -> str:
-    """``p25 - p75`` in ms, interpolated within the samples (so also right for a handful of them)."""
-    if len(seconds) < 2:
-        return f"{seconds[0] * 1e3:.1f}" if seconds else "n/a"
-    q1, _, q3 = statistics.quantiles(seconds, n=4, method="inclusive")
-    return f"{q1 * 1e3:.1f} - {q3 * 1e3:.1f}"
-
-
-def above(peak: int | None, floor: int | None) -> str:
-    return "n/a" if peak is None or floor is None else f"{(peak - floor) / MIB:.0f}"
-
-
-def fmt(value: float | None, spec: str) -> str:
-    return "n/a" if value is None else format(value, spec)
-
-
-def ratio_tables(ways: list[Way], figures: list[tuple[str, str]]) -> list[tuple[str, list[str], list[list[str]]]]:
-    """Per figure: row way / column way (below 1: the row way is faster or smaller)."""
-    tables = []
-    live = [w for w in ways if not w.na]
-    for key, label in figures:
-        header = [f"{label}: row / column", *(w.name for w in live)]
-        rows = []
-        for row in live:
-            cells = [row.name]
-            for column in live:
-                a, b = row.figure(key), column.figure(key)
-                cells.append("-" if row is column else ("n/a" if a is None or not b else f"{a / b:.2f}"))
-            rows.append(cells)
-        tables.append((label, header, rows))
-    return tables
-
-
-def plot(ways: list[Way], path: Path, title: str) -> str | None:
-    """Bar chart: forward latency (batch 1 and large), decode ms per token, rank memory; None if no matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as error:
-        return f"no chart: {error}"
-    names = [w.name for w in ways]
-    xs = range(len(ways))
-
-    def values(key: str, scale: float = 1.0) -> list[float]:
-        return [(w.figure(key) or 0.0) * scale for w in ways]
-
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
-    panels = [
-        (axes[0], "forward latency (ms, median)", [("b1", "batch 1", 1.0), ("large", "large batch", 1.0)]),
-        (axes[1], "greedy decode (ms per new token)", [("decode", "batch 1", 1.0)]),
+def chart_panels(task: Task) -> list:
+    """The chart's panels: ``(title, [(label, read, scale)])``."""
+    reads = {key: read for key, _, read in task.figures}
+    return [
+        ("forward latency (ms, median)", [("batch 1", reads["b1"], 1.0), ("large batch", reads["large"], 1.0)]),
+        ("greedy decode (ms per new token)", [("batch 1", reads["decode"], 1.0)]),
         (
-            axes[2],
             "per-rank memory (MiB)",
-            [("rank_bytes", "parameters + buffers", 1 / MIB), ("peak_above_floor", "peak RSS - floor", 1 / MIB)],
+            [
+                ("parameters + buffers", lambda e: e.rank_bytes, 1 / MIB),
+                ("peak - floor", Entry.peak_above_floor, 1 / MIB),
+            ],
         ),
     ]
-    for ax, panel_title, series in panels:
-        width = 0.8 / len(series)
-        for i, (key, label, scale) in enumerate(series):
-            offset = (i - (len(series) - 1) / 2) * width
-            bars = ax.bar([x + offset for x in xs], values(key, scale), width, label=label)
-            ax.bar_label(bars, labels=[fmt(w.figure(key) and w.figure(key) * scale, ".0f") for w in ways], fontsize=7)
-        ax.set_title(panel_title, fontsize=10)
-        ax.set_xticks(list(xs), names, rotation=20, ha="right", fontsize=8)
-        if len(series) > 1:
-            ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return None
+
+
+# --- main ------------------------------------------------------------------------------------------------
+
+#: the parts, in the order they run (gpt2 first: the caller must hold no model) and their sections' order
+PARTS = ("gpt2", "start", "llama", "half", "bart", "vit", "n4")
+SECTIONS = ("llama", "start", "half", "bart", "vit", "n4", "gpt2")
 
 
 def parse_args(argv=None):
     cores = os.cpu_count() or 1
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--parts", default=",".join(PARTS), help=f"comma-separated, in this order (default {','.join(PARTS)})"
+    )
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (gloo ranks) or cuda (NCCL)")
     parser.add_argument("--layers", type=int, default=8, help="Llama decoder layers (default 8)")
     parser.add_argument("--hidden", type=int, default=768, help="Llama hidden size (default 768)")
     parser.add_argument("--heads", type=int, default=12, help="attention heads (= KV heads; default 12)")
@@ -627,32 +995,64 @@ def parse_args(argv=None):
     parser.add_argument("--batch", type=int, default=8, help="the large forward batch (default 8)")
     parser.add_argument("--prompt", type=int, default=32, help="generate() prompt length, batch 1 (default 32)")
     parser.add_argument("--new-tokens", type=int, default=16, help="K: decode = (t(1+K) - t(1)) / K (default 16)")
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved timed rounds (default 5)")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved timed rounds of the Llama part (default 5)")
+    parser.add_argument("--more-rounds", type=int, default=2, help="rounds of the other parts (default 2)")
     parser.add_argument("--b1-calls", type=int, default=2, help="batch-1 forwards per round and way (default 2)")
     parser.add_argument(
         "--threads", type=int, default=cores, help=f"torch threads of the unsplit run (default {cores})"
     )
-    parser.add_argument("--ranks", type=int, default=2, help="N for the Llama ways (default 2)")
-    parser.add_argument("--gpt2-ranks", default="2,4", help="N of the GPT-2 memory part (default 2,4; '' skips it)")
+    parser.add_argument("--ranks", type=int, default=2, help="N of the split ways (default 2)")
+    parser.add_argument("--gpt2-ranks", default="2,4", help="N of the GPT-2 memory part (default 2,4)")
+    parser.add_argument(
+        "--start-repeats", type=int, default=3, help="timed interpreter starts of each kind (default 3)"
+    )
+    parser.add_argument("--budget", type=float, default=None, help="seconds: parts not started by then are skipped")
     parser.add_argument("--skip-peers", action="store_true", help="only unsplit and the two tpcore ways")
-    parser.add_argument("--quick", action="store_true", help="tiny models, 2 rounds: a trial run")
-    parser.add_argument("--note", default=None, help="a remark to put in the result file")
-    parser.add_argument("--output", default=None, help="result file (default bench/results/peers.md; chart beside)")
+    common_arguments(parser, "peers", "tiny models, 1-2 rounds, GPT-2 at N=2 only")
     args = parser.parse_args(argv)
-    args.gpt2_vocab, args.gpt2_hidden, args.gpt2_layers, args.gpt2_heads = 50257, 768, 12, 12
+    args.gpt2 = {"vocab": 50257, "hidden": 768, "layers": 12, "heads": 12}
+    args.bart = {"vocab": 50265, "hidden": 768, "layers": 6, "heads": 12}
+    args.vit = {"hidden": 768, "layers": 12, "heads": 12, "image": 224, "patch": 16}
+    args.half = {"layers": 2, "vocab": 8000, "new_tokens": 4}
     if args.quick:
         args.layers, args.hidden, args.heads, args.intermediate, args.vocab = 2, 128, 4, 256, 1000
-        args.seq, args.prompt, args.new_tokens, args.rounds = 32, 8, 4, 2
-        args.gpt2_vocab, args.gpt2_hidden, args.gpt2_layers, args.gpt2_heads = 1000, 128, 2, 4
+        args.seq, args.prompt, args.new_tokens, args.rounds, args.more_rounds = 32, 8, 4, 2, 1
+        args.start_repeats, args.gpt2_ranks = 1, "2"
+        args.gpt2 = {"vocab": 1000, "hidden": 128, "layers": 2, "heads": 4}
+        args.bart = {"vocab": 1000, "hidden": 128, "layers": 2, "heads": 4}
+        args.vit = {"hidden": 128, "layers": 2, "heads": 4, "image": 32, "patch": 8}
+        args.half = {"layers": 2, "vocab": 1000, "new_tokens": 2}
+    args.parts = [part for part in args.parts.split(",") if part]
+    unknown = set(args.parts) - set(PARTS)
+    if unknown:
+        parser.error(f"unknown parts {sorted(unknown)}; known: {', '.join(PARTS)}")
     args.gpt2_ranks = [int(n) for n in args.gpt2_ranks.split(",") if n.strip()]
+    if args.device == "cuda":
+        args.ranks = min(args.ranks, torch.cuda.device_count())
+        args.gpt2_ranks = [n for n in args.gpt2_ranks if n <= torch.cuda.device_count()]
     return args
 
 
-def main(argv=None) -> None:
+def gpt2_config(args):
+    from transformers import GPT2Config
+
+    size = args.gpt2
+    return GPT2Config(vocab_size=size["vocab"], n_embd=size["hidden"], n_layer=size["layers"], n_head=size["heads"])
+
+
+def half_task(args) -> Task:
+    """A shorter Llama for the half-precision part (on a CPU without half arithmetic it runs 5-20x slower)."""
+    half_args = argparse.Namespace(**{**vars(args), "new_tokens": args.half["new_tokens"]})
+    task = llama_task(half_args, layers=args.half["layers"], vocab=args.half["vocab"], large=False)
+    task.name = "half"
+    return task
+
+
+def main(argv=None) -> int:
+    """Run the parts; 1 if a tpcore way could not run or a part failed (a peer that cannot run is only n/a)."""
     args = parse_args(argv)
     wall_start, load_at_start = time.perf_counter(), load_average()
     busy = cpu_busy()  # measured, not the load average, which still counts a script that just ended
-    busy_at_start = busy is not None and busy > 0.25
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # the ranks inherit it
     import transformers
@@ -665,302 +1065,92 @@ def main(argv=None) -> None:
     transformers.utils.logging.disable_progress_bar()
     registered_policies()  # load tpcore's plugins now, so that no memory baseline below pays for it
     torch.set_num_threads(args.threads)
-    inputs = make_inputs(args)
-    plan = {
-        "warmup": False,
-        "b1_calls": args.b1_calls,
-        "large_calls": 1,
-        "new_tokens": args.new_tokens,
-        "logits": False,
+    tasks = {"llama": llama_task(args), "half": half_task(args), "bart": bart_task(args), "vit": vit_task(args)}
+    wanted = {
+        name: task for name, task in tasks.items() if name in args.parts or (name == "llama" and "n4" in args.parts)
     }
     tmp = tempfile.TemporaryDirectory(prefix="tpcore-peers-")
-    llama_dir, gpt2_dir = str(Path(tmp.name) / "llama"), str(Path(tmp.name) / "gpt2")
-    models = [(llama_config(args), llama_dir)]
-    if args.gpt2_ranks:
-        models.append((gpt2_config(args), gpt2_dir))
-    with RankPool(1, BACKEND, threads_per_rank=os.cpu_count()) as pool:  # keeps this process's memory clean
+    models = [(task.auto_class, task.config, str(Path(tmp.name) / name)) for name, task in wanted.items()]
+    if "gpt2" in args.parts:
+        models.append(("AutoModelForCausalLM", gpt2_config(args), str(Path(tmp.name) / "gpt2")))
+    with RankPool(1, "gloo", threads_per_rank=os.cpu_count()) as pool:  # keeps this process's memory clean
         built = pool.run(save_checkpoints, models, 0)[0]
-    llama, model_bytes = built[0], built[0]["bytes"]
-    print(
-        f"LlamaForCausalLM {args.layers} layers, hidden {args.hidden}, {args.heads} heads, intermediate "
-        f"{args.intermediate}, vocab {args.vocab}: {llama['parameters'] / 1e6:.1f} M parameters, "
-        f"{model_bytes / MIB:.1f} MiB (fp32), saved with save_pretrained; {ATTENTION} attention; N={args.ranks} "
-        f"ranks ({BACKEND}, {max(1, (os.cpu_count() or 1) // args.ranks)} thread(s) each), unsplit with "
-        f"{args.threads} threads\n"
-    )
+    for (name, task), figures in zip(wanted.items(), built[: len(wanted)], strict=True):
+        task.checkpoint, task.model_class = str(Path(tmp.name) / name), figures["class"]
+        task.parameters, task.bytes = figures["parameters"], figures["bytes"]
 
-    gpt2_rows, gpt2_line = [], ""
-    if args.gpt2_ranks:  # first, while this process holds no model
-        gpt2 = built[1]
-        gpt2_line = (
-            f"Random-init `GPT2LMHeadModel` (seed 0): vocab {args.gpt2_vocab}, hidden {args.gpt2_hidden}, "
-            f"{args.gpt2_layers} layers, {args.gpt2_heads} heads, tied LM head: {gpt2['parameters'] / 1e6:.1f} M "
-            f"parameters, **model size {gpt2['bytes'] / MIB:.1f} MiB** (parameter and buffer bytes, fp32)."
+    llama = tasks["llama"]
+    report = Report(args, chart_panels(llama), f"random-init Llama, {llama.parameters / 1e6:.3g} M parameters")
+    report.header = header_line(args, load_at_start, busy)
+    if busy is not None and busy > 0.25:
+        report.notes.append(
+            f"**The machine was busy** when the run started (other processes kept {busy:.0%} of its cores busy): "
+            "they hurt the unsplit run's multi-threaded kernels most. Rerun on an idle machine."
         )
-        print("GPT-2 memory part: " + gpt2_line.replace("**", "").replace("`", ""))
-        gpt2_rows = gpt2_part(args, gpt2_dir, gpt2["bytes"])
-        print()
-
-    names = ["unsplit", "tpcore SPMD", "tpcore parallelize()"]
-    if not args.skip_peers:
-        names += ["DTensor TP", "HF tp_plan"]
-    ways = [
-        Way(name, "caller" if name in ("unsplit", "tpcore parallelize()") else "ranks", args.new_tokens)
-        for name in names
-    ]
-    loaders = {"unsplit": load_unsplit, "tpcore parallelize()": load_proxy}
+    pools, failures = Pools(), []
     try:
-        for way in ways:
-            try:
-                loaders.get(way.name, load_on_ranks)(way, llama_dir, args, inputs, plan)
-                print(f"  {way.name}: ready in {way.ready_s:.1f} s")
-            except Exception as error:
-                way.na = first_line(error)
-                print(f"  {way.name}: n/a ({way.na})")
-                traceback.print_exc()  # the whole story on stderr; the result keeps the gist
-                close(way)
-        for round_ in range(args.rounds):
-            live = [w for w in ways if not w.na]
-            if not live:
-                break
-            order = live[round_ % len(live) :] + live[: round_ % len(live)]  # who goes first rotates
-            for way in order:
-                try:
-                    time_round(way, inputs, {**plan, "logits": round_ == 0})
-                except Exception as error:
-                    way.na = f"failed in round {round_ + 1}: {first_line(error)}"
-                    print(f"  {way.name}: n/a ({way.na})")
-                    traceback.print_exc()
-                    close(way)
-            print(
-                f"  round {round_ + 1}/{args.rounds}: "
-                + ", ".join(
-                    f"{w.name} {median_ms(w.times['b1'][-args.b1_calls :]):.0f} / "
-                    f"{median_ms(w.times['large'][-1:]):.0f} ms, generate {median_ms(w.times['gen1'][-1:]):.0f} / "
-                    f"{median_ms(w.times['genK'][-1:]):.0f} ms"
-                    for w in ways
-                    if not w.na
+        for part in args.parts:
+            elapsed = time.perf_counter() - wall_start
+            if args.budget is not None and elapsed > args.budget:
+                report.notes.append(
+                    f"part `{part}` skipped: {elapsed:.0f} s spent of the --budget of {args.budget:.0f} s"
                 )
-            )
-        reference = ways[0].logits if not ways[0].na else None
-        for way in ways:
-            if way.na:
                 continue
-            if reference is not None:
-                way.diff = (way.logits - reference).abs().max().item()
+            print(f"\n== {part} ({elapsed:.0f} s in)", flush=True)
             try:
-                finish_ranks(way, inputs)
+                run(part, args, tasks, pools, report, str(Path(tmp.name) / "gpt2"), built[-1]["bytes"])
             except Exception as error:
-                way.notes.append(f"collectives / rank memory not measured: {first_line(error)}")
+                failures.append(f"part `{part}` failed: {first_line(error)}")
+                traceback.print_exc()
     finally:
-        for way in ways:
-            close(way)
+        pools.close()
         tmp.cleanup()
-    wall_s = time.perf_counter() - wall_start
+    failures += [f"{e.way} ({part}): {e.na}" for part, entries in report.entries.items() for e in entries
+                 if e.na and e.way.startswith("tpcore")]  # fmt: skip
+    wall = time.perf_counter() - wall_start
+    report.notes += [*failures, f"Whole run: {wall / 60:.1f} min (wall clock, this script from start to end)."]
+    report.write()
+    print(f"\nwhole run: {wall / 60:.1f} min" + "".join(f"\nFAILED: {failure}" for failure in failures))
+    return 1 if failures else 0
 
-    # --- report -------------------------------------------------------------------------------------
-    header = [
-        "way",
-        "ready s",
-        f"fwd 1x{args.seq} ms",
-        f"fwd {args.batch}x{args.seq} ms",
-        "decode ms/token",
-        "rank params MiB (x model)",
-        "rank peak RSS MiB",
-        "peak - floor MiB: loaded / all calls",
-        "collectives / layer",
-        "collectives / forward",
-        "max abs diff",
-    ]
-    by_name = {way.name: way for way in ways}
-    if not by_name["tpcore parallelize()"].na:  # its ranks' floor: the SPMD ranks' (same imports)
-        by_name["tpcore parallelize()"].floor = by_name["tpcore SPMD"].floor
-    rows = []
-    for way in ways:
-        if way.na:
-            rows.append([way.name, f"n/a ({way.na})", *[""] * (len(header) - 2)])
-            continue
-        comm = way.collectives or {}
-        rows.append(
-            [
-                way.name,
-                f"{way.ready_s:.1f}",
-                fmt(way.figure("b1"), ".1f"),
-                fmt(way.figure("large"), ".1f"),
-                fmt(way.figure("decode"), ".1f"),
-                f"{way.rank_bytes / MIB:.1f} ({way.rank_bytes / model_bytes:.3f}x)" if way.rank_bytes else "n/a",
-                fmt(way.run_peak and way.run_peak / MIB, ".0f"),
-                f"{above(way.load_peak, way.floor)} / {above(way.run_peak, way.floor)}",
-                str(comm.get("layer0", "n/a")),
-                str(comm.get("total", "n/a")),
-                "0 (reference)" if way.name == "unsplit" else fmt(way.diff, ".1e"),
-            ]
-        )
-    figures = [
-        ("b1", f"fwd 1x{args.seq}"),
-        ("large", f"fwd {args.batch}x{args.seq}"),
-        ("decode", "decode per token"),
-        ("rank_bytes", "rank params"),
-        ("peak_above_floor", "rank peak RSS - floor"),
-        ("ready_s", "checkpoint to ready"),
-    ]
-    ratios = ratio_tables(ways, figures)
-    live = [w for w in ways if not w.na]
-    spread_header = [
-        "way",
-        f"fwd 1x{args.seq}",
-        f"fwd {args.batch}x{args.seq}",
-        "generate, 1 new token",
-        f"generate, {1 + args.new_tokens} new tokens",
-        "timed calls (batch 1 / each other)",
-    ]
-    spread_rows = [
-        [
-            w.name,
-            *(spread_ms(w.times[name]) for name in ("b1", "large", "gen1", "genK")),
-            f"{len(w.times['b1'])} / {len(w.times['large'])}",
-        ]
-        for w in live
-    ]
-    comm_header = ["way", "counted by", "per forward, by op", "in layer 0, by op", "torch.distributed.* calls"]
-    comm_rows = [
-        [
-            w.name,
-            f"`{w.collectives['counted_by']}`",
-            ", ".join(f"{op} x{n}" for op, n in w.collectives["by_op"].items()) or "none",
-            ", ".join(f"{op} x{n}" for op, n in w.collectives["layer0_by_op"].items()) or "none",
-            str(w.collectives["dist_calls"]),
-        ]
-        for w in live
-        if w.collectives
-    ]
-    load_header = [
-        "way",
-        "loaded by",
-        "attention",
-        "ranks started s (before the clock)",
-        "ready s",
-        "rank peak RSS while loading MiB",
-        "floor MiB",
-    ]
-    load_rows = [
-        [
-            w.name,
-            loaded_by(w),
-            w.attn or "n/a",
-            fmt(w.start_s, ".1f") if w.where == "ranks" else ("in ready s" if w.name != "unsplit" else "-"),
-            fmt(w.ready_s, ".1f"),
-            fmt(w.load_peak and w.load_peak / MIB, ".0f"),
-            fmt(w.floor and w.floor / MIB, ".0f"),
-        ]
-        for w in live
-    ]
-    gpt2_header = [
-        "N",
-        "rank tensors MiB (x model)",
-        "rank peak RSS MiB",
-        "caller peak above baseline, sampled MiB (x model)",
-        "same, VmHWM MiB (x model)",
-        "parallelize() s",
-    ]
 
-    print()
-    print(plain_table(header, rows))
-    for _, ratio_header, ratio_rows in ratios:
-        print()
-        print(plain_table(ratio_header, ratio_rows))
-    print()
-    print(plain_table(comm_header, comm_rows))
-    print()
-    print(plain_table(load_header, load_rows))
-    if gpt2_rows:
-        print()
-        print(plain_table(gpt2_header, gpt2_rows))
-    notes = [f"- **{w.name}** n/a: {w.na}" for w in ways if w.na]
-    notes += [f"- {w.name}: {note}" for w in ways for note in w.notes]
-    if busy_at_start:
-        notes.append(
-            f"- **The machine was busy** when the run started (other processes kept {busy:.0%} of its "
-            f"{os.cpu_count()} cores busy over 2 s): they competed for the cores, which hurts the unsplit run's "
-            "multi-threaded kernels most (a thread that loses its core stalls the other at every barrier). "
-            "Rerun on an idle machine before drawing conclusions from the timings."
-        )
-    print("\n" + "\n".join(notes) if notes else "")
-    print(f"\nwhole run: {wall_s / 60:.1f} min")
+def run(part: str, args, tasks: dict, pools: Pools, report: Report, gpt2_dir: str, gpt2_bytes: int) -> None:
+    """One part of the run."""
+    if part == "gpt2":
+        gpt2_part(args, gpt2_dir, gpt2_bytes, report)
+    elif part == "start":
+        start_part(args, report)
+    elif part == "llama":
+        llama_part(args, tasks["llama"], pools, report)
+        start_section(args, report)
+    elif part == "half":
+        half_part(args, tasks["half"], pools, report)
+    elif part == "bart":
+        other_part(args, tasks["bart"], pools, report, "BART generate, beam 4")
+    elif part == "vit":
+        other_part(args, tasks["vit"], pools, report, "ViT forward")
+    elif part == "n4":
+        wide_part(args, tasks["llama"], pools, report)
+        start_section(args, report)
 
-    output = Path(args.output) if args.output else None
-    chart = output.with_suffix(".png") if output else Path(__file__).resolve().parent / "results" / "peers.png"
-    title = f"random-init Llama, {llama['parameters'] / 1e6:.3g} M parameters, N={args.ranks} {BACKEND} ranks"
-    chart_error = plot(ways, chart, title)
-    model_line = (
-        f"Random-init `LlamaForCausalLM` (seed 0): {args.layers} layers, hidden {args.hidden}, {args.heads} heads "
-        f"(= KV heads), intermediate {args.intermediate}, vocab {args.vocab}, untied LM head: "
-        f"{llama['parameters'] / 1e6:.1f} M parameters, **model size {model_bytes / MIB:.1f} MiB** (fp32), saved "
-        f"once with `save_pretrained` (safetensors); every way loads that checkpoint with `{ATTENTION}` attention. "
-        f"Split ways: N={args.ranks} `{BACKEND}` ranks with {max(1, (os.cpu_count() or 1) // args.ranks)} torch "
-        f"thread(s) each; unsplit: this process with {args.threads} threads. Peers: torch {torch.__version__} "
-        f"(DTensor), transformers {transformers.__version__} with accelerate {_version('accelerate')}. "
-        f"**Whole run: {wall_s / 60:.1f} min** (wall clock, this script from start to end); load average "
+
+def header_line(args, load_at_start: str, busy: float | None) -> str:
+    import transformers
+
+    cores = os.cpu_count() or 1
+    if args.device == "cpu":
+        threads = max(1, cores // args.ranks)
+        where = f"with {threads} torch thread(s) each; unsplit: this process with {args.threads} threads"
+    else:
+        where = f"on {args.ranks} GPU(s); unsplit: this process on cuda:0"
+    return (
+        f"Split ways: N={args.ranks} `{backend(args.device)}` ranks {where}. Peers: torch {torch.__version__} "
+        f"(DTensor), transformers {transformers.__version__} with accelerate {_version('accelerate')}. Load average "
         f"at the start: {load_at_start}; the other processes' use of the cores over 2 s before it: "
-        + (f"{busy:.0%}." if busy is not None else "n/a.")
+        f"{fmt(None if busy is None else busy * 100, '.0f')}%. Parts: {', '.join(args.parts)}. What runs and how it "
+        "is timed: [bench/README.md](../README.md#peerspy-tpcore-beside-pytorchs-and-transformers-tensor-parallelism)."
     )
-    how = (
-        f"Timed: {args.rounds} interleaved rounds (every way once per round, the first way rotating), after "
-        f"untimed warm-up calls right after loading, under `torch.inference_mode`. Per round and way: "
-        f"{args.b1_calls} forward(s) at 1 x {args.seq} and 1 at {args.batch} x {args.seq}, and greedy `generate()` "
-        f"of a 1 x {args.prompt} prompt with 1 and with 1 + K = {1 + args.new_tokens} new tokens (`min_new_tokens` "
-        f"= `max_new_tokens`, so no early stop); decode ms/token = (t(1 + K) - t(1)) / K, each t the median "
-        "over the rounds. On ranks a call's time is the slowest rank's, measured there; `tpcore parallelize()` is "
-        "timed in this process around the call (inputs sent, outputs brought back). Rank params: parameter and buffer "
-        "bytes one rank holds (DTensor: `to_local()`), against the whole model. Rank peak RSS: the rank's `VmHWM` "
-        "(the largest rank's) after every timed call; 'peak - floor' is that and the peak right after loading "
-        "minus the floor, the rank's RSS after its imports and before loading (for the `parallelize()` ranks, "
-        "whose loading is not observable, the SPMD ranks' floor; for unsplit: this process, its peak read "
-        "after its warm-up calls, before the other ways start). `VmHWM` counts the pages of a memory-mapped "
-        "checkpoint that a rank touched, and the batch-8 activations and logits dominate 'all calls'. "
-        "Ready: checkpoint folder to a model ready to run (load + split, the slowest rank; "
-        "`parallelize()` includes starting its ranks). Collectives over one 1 x "
-        f"{args.seq} forward on rank 0, in `model.layers.0` and in the whole forward: tpcore counts its own "
-        "(`tpcore.comm.count_collectives`), `CommDebugMode` the peers' (DTensor's functional collectives and "
-        "c10d ops such as gloo's `allreduce_`). Max abs diff: batch-1 logits against the "
-        "unsplit model's."
-    )
-    vocab_note = "tpcore splits the embeddings and the LM head over the vocabulary (`vocab_parallel=True`: default)."
-    sections = [
-        model_line + "\n\n" + how,
-        (f"![forward, decode and memory per way]({chart.name})" if chart_error is None else chart_error),
-        "## Per way\n\n" + markdown_table(header, rows),
-        "## Ratios\n\nEach table: the row way's figure divided by the column way's (below 1: the row way is "
-        "faster or smaller).\n\n" + "\n\n".join(markdown_table(h, r) for _, h, r in ratios),
-        "## Spread\n\np25 - p75 of the timed calls in ms (how noisy the machine was).\n\n"
-        + markdown_table(spread_header, spread_rows),
-        "## Collectives\n\nBy operation during one forward: tpcore's layers count their own "
-        "(`tpcore.comm.count_collectives`; its shared-memory transport does not go through `torch.distributed`), "
-        "the peers' are seen by `CommDebugMode`; and the calls of `torch.distributed.all_reduce` and the other "
-        "`torch.distributed` collective functions, counted by wrapping them during the same forward (DTensor's "
-        "functional collectives and tpcore's shared-memory ones do not go through them).\n\n"
-        + markdown_table(comm_header, comm_rows),
-        "## Loading\n\n" + markdown_table(load_header, load_rows),
-    ]
-    if gpt2_rows:
-        sections.append(
-            "## GPT-2: what a rank and the caller hold\n\n"
-            + gpt2_line
-            + " `tpcore.parallelize(checkpoint, num_gpus=N)` with the checkpoint folder; rank tensors: "
-            "`memory_allocated()` of the largest rank; the caller's "
-            "peak above its RSS just before the call, sampled every ~10 ms and from `VmHWM` reset just before "
-            "(the first call in this process also pays some one-time imports and caches, a few MiB).\n\n"
-            + markdown_table(gpt2_header, gpt2_rows)
-        )
-    sections.append("## Notes\n\n" + "\n".join(["- " + vocab_note, *notes]))
-    write_result("peers", "tpcore and its peers, side by side", sections, BACKEND, args.note, args.output)
-    if chart_error is None:
-        try:
-            shown = os.path.relpath(chart)
-        except ValueError:
-            shown = chart.name
-        print(f"wrote {shown}")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 
 import torch
-from _common import choose_backend, markdown_table, median_ms, plain_table, write_result
+from _common import choose_backend, common_arguments, markdown_table, median_ms, plain_table, write_result
 
 # --- run on the ranks (module-level, so cloudpickle sends them by value from __main__) -------------
 
@@ -175,9 +175,7 @@ def parse_args(argv=None):
     parser.add_argument("--large", default="8x256", help="large input, BATCHxSEQ (default 8x256)")
     parser.add_argument("--small-repeats", type=int, default=10, help="timed calls per round and way (default 30)")
     parser.add_argument("--large-repeats", type=int, default=1, help="timed calls per round and way (default 4)")
-    parser.add_argument("--quick", action="store_true", help="smoke run: 1 round, few calls, 2 layers")
-    parser.add_argument("--note", default=None, help="a remark to put in the result file")
-    parser.add_argument("--output", default=None, help="result file (default bench/results/proxy_overhead.md)")
+    common_arguments(parser, "proxy_overhead", "1 round, few calls, 2 layers")
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.small_repeats, args.large_repeats, args.layers = 2, 5, 1, 2

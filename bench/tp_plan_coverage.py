@@ -29,8 +29,10 @@ import re
 import time
 import warnings
 
-from _common import markdown_table, write_result
+from _common import common_arguments, markdown_table, write_result
 
+#: the model types of a --quick run: a dense decoder, one with grouped KV heads, a mixture of experts
+QUICK = ("llama", "qwen2", "mixtral")
 GATHERS = {"colwise_gather_output"}
 REDUCED_LINEARS = {"rowwise", "rowwise_split_input"}
 REDUCED_MODULES = {"moe_tp_experts", "all_reduce"}
@@ -185,9 +187,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", help="model types to check (default: every one with a tp plan)")
     parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--note", help="a line to record with the results")
-    parser.add_argument("--output", help="where to write the Markdown (default bench/results/tp_plan_coverage.md)")
+    common_arguments(parser, "tp_plan_coverage", f"only {', '.join(QUICK)}")
     args = parser.parse_args()
+    if args.quick and not args.only:
+        args.only = list(QUICK)
 
     import transformers
 

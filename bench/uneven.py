@@ -22,7 +22,7 @@ import argparse
 import copy
 import math
 
-from _common import MIB, choose_backend, markdown_table, plain_table, write_result
+from _common import MIB, choose_backend, common_arguments, markdown_table, plain_table, write_result
 
 SHAPES = {
     "SmolLM2-135M": (
@@ -141,9 +141,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=4, help="layers of the measured model (default 4)")
     parser.add_argument("--backend", choices=("gloo", "nccl"), default=None)
-    parser.add_argument("--output", help="write the result here instead of bench/results/uneven.md")
-    parser.add_argument("--note", help="a remark for the result file")
+    common_arguments(parser, "uneven", "1 layer")
     args = parser.parse_args()
+    if args.quick:
+        args.layers = 1
 
     header = [
         "model",
