@@ -161,6 +161,42 @@ def test_large_tensors_travel_out_of_band_and_come_back_exact_and_writable(pool)
     assert torch.equal(unchanged, tensors[0]) and torch.equal(changed, tensors[0] + 1)
 
 
+def test_small_tensors_travel_as_their_bytes_not_through_torch_serialization(monkeypatch):
+    """A small call's inputs, outputs and random state cost microseconds: no torch.save per tensor. What
+    cannot travel as bytes (autograd, a lazy conjugate, an empty tensor) still goes torch's way."""
+    import threading
+    from multiprocessing import Pipe
+
+    plain = [
+        torch.tensor(3.5),
+        torch.arange(6, dtype=torch.int64).view(2, 3),
+        torch.ones(2, 3, dtype=torch.bfloat16),
+        torch.arange(10)[::2],  # non-contiguous
+        torch.tensor([True, False]),
+        torch.get_rng_state(),
+    ]
+    torch_way = [torch.ones(2, requires_grad=True), torch.randn(3, dtype=torch.complex64).conj(), torch.zeros(0, 4)]
+    reduced = []
+    original_reduce = torch.Tensor.__reduce_ex__
+
+    def counting_reduce(tensor, protocol):
+        reduced.append(tensor)
+        return original_reduce(tensor, protocol)
+
+    monkeypatch.setattr(torch.Tensor, "__reduce_ex__", counting_reduce)
+    sender, receiver = Pipe()
+    sending = threading.Thread(target=wire.send, args=(sender, plain + torch_way))
+    sending.start()
+    back = wire.recv(receiver)
+    sending.join()
+    assert len(reduced) == len(torch_way) and all(any(r is t for r in reduced) for t in torch_way)
+    for original, received in zip(plain + torch_way, back, strict=True):
+        assert received.dtype == original.dtype and received.shape == original.shape
+        assert torch.equal(received.detach().resolve_conj(), original.detach().resolve_conj())
+    back[1].add_(1)  # its own writable memory
+    assert torch.equal(back[1], plain[1] + 1)
+
+
 def test_a_tensor_gathered_into_shared_memory_travels_without_a_copy(pool):
     rows = 2**20 // (4 * 64) + 1  # the gathered logits pass memfd.GATHERED_MIN_BYTES
     results = pool.run(rank_helpers.gather_rows_into_shared_memory, rows)

@@ -6,9 +6,10 @@ then a :class:`~multiprocessing.connection.Connection`. Connections that do not 
 within :data:`HANDSHAKE_TIMEOUT_S` are dropped while the caller keeps waiting for its ranks.
 
 A message is framed as the pickled message (cloudpickle: code from ``__main__`` travels by value)
-and where its out-of-band buffers are, then each raw frame: large CPU tensors travel out of band
-(pickle protocol 5), with no copy into the pickle and no torch serialization; from a megabyte on
-they travel in shared memory (:mod:`tpcore.memfd`), the receiver mapping what the sender wrote, and a
+and where its out-of-band buffers are, then each raw frame. Plain CPU tensors travel as their bytes
+(pickle protocol 5), never through torch's own serialization (about 0.1 ms a tensor however small):
+small ones inside the pickle, large ones out of band with no copy into it; from a megabyte on they
+travel in shared memory (:mod:`tpcore.memfd`), the receiver mapping what the sender wrote, and a
 tensor the sender already holds in shared memory is not copied at all.
 """
 
@@ -215,28 +216,42 @@ def byte_view(tensor):
 
 
 class _Pickler(cloudpickle.Pickler):
-    """cloudpickle, with large plain CPU tensors sent out of band: their bytes follow the message
-    as raw frames or in shared memory (no copy into the pickle, no torch serialization).
+    """cloudpickle, with plain CPU tensors sent as their bytes: inside the pickle below
+    :data:`RAW_TENSOR_BYTES`, out of band from there on (as raw frames or in shared memory).
 
-    ``segments`` lists, per out-of-band buffer in order, the :class:`~tpcore.memfd.Segment` the tensor
-    already lives in (it travels as that segment's descriptor, with no copy at all) or ``None``.
+    ``buffers`` lists the out-of-band buffers in order and ``segments``, for each, the
+    :class:`~tpcore.memfd.Segment` its tensor already lives in (it travels as that segment's descriptor,
+    with no copy at all) or ``None``.
     """
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, file):
+        super().__init__(file, protocol=5, buffer_callback=self._keep_out_of_band)
+        self.buffers: list[pickle.PickleBuffer] = []
         self.segments: list[memfd.Segment | None] = []
+        self._segment_of_buffer: dict[int, tuple[pickle.PickleBuffer, memfd.Segment | None]] = {}
 
     def reducer_override(self, obj):
         torch = sys.modules.get("torch")
-        if torch is not None and type(obj) is torch.Tensor and _raw_sendable(obj):
+        if torch is not None and type(obj) is torch.Tensor and _bytes_sendable(obj):
             data = obj.detach().contiguous()
-            self.segments.append(memfd.segment_of(data))
-            return _tensor_from_buffer, (pickle.PickleBuffer(byte_view(data)), data.dtype, tuple(data.shape))
+            buffer = pickle.PickleBuffer(byte_view(data))
+            if data.numel() * data.element_size() >= RAW_TENSOR_BYTES:
+                self._segment_of_buffer[id(buffer)] = (buffer, memfd.segment_of(data))
+            return _tensor_from_buffer, (buffer, data.dtype, tuple(data.shape))
         parent = getattr(super(), "reducer_override", None)  # plain pickle (no cloudpickle) has none
         return parent(obj) if parent is not None else NotImplemented
 
+    def _keep_out_of_band(self, buffer: pickle.PickleBuffer) -> bool:
+        """``buffer_callback``: ``True`` pickles ``buffer`` in band (a small tensor's bytes, a small array)."""
+        if buffer.raw().nbytes < RAW_TENSOR_BYTES:
+            return True
+        self.buffers.append(buffer)
+        self.segments.append(self._segment_of_buffer.pop(id(buffer), (None, None))[1])
+        return False
 
-def _raw_sendable(tensor) -> bool:
+
+def _bytes_sendable(tensor) -> bool:
+    """A tensor whose values are all in its bytes: on the CPU, dense, not empty, no autograd, no lazy bits."""
     import torch
 
     return (
@@ -244,7 +259,9 @@ def _raw_sendable(tensor) -> bool:
         and tensor.layout is torch.strided
         and not tensor.requires_grad
         and not tensor.is_quantized
-        and tensor.numel() * tensor.element_size() >= RAW_TENSOR_BYTES
+        and not tensor.is_conj()
+        and not tensor.is_neg()
+        and tensor.numel() > 0
     )
 
 
@@ -292,11 +309,10 @@ def encode(message) -> Encoded:
     The header is ``(pickled message, places, number of descriptors)``, a place per buffer:
     ``("frame", nbytes)`` or ``("fd", descriptor index, offset, nbytes)``.
     """
-    buffers: list = []
     stream = io.BytesIO()
-    pickler = _Pickler(stream, protocol=5, buffer_callback=buffers.append)
+    pickler = _Pickler(stream)
     pickler.dump(message)
-    raws = [buffer.raw() for buffer in buffers]
+    raws = [buffer.raw() for buffer in pickler.buffers]
     places: list[tuple] = []
     frames, fds, copied = [], [], []
     for raw, segment in zip(raws, pickler.segments, strict=True):
