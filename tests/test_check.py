@@ -43,7 +43,7 @@ from tpcore.testing import (
 def test_check_a_class_covered_by_a_tp_plan_passes(rank_pools, capsys):
     assert run_check("Qwen3ForCausalLM", [1, 2], pools=rank_pools) == 0
     out = capsys.readouterr().out
-    assert "policy Qwen3DecoderLayer (tp plan of qwen3) from the config tp plan" in out
+    assert "policy Qwen3DecoderLayer (tp plan of qwen3) from config tp plan" in out
     assert "1 ranks: PASS" in out and "2 ranks: PASS" in out and out.rstrip().endswith("PASS")
 
 

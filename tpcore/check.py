@@ -36,16 +36,13 @@ def resolve(model: str, world_sizes: Sequence[int] = (2,)) -> Any:
 
 
 def _policy_origins(model, policies: list | None) -> dict:
-    """``{policy: where it comes from}``: ``policies`` as given, else the installed plugins' that
-    cover ``model``, else those derived from its tp plan (raises ``UnsupportedModelError``)."""
-    from tpcore.auto import AutoPolicy
+    """``{policy: where it comes from}``: ``policies`` as given, else what AutoPolicy chooses for ``model``
+    (the plugins', then those derived from its tp plan; raises ``UnsupportedModelError``)."""
+    from tpcore.auto import AutoPolicy, policy_origin
 
     if policies:
         return dict.fromkeys(policies, "custom_policies")
-    entries = AutoPolicy().entries_for(model)
-    if entries:
-        return {entry.policy: f"{entry.distribution} {entry.version}" for entry in entries}
-    return dict.fromkeys(AutoPolicy().get_policy(model), "the config tp plan")
+    return {policy: policy_origin(policy) for policy in AutoPolicy().get_policy(model)}
 
 
 def run_check(
