@@ -29,7 +29,7 @@ from tp_gpt.policies import LlamaPolicy
 
 from tpcore import parallelize  # the one line that changes: was `from parallelformers import parallelize`
 from tpcore.distributed import free_port
-from tpcore.precision import resolve_dtype
+from tpcore.precision import cast_model, resolve_dtype
 from tpcore.testing import ModelSpec, compare_outputs
 
 #: 6 query heads over 3 grouped KV heads: each of 3 ranks holds 2 query heads and 1 KV head
@@ -48,7 +48,7 @@ CONFIG = transformers.LlamaConfig(
 )
 SPEC = ModelSpec(transformers.LlamaForCausalLM, CONFIG, seed=5)
 RANKS = ["cpu:0", "cpu:1", "cpu:2"]
-#: what ``fp16=True`` gives the ranks here: float16 with CUDA, no cast on a CPU without float16 arithmetic
+#: what ``fp16=True`` gives the ranks here: float16 with CUDA, bfloat16 or no cast on a CPU without float16 arithmetic
 FP16_TRUE = resolve_dtype(True, None, "cpu") or torch.float32
 #: the README's generate() arguments
 README_GENERATE = {"num_beams": 5, "no_repeat_ngram_size": 4, "max_length": 15}
@@ -114,7 +114,7 @@ def readme_model():
 @pytest.mark.slow
 def test_readme_generate_gives_the_unsplit_tokens_in_the_dtype_of_fp16_true(readme_model):
     model, _ = readme_model
-    reference = SPEC.build().to(FP16_TRUE)
+    reference = cast_model(SPEC.build(), FP16_TRUE)  # as the ranks are cast
     for inputs in (tokenized(4), tokenized(6, 3, 5)):
         outputs = model.generate(**inputs, num_beams=5, no_repeat_ngram_size=4, max_length=15)
         assert torch.equal(outputs, unsplit_generate(reference, inputs, **README_GENERATE))

@@ -147,7 +147,7 @@ def test_parallelize_casts_the_ranks_models_as_from_pretrained(loaded, name, dty
 
 
 def test_the_engine_casts_as_from_pretrained(loaded, monkeypatch):
-    monkeypatch.setattr(precision, "float16_is_fast", lambda: True)
+    monkeypatch.setattr(precision, "fast_cpu_half_dtype", lambda: torch.float16)
     reference = loaded("t5", torch.float16)
     model = tpcore.ParallelEngine(1, "gloo").parallelize(t5(), fp16=True)
     assert dtypes(model) == dtypes(reference)
@@ -168,28 +168,50 @@ def test_the_engine_refuses_fp16_with_another_dtype_as_parallelize_does():
 # -- what fp16=True means where -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fast", [True, False])
-def test_fp16_true_is_float16_on_cuda_and_on_a_fast_cpu_and_no_cast_said_so_elsewhere(monkeypatch, caplog, fast):
-    monkeypatch.setattr(precision, "float16_is_fast", lambda: fast)
+@pytest.mark.parametrize("fast", [torch.float16, torch.bfloat16, None])
+def test_fp16_true_is_float16_on_cuda_and_a_cpu_s_fast_half_dtype_elsewhere_said_so(monkeypatch, caplog, fast):
+    monkeypatch.setattr(precision, "fast_cpu_half_dtype", lambda: fast)
     assert resolve_dtype(True, None, "cuda") == torch.float16 and not caplog.records
-    assert resolve_dtype(True, None, "cpu") == (torch.float16 if fast else None)
-    assert [record.levelname for record in caplog.records] == ([] if fast else ["WARNING"])
-    assert fast or "fp16=True: the CPU ranks keep the model's dtype" in caplog.text
+    assert resolve_dtype(True, None, "cpu") == fast
+    assert [record.levelname for record in caplog.records] == ([] if fast == torch.float16 else ["WARNING"])
+    if fast == torch.bfloat16:
+        assert "fp16=True: the CPU ranks run in bfloat16" in caplog.text
+    if fast is None:
+        assert "fp16=True: the CPU ranks keep the model's dtype" in caplog.text
     assert resolve_dtype(False, None, "cpu") is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_a_given_dtype_is_taken_as_given_on_any_machine(monkeypatch, dtype):
-    monkeypatch.setattr(precision, "float16_is_fast", lambda: False)
+    monkeypatch.setattr(precision, "fast_cpu_half_dtype", lambda: None)
     assert resolve_dtype(False, dtype, "cpu") == dtype
     if dtype == torch.float16:
         assert resolve_dtype(True, dtype, "cpu") == torch.float16
 
 
-@pytest.mark.parametrize("amx_fp16", [True, False])
-def test_float16_is_fast_on_a_cpu_with_amx_fp16(monkeypatch, amx_fp16):
-    monkeypatch.setattr(torch.cpu, "_is_amx_fp16_supported", lambda: amx_fp16, raising=False)
-    assert precision.float16_is_fast() is amx_fp16
+@pytest.mark.parametrize(
+    ("amx_fp16", "avx512_bf16", "amx_tile", "expected"),
+    [
+        (True, True, True, torch.float16),  # Granite Rapids: float16 tiles
+        (False, True, True, torch.bfloat16),  # Sapphire Rapids: bfloat16 tiles and instructions
+        (False, True, False, torch.bfloat16),  # Zen 4/5, Cooper Lake: AVX512-BF16
+        (False, False, False, None),  # AVX2, AVX-512 without BF16
+    ],
+)
+def test_a_cpu_s_fast_half_dtype_follows_its_units(monkeypatch, amx_fp16, avx512_bf16, amx_tile, expected):
+    for probe, present in [
+        ("_is_amx_fp16_supported", amx_fp16),
+        ("_is_avx512_bf16_supported", avx512_bf16),
+        ("_is_amx_tile_supported", amx_tile),
+    ]:
+        monkeypatch.setattr(torch.cpu, probe, lambda present=present: present, raising=False)
+    assert precision.fast_cpu_half_dtype() == expected
+
+
+def test_a_torch_without_the_probes_has_no_fast_half_dtype(monkeypatch):
+    for probe in ("_is_amx_fp16_supported", "_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+        monkeypatch.delattr(torch.cpu, probe, raising=False)
+    assert precision.fast_cpu_half_dtype() is None
 
 
 # -- row-parallel partial sums --------------------------------------------------------------------

@@ -110,8 +110,9 @@ def parallelize(
         num_gpus: number of ranks: GPUs with NCCL, CPU processes with gloo.
         fp16: run the ranks in ``torch.float16`` (``dtype`` for any other dtype); the model is cast as
             ``from_pretrained(dtype=...)`` casts it (modules it keeps in fp32 stay, rotary buffers too).
-            CPU ranks on a CPU without float16 arithmetic keep the model's dtype, with a warning
-            (:func:`tpcore.precision.resolve_dtype`); ``dtype=torch.float16`` casts them anyway.
+            CPU ranks on a CPU without float16 arithmetic run bfloat16 where the CPU has it, else keep the
+            model's dtype, with a warning (:func:`tpcore.precision.resolve_dtype`); ``dtype=torch.float16``
+            casts them anyway.
         backend: ``"nccl"`` or ``"gloo"``; ``None`` is NCCL when there is a CUDA device per rank, else gloo.
         custom_policies: a Policy class or a list; ``None`` uses the installed plugins.
         master_addr, master_port: rendezvous of the ranks; loopback and a free port by default.

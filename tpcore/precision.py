@@ -1,10 +1,15 @@
 """Precision of a rank's model: the dtype asked for, and casting to it as ``from_pretrained(dtype=...)`` does.
 
-``fp16=True`` (parallelformers' flag) means half precision where it is fast: ``torch.float16`` for CUDA
-ranks, and for CPU ranks on a CPU with float16 matrix units (AMX-FP16). Other CPUs compute float16 through
-conversions: on an AVX2 CPU a forward pass runs 4-7 times slower than in fp32, and only a batch-1 decode
-step, bound by memory bandwidth, gains (about 1.3x; the *Half precision* part of ``bench/peers.py``).
-There ``fp16=True`` casts nothing (the ranks run the model in its own dtype) and a warning says so.
+``fp16=True`` (parallelformers' flag) means the half precision that is fast where the ranks run (measured by the
+*Half precision* part of ``bench/peers.py``):
+
+- CUDA ranks, and CPU ranks on a CPU with float16 matrix units (AMX-FP16): ``torch.float16``;
+- CPU ranks on a CPU with bfloat16 instructions but no float16 ones (AVX512-BF16, AMX-BF16): ``torch.bfloat16``,
+  with a warning. There float16 goes through conversions: a forward pass runs 2.5x slower than fp32, where
+  bfloat16 runs 4x faster;
+- other CPUs (AVX2): no cast, with a warning. Both half dtypes go through conversions there, a forward pass
+  4-7x slower than fp32; only a batch-1 decode step, bound by memory bandwidth, gains (about 1.3x).
+
 ``dtype=`` is always taken as given (``torch.float16`` or ``torch.bfloat16`` halve the memory on any CPU).
 
 ``model.to(dtype)`` casts every floating tensor. ``from_pretrained(dtype=...)`` instead casts the
@@ -22,7 +27,7 @@ import re
 import torch
 from torch import nn
 
-__all__ = ["cast_model", "float16_is_fast", "fp32_patterns", "resolve_dtype"]
+__all__ = ["cast_model", "fast_cpu_half_dtype", "fp32_patterns", "resolve_dtype"]
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -33,26 +38,43 @@ def resolve_dtype(fp16: bool, dtype: torch.dtype | None, device: str) -> torch.d
     """The dtype of ``fp16=`` and ``dtype=`` together for ranks on ``device`` (``"cuda"`` or ``"cpu"``;
     ``None``: no cast); a contradiction raises.
 
-    ``dtype`` wins; ``fp16=True`` alone is ``torch.float16``, except on a CPU without float16 arithmetic
-    (:func:`float16_is_fast`), where it casts nothing and says so on the ``tpcore`` logger.
+    ``dtype`` wins; ``fp16=True`` alone is ``torch.float16`` on CUDA, and on a CPU the half dtype it computes
+    natively (:func:`fast_cpu_half_dtype`): bfloat16 or nothing is said on the ``tpcore`` logger.
     """
     if fp16 and dtype not in (None, torch.float16):
         raise ValueError(f"fp16=True contradicts dtype={dtype}")
     if dtype is not None or not fp16:
         return dtype
-    if device == "cuda" or float16_is_fast():
+    if device == "cuda":
         return torch.float16
-    logger.warning(
-        "fp16=True: the CPU ranks keep the model's dtype: this CPU has no float16 arithmetic, where a float16 "
-        "forward runs several times slower; dtype=torch.float16 (or torch.bfloat16) casts anyway, for the memory"
-    )
+    half = fast_cpu_half_dtype()
+    if half == torch.bfloat16:
+        logger.warning(
+            "fp16=True: the CPU ranks run in bfloat16: this CPU computes bfloat16 natively and float16 only "
+            "through conversions, several times slower; dtype=torch.float16 casts to float16 anyway"
+        )
+    elif half is None:
+        logger.warning(
+            "fp16=True: the CPU ranks keep the model's dtype: this CPU has no half-precision arithmetic, where a "
+            "float16 forward runs several times slower; dtype=torch.float16 (or torch.bfloat16) casts anyway, for "
+            "the memory"
+        )
+    return half
+
+
+def fast_cpu_half_dtype() -> torch.dtype | None:
+    """The half dtype this machine's CPU computes faster than fp32: ``torch.float16`` with AMX-FP16 units, else
+    ``torch.bfloat16`` with bfloat16 instructions (AVX512-BF16, or AMX tiles, which have bfloat16), else ``None``."""
+    if _cpu_has("_is_amx_fp16_supported"):
+        return torch.float16
+    if _cpu_has("_is_avx512_bf16_supported") or _cpu_has("_is_amx_tile_supported"):
+        return torch.bfloat16
     return None
 
 
-def float16_is_fast() -> bool:
-    """Whether this machine's CPU computes in float16 faster than in fp32 (AMX-FP16 matrix units)."""
-    amx_fp16 = getattr(torch.cpu, "_is_amx_fp16_supported", None)  # private, feature-detected
-    return bool(amx_fp16 is not None and amx_fp16())
+def _cpu_has(probe: str) -> bool:
+    check = getattr(torch.cpu, probe, None)  # torch's private feature probes: looked up, absent on old versions
+    return bool(check is not None and check())
 
 
 def fp32_patterns(model: nn.Module, dtype: torch.dtype) -> list[str]:
