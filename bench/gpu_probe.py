@@ -38,7 +38,7 @@ from torch import nn
 
 import tpcore
 from tpcore.testing import DEFAULT_RTOL, ModelSpec
-from tpcore.transfer import to_device
+from tpcore.ranks.transfer import to_device
 
 #: tokens per generate() call; ``min_new_tokens`` keeps an early end-of-sequence from shortening a draw
 GENERATE = {"max_new_tokens": 8, "min_new_tokens": 8, "pad_token_id": 0}
@@ -249,7 +249,7 @@ def probe(function: Callable[[Mode, dict], None]) -> Callable[[Mode, dict], None
 def collectives_on_rank(context, dtype_names: list[str]) -> dict:
     """On a rank: all_reduce and all_gather of exactly representable values, through tpcore.comm and
     torch.distributed, on the rank's device; the largest error of each and the device each ran on."""
-    from tpcore import comm
+    from tpcore.parallel import comm
 
     world, results = context.world_size, {}
     base = torch.arange(1.0, 7.0).reshape(2, 3)
@@ -284,7 +284,7 @@ def check_collectives(record: dict, results: list[dict], device_type: str) -> No
 def collectives(mode: Mode, record: dict) -> None:
     """NCCL at world size 1 on cuda:0 (``--cpu``: gloo over 2 CPU ranks), fp32/fp16/bf16. At world size 1
     tpcore.comm returns its input (nothing to exchange); torch.distributed's calls still go through NCCL."""
-    from tpcore.process import RankPool
+    from tpcore.ranks.process import RankPool
 
     world_size, backend = (1, "nccl") if mode.cuda else (2, "gloo")
     record.update(world_size=world_size, backend=backend)
@@ -381,7 +381,7 @@ def counting_rank_starts() -> Iterator[list]:
 
     class Watched(original):
         def __init__(self, args, *rest, **kwargs):
-            if any("tpcore.worker" in str(arg) for arg in args):
+            if any("tpcore.ranks.worker" in str(arg) for arg in args):
                 started.append(args)
             super().__init__(args, *rest, **kwargs)
 

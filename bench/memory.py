@@ -57,7 +57,7 @@ def rank_floor(context) -> dict[str, int]:
     import transformers  # noqa: F401
     from transformers.models.bert import modeling_bert  # noqa: F401
 
-    import tpcore.layers  # noqa: F401
+    import tpcore.parallel.layers  # noqa: F401
 
     if context.device.type == "cuda":  # a served rank has a CUDA context; so does the floor
         torch.zeros(1, device=context.device)
@@ -165,7 +165,7 @@ def main(argv=None) -> None:
     from transformers import BertConfig, BertModel
 
     import tpcore
-    from tpcore.process import RankPool
+    from tpcore.ranks.process import RankPool
 
     world_sizes = [int(n) for n in args.ranks.split(",") if n.strip()]
     backend = choose_backend(args.backend, max(world_sizes))

@@ -30,7 +30,7 @@ WAYS = ("bf16", "fp32")
 
 def reduce_in(way: str):
     """A ``reduce_partial_sums`` that sums in ``way``'s dtype and returns the partial's dtype."""
-    from tpcore.comm import all_reduce
+    from tpcore.parallel.comm import all_reduce
 
     def reduce_partial_sums(partial: torch.Tensor, group) -> torch.Tensor:
         if way == "fp32":
@@ -98,8 +98,8 @@ def main(argv=None) -> None:
         args.ranks, args.repeats = "2", 2
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-    from tpcore.precision import cast_model
-    from tpcore.process import RankPool
+    from tpcore.load.precision import cast_model
+    from tpcore.ranks.process import RankPool
 
     generator = torch.Generator().manual_seed(0)
     inputs = {"input_ids": torch.randint(0, 1000, (args.batch, args.seq), generator=generator)}

@@ -96,7 +96,7 @@ def run_round(model, calls: dict, inputs: dict, plan: dict, device) -> dict:
 
     import torch
 
-    from tpcore.transfer import to_device
+    from tpcore.ranks.transfer import to_device
 
     def sync():
         if device.type == "cuda":
@@ -144,8 +144,8 @@ def rank_collectives(context, key: str, inputs: dict) -> dict:
     import torch.distributed as dist
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from tpcore.comm import count_collectives
-    from tpcore.transfer import to_device
+    from tpcore.parallel.comm import count_collectives
+    from tpcore.ranks.transfer import to_device
 
     names = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "all_to_all")
     originals = {name: getattr(dist, name) for name in names if hasattr(dist, name)}
@@ -470,7 +470,7 @@ class Pools:
 
     def get(self, name: str, ranks: int, device: str):
         """``(pool, seconds it took to start, or None if it was running already)``."""
-        from tpcore.process import RankPool
+        from tpcore.ranks.process import RankPool
 
         pool = self.pools.get((name, ranks))
         if pool is not None and pool.alive:
@@ -840,7 +840,7 @@ def output_of(entry: Entry | None, call: str):
 
 
 def resolved_fp16() -> str:
-    from tpcore.precision import resolve_dtype
+    from tpcore.load.precision import resolve_dtype
 
     dtype = resolve_dtype(True, None, "cpu")
     return "no cast (the model's own dtype)" if dtype is None else str(dtype).removeprefix("torch.")
@@ -1059,8 +1059,8 @@ def main(argv=None) -> int:
     from transformers.models.gpt2 import modeling_gpt2  # noqa: F401  (imported before any memory baseline)
     from transformers.models.llama import modeling_llama  # noqa: F401
 
-    from tpcore.plugins import registered_policies
-    from tpcore.process import RankPool
+    from tpcore.select.plugins import registered_policies
+    from tpcore.ranks.process import RankPool
 
     transformers.utils.logging.disable_progress_bar()
     registered_policies()  # load tpcore's plugins now, so that no memory baseline below pays for it

@@ -193,7 +193,7 @@ def main(argv=None) -> None:
     from transformers import BertConfig, BertModel
 
     import tpcore
-    from tpcore.process import RankPool
+    from tpcore.ranks.process import RankPool
     from tpcore.testing import ModelSpec
 
     backend = choose_backend(args.backend, args.ranks)

@@ -88,7 +88,7 @@ def plan_collectives(block, rules: dict[str, str]) -> tuple[int, int]:
 def tpcore_collectives(block, policy) -> int:
     """All-reduces one forward of ``block`` costs under the derived ``policy``: one per row-parallel
     module, one per column-split norm (of the tensors the policy names that ``block`` holds)."""
-    from tpcore.plan import ROW, make_megatron_layer
+    from tpcore.plan.shard_plan import ROW, make_megatron_layer
 
     tensors = dict(block.named_parameters())
     owners = set()
@@ -111,10 +111,10 @@ def check_one(model_type: str, config_class, pools, world_size: int) -> dict:
     """The outcome for one model type: ``status`` (covered / refused), ``reason``, ``collectives``."""
     import torch
 
-    from tpcore.auto import AutoPolicy
-    from tpcore.samples import sample_inputs, small_config
+    from tpcore.select.auto import AutoPolicy
+    from tpcore.testing.samples import sample_inputs, small_config
     from tpcore.testing import ModelSpec, check_equivalence
-    from tpcore.tp_plan import TpPlanError, derive_policies, sub_model_plans
+    from tpcore.select.tp_plan import TpPlanError, derive_policies, sub_model_plans
 
     row = {"type": model_type, "model": "", "status": "refused", "reason": "", "collectives": "", "plugin": ""}
     model_class = model_class_for(model_type)

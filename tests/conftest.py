@@ -24,7 +24,7 @@ import subprocess
 
 import pytest
 
-from tpcore.plugins import DISABLE_AUTOLOAD_ENV, ONLY_PLUGINS_ENV, reset_plugins
+from tpcore.select.plugins import DISABLE_AUTOLOAD_ENV, ONLY_PLUGINS_ENV, reset_plugins
 
 _TIMES_TO_ERROR: dict[str, float] = {}
 

@@ -9,8 +9,8 @@ def bound_forward(context, modules, inputs):
     """This rank's ``modules[rank]`` (split on the caller, so its class travelled by value), bound to the
     pool's group with :func:`tpcore.layers.bind_group`, run on ``inputs[rank]``: the output, tpcore's
     collectives during the forward, and the module's ``vocab_start`` (``None`` if it has none)."""
-    from tpcore.comm import count_collectives
-    from tpcore.layers import bind_group
+    from tpcore.parallel.comm import count_collectives
+    from tpcore.parallel.layers import bind_group
 
     module = modules[context.rank]
     bind_group(module, context.group)

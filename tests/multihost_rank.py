@@ -18,8 +18,8 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 import tpcore
-from tpcore import shm
-from tpcore.distributed import destroy_process_group
+from tpcore.parallel import shm
+from tpcore.ranks.distributed import destroy_process_group
 from tpcore.testing import SCALE_FLOOR
 
 NEW_TOKENS = 8

@@ -106,7 +106,8 @@ def engine_logits_from_checkpoint(context, directory, policies, inputs):
 def shm_against_backend(context, tensors):
     """All-reduce and all-gather each tensor (scaled by rank + 1) through tpcore.comm and through the
     group's backend directly; returns both, and whether shared-memory collectives are attached."""
-    from tpcore import comm, shm
+    from tpcore.parallel import comm
+    from tpcore.parallel import shm
 
     results = []
     for tensor in tensors:
@@ -140,7 +141,8 @@ def change_on_rank_one_then_echo(context, tensor):
 def gather_rows_into_shared_memory(context, rows):
     """All-gather ``(rows, 64)`` of the rank's number as a served forward on rank 0 does; return the
     result and whether it lives in a shared-memory segment."""
-    from tpcore import comm, memfd
+    from tpcore.parallel import comm
+    from tpcore.parallel import memfd
 
     with memfd.gathered_outputs_shared():
         gathered = comm.all_gather(torch.full((rows, 64), float(context.rank)), context.group)
@@ -149,7 +151,7 @@ def gather_rows_into_shared_memory(context, rows):
 
 def echo_through_device(context, value):
     """``value`` moved to this rank's device and back to the CPU, as a served call moves inputs and outputs."""
-    from tpcore.transfer import to_cpu, to_device
+    from tpcore.ranks.transfer import to_cpu, to_device
 
     return to_cpu(to_device(value, context.device))
 
@@ -158,7 +160,7 @@ def collectives_of_a_forward(context, spec, input_ids, layer_path):
     """tpcore's collectives during one forward of ``spec`` split over the pool: in total, and inside
     the module at ``layer_path``."""
     from tpcore import ParallelEngine
-    from tpcore.comm import count_collectives
+    from tpcore.parallel.comm import count_collectives
 
     model = spec.build()
     ParallelEngine(context.world_size, context.backend, process_group=context.group).parallelize(model)
@@ -175,7 +177,8 @@ def collectives_of_a_forward(context, spec, input_ids, layer_path):
 def collective_routes(context):
     """Which tensors of tpcore's collectives reach torch.distributed (recorded by device type, not run),
     a meta tensor standing in for a CUDA one; and whether shared-memory collectives are attached."""
-    from tpcore import comm, shm
+    from tpcore.parallel import comm
+    from tpcore.parallel import shm
 
     routed = {"all_reduce": [], "all_gather": []}
     originals = dist.all_reduce, dist.all_gather
@@ -199,7 +202,7 @@ def tensor_dtypes(context):
 def reduce_partial_sums(context, parts, with_dtype_sent=False):
     """tpcore's row-parallel reduction of this rank's ``parts[rank]``; with ``with_dtype_sent``, also the
     dtypes that went into the all-reduce."""
-    from tpcore import layers
+    from tpcore.parallel import layers
 
     sent, all_reduce = [], layers.all_reduce
 

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
-from tpcore.blocks import keeping_local_attributes
+from tpcore.authoring.blocks import keeping_local_attributes
 
 
 class Inner(nn.Module):

@@ -13,10 +13,10 @@ from torch import nn
 from tp_bert.policies import BertPolicy
 
 from tpcore import Layer
-from tpcore.check import resolve, run_check
-from tpcore.cli import main
-from tpcore.process import WorkerError
-from tpcore.samples import (
+from tpcore.tools.check import resolve, run_check
+from tpcore.tools.cli import main
+from tpcore.ranks.process import WorkerError
+from tpcore.testing.samples import (
     HEAD_DIM,
     IMAGE_SIZE,
     PATCH_SIZE,

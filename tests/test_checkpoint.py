@@ -22,8 +22,8 @@ from tqdm import tqdm
 from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, GPT2Model
 
 import tpcore
-from tpcore.checkpoint import Checkpoint
-from tpcore.slicer import Split, shard
+from tpcore.load.checkpoint import Checkpoint
+from tpcore.cut.split import Split, shard
 from tpcore.testing import compare_outputs
 
 GPT2 = GPT2Config(vocab_size=101, n_embd=48, n_layer=2, n_head=12, n_positions=32, bos_token_id=0, eos_token_id=0)
@@ -115,7 +115,7 @@ def test_reading_onto_the_cpu_by_name_gives_the_same_tensors_in_memory_of_their_
 
 @pytest.mark.parametrize("layout", ["single", "pickle"])
 def test_a_gpu_rank_reads_a_tensor_that_its_cast_would_shrink_to_the_cpu(tmp_path, layout):
-    from tpcore.checkpoint import _shrinks
+    from tpcore.load.checkpoint import _shrinks
 
     write(tmp_path, {"w": torch.ones(4, 2), "b": torch.ones(2).half()}, layout)
     checkpoint = Checkpoint(tmp_path)

@@ -24,9 +24,9 @@ from transformers import (
 )
 
 import tpcore
-from tpcore.checkpoint import Checkpoint
-from tpcore.skeleton import empty_model, install_tensors, named_tensors
-from tpcore.slicer import Split, shard
+from tpcore.load.checkpoint import Checkpoint
+from tpcore.load.skeleton import empty_model, install_tensors, named_tensors
+from tpcore.cut.split import Split, shard
 from tpcore.testing import compare_outputs
 
 VIT = ViTConfig(

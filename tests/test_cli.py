@@ -18,8 +18,8 @@ import transformers
 
 import tpcore
 from tpcore import Policy
-from tpcore.cli import main
-from tpcore.plugins import PluginLoadWarning, reset_plugins
+from tpcore.tools.cli import main
+from tpcore.select.plugins import PluginLoadWarning, reset_plugins
 
 BERT_LAYER = "transformers.models.bert.modeling_bert.BertLayer"
 DISTILBERT_LAYER = "transformers.models.distilbert.modeling_distilbert.TransformerBlock"
@@ -218,11 +218,11 @@ def test_plugins_model_shows_ranks_backend_devices_policies_with_their_plugins_a
 
 
 def test_plugins_model_says_what_stays_whole_when_much_does(capsys, monkeypatch, gpt2_dir):
-    import tpcore.check
+    import tpcore.tools.check
 
     model = transformers.GPT2LMHeadModel.from_pretrained(gpt2_dir)
     model.transformer.wte.__class__ = ClampedEmbedding
-    monkeypatch.setattr(tpcore.check, "resolve", lambda name: types.SimpleNamespace(build=lambda: model))
+    monkeypatch.setattr(tpcore.tools.check, "resolve", lambda name: types.SimpleNamespace(build=lambda: model))
     assert main(["plugins", "--model", "GPT2LMHeadModel"]) == 0
     out = capsys.readouterr().out
     assert (

@@ -16,12 +16,12 @@ from torch import nn
 
 import tpcore
 from tpcore import Layer, Policy, TensorReplacer, divide
-from tpcore.auto import AutoPolicy, sub_model_coverage
-from tpcore.cli import main
+from tpcore.select.auto import AutoPolicy, sub_model_coverage
+from tpcore.tools.cli import main
 from tpcore.configs import config_of, module_configs, sub_models
-from tpcore.plugins import PolicyEntry, reset_plugins
+from tpcore.select.plugins import PolicyEntry, reset_plugins
 from tpcore.testing import ModelSpec, check_equivalence
-from tpcore.tp_plan import TpPlanError, derive_policies, sub_model_plans
+from tpcore.select.tp_plan import TpPlanError, derive_policies, sub_model_plans
 
 IMAGE_TOKEN = 63
 IMAGE_FEATURES = 4  # (8 / 4) ** 2 patches of the tiny vision tower; its CLS feature is dropped
@@ -311,10 +311,10 @@ def test_a_derived_policy_around_a_plugin_covered_layer_is_dropped(monkeypatch, 
 
 
 def test_plugins_command_lists_what_splits_each_sub_model_and_what_stays_whole(capsys, monkeypatch, only_tp_gpt):
-    import tpcore.check
+    import tpcore.tools.check
 
     spec = ModelSpec(transformers.LlavaForConditionalGeneration, llava_config())
-    monkeypatch.setattr(tpcore.check, "resolve", lambda name: spec)
+    monkeypatch.setattr(tpcore.tools.check, "resolve", lambda name: spec)
     assert main(["plugins", "--model", "LlavaForConditionalGeneration"]) == 0
     out = capsys.readouterr().out
     assert "LlamaPolicy" in out and "(from tp-gpt" in out

@@ -15,7 +15,8 @@ import torch.distributed as dist
 import transformers
 
 import tpcore
-from tpcore import distributed, engine, process, worker
+from tpcore import engine
+from tpcore.ranks import distributed, process, worker
 
 
 @pytest.fixture

@@ -8,8 +8,8 @@ import socket
 
 import pytest
 
-from tpcore import distributed
-from tpcore.distributed import check_gloo_reaches_nodes, gloo_address, interface_of, route_interface
+from tpcore.ranks import distributed
+from tpcore.ranks.distributed import check_gloo_reaches_nodes, gloo_address, interface_of, route_interface
 
 LOOPBACK = interface_of("127.0.0.1")
 STREAM = (socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "")

@@ -8,7 +8,7 @@ import inspect
 import re
 from pathlib import Path
 
-from tpcore import hookspecs
+from tpcore.authoring import hookspecs
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "writing-a-policy.md"

@@ -135,7 +135,7 @@ def test_source_tree_metadata_makes_the_entry_points_visible(tmp_path):
     paths = gpu_env.source_paths(tmp_path / "site")
     assert entry_points(paths[:-1]) == []  # the sources alone carry no metadata
     assert entry_points(paths) == [
-        "pytest11:tpcore.pytest_plugin",
+        "pytest11:tpcore.testing.pytest_plugin",
         "tpcore:tp_audio",
         "tpcore:tp_bart",
         "tpcore:tp_bert",

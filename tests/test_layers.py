@@ -30,7 +30,7 @@ from transformers import (
     OlmoeForCausalLM,
 )
 
-from tpcore.layers import (
+from tpcore.parallel.layers import (
     ColumnSplitRMSNorm,
     VocabParallelEmbedding,
     VocabParallelLMHead,
@@ -41,9 +41,9 @@ from tpcore.layers import (
     row_parallel_class,
     vocab_parallel_class,
 )
-from tpcore.policy import ShardingError
-from tpcore.skeleton import weightless_copy
-from tpcore.slicer import shard
+from tpcore.authoring.policy import ShardingError
+from tpcore.load.skeleton import weightless_copy
+from tpcore.cut.split import shard
 
 VOCAB, HIDDEN = 50, 32
 TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 from tpcore import Layer, ShardingError, share
-from tpcore.shares import resolve
-from tpcore.slicer import COLUMN, ROW, Split
+from tpcore.cut.shares import resolve
+from tpcore.cut.split import COLUMN, ROW, Split
 
 FAST = settings(max_examples=25, deadline=None)
 ATOL = 1e-5

@@ -15,7 +15,11 @@ from multiprocessing.connection import Connection
 import pytest
 import torch
 
-from tpcore import comm, memfd, wire
+from tpcore.parallel import comm
+
+from tpcore.parallel import memfd
+
+from tpcore.ranks import wire
 
 pytestmark = pytest.mark.skipif(not memfd.AVAILABLE, reason="no memfd on this system: tensors use the socket")
 

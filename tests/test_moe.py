@@ -19,10 +19,10 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 
 import tpcore
-from tpcore.check import run_check
-from tpcore.checkpoint import Checkpoint
-from tpcore.plan import ShardPlan
-from tpcore.skeleton import empty_model
+from tpcore.tools.check import run_check
+from tpcore.load.checkpoint import Checkpoint
+from tpcore.plan.shard_plan import ShardPlan
+from tpcore.load.skeleton import empty_model
 from tpcore.testing import ModelSpec, check_equivalence, compare_outputs
 
 SIZES = dict(vocab_size=64, hidden_size=48, num_hidden_layers=2, num_attention_heads=6, pad_token_id=0)

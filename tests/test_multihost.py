@@ -31,7 +31,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from tpcore.distributed import LAUNCHER_VARIABLES
+from tpcore.ranks.distributed import LAUNCHER_VARIABLES
 from tpcore.testing import DEFAULT_RTOL
 
 pytestmark = pytest.mark.slow  # two torchrun agents and four ranks

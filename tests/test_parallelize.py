@@ -38,7 +38,7 @@ from torch import nn
 from tqdm import tqdm
 
 import tpcore
-from tpcore.process import WorkerDiedError, WorkerError
+from tpcore.ranks.process import WorkerDiedError, WorkerError
 from tpcore.testing import ModelSpec, compare_outputs
 
 VOCAB = 64
@@ -374,7 +374,7 @@ class NotATransformer(nn.Module):
 @pytest.fixture
 def only_tp_bert(monkeypatch):
     """Only the tp-bert plugin is loaded (another installed plugin may cover GPT-2)."""
-    from tpcore.plugins import ONLY_PLUGINS_ENV, reset_plugins
+    from tpcore.select.plugins import ONLY_PLUGINS_ENV, reset_plugins
 
     monkeypatch.setenv(ONLY_PLUGINS_ENV, "tp-bert")
     reset_plugins()

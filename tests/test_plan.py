@@ -20,12 +20,12 @@ from transformers.models.albert.modeling_albert import AlbertLayer
 
 from tpcore import Layer, Policy, ShardingError, TensorReplacer, divide, share
 from tpcore.configs import config_of
-from tpcore.layers import RowParallelLinear, VocabParallelEmbedding
-from tpcore.plan import ShardPlan
-from tpcore.policy import IfHeld
-from tpcore.shares import resolve
-from tpcore.skeleton import named_tensors, weightless_copy
-from tpcore.slicer import Split
+from tpcore.parallel.layers import RowParallelLinear, VocabParallelEmbedding
+from tpcore.plan.shard_plan import ShardPlan
+from tpcore.authoring.policy import IfHeld
+from tpcore.cut.shares import resolve
+from tpcore.load.skeleton import named_tensors, weightless_copy
+from tpcore.cut.split import Split
 
 
 def randomize(model: torch.nn.Module) -> torch.nn.Module:

@@ -33,9 +33,9 @@ from transformers.models.olmo2.modeling_olmo2 import Olmo2DecoderLayer
 from transformers.models.phi3.modeling_phi3 import Phi3DecoderLayer
 
 from tpcore import Layer, Policy, divide
-from tpcore.layers import VocabParallelEmbedding, column_split_norm_class
-from tpcore.plan import ShardPlan
-from tpcore.skeleton import named_tensors
+from tpcore.parallel.layers import VocabParallelEmbedding, column_split_norm_class
+from tpcore.plan.shard_plan import ShardPlan
+from tpcore.load.skeleton import named_tensors
 
 VOCAB = 61  # odd: the vocabulary is padded over any world size
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
@@ -206,7 +206,7 @@ def test_the_plan_splits_the_layout_and_every_rank_gives_the_whole_models_logits
     build, policies = CASES[case]
     model = build()
     if policies is None:
-        from tpcore.auto import AutoPolicy
+        from tpcore.select.auto import AutoPolicy
 
         policies = AutoPolicy().get_policy(model)
     ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(world_size))

@@ -16,8 +16,8 @@ import torch
 import transformers
 
 import tpcore
-from tpcore import precision
-from tpcore.precision import cast_model, resolve_dtype
+from tpcore.load import precision
+from tpcore.load.precision import cast_model, resolve_dtype
 from tpcore.testing import HALF_PRECISION_RTOL, ModelSpec, check_equivalence, compare_outputs
 
 VOCAB = 64

@@ -25,9 +25,11 @@ import torch
 from process_probes import children, gone, is_loopback, listening_of
 
 import tpcore
-from tpcore import process, wire, worker
-from tpcore.distributed import free_port, interface_of
-from tpcore.process import RankPool, WorkerDiedError, WorkerError
+from tpcore.ranks import process
+from tpcore.ranks import wire
+from tpcore.ranks import worker
+from tpcore.ranks.distributed import free_port, interface_of
+from tpcore.ranks.process import RankPool, WorkerDiedError, WorkerError
 
 pytestmark = pytest.mark.slow  # fault injection: nearly every test starts (and breaks) worlds of its own
 
@@ -139,7 +141,7 @@ def test_functions_and_classes_defined_in_main_travel_by_value(pool, monkeypatch
 def test_large_tensors_travel_out_of_band_and_come_back_exact_and_writable(pool):
     import pickle
 
-    from tpcore.wire import SHARED_TENSOR_BYTES, encode
+    from tpcore.ranks.wire import SHARED_TENSOR_BYTES, encode
 
     tensors = [
         torch.randn(3, 128, 1000),  # logits-sized: shared memory
@@ -237,7 +239,7 @@ def test_a_rank_s_context_calls_its_group_tp_group_and_keeps_the_earlier_name():
 
 
 def test_the_names_callers_import_from_tpcore_process_are_the_rank_side_s_own():
-    from tpcore import worker_errors
+    from tpcore.ranks import failures
 
     assert process.RankContext is worker.RankContext
     assert process.WorkerError is worker_errors.WorkerError and process.WorkerDiedError is worker_errors.WorkerDiedError
@@ -265,7 +267,7 @@ SPMD_WITHOUT_TORCHRUN = textwrap.dedent(
     import torch
     import torch.distributed as dist
     from process_probes import listening_of
-    from tpcore.distributed import tensor_parallel_group
+    from tpcore.ranks.distributed import tensor_parallel_group
 
     group = tensor_parallel_group(2, "gloo")
     total = torch.ones(1)
@@ -412,7 +414,7 @@ def test_a_busy_master_port_fails_before_any_rank_starts():
 
 
 def test_the_exceptions_a_user_catches_are_importable_from_tpcore():
-    from tpcore import plugins
+    from tpcore.select import plugins
 
     assert tpcore.WorkerError is WorkerError and tpcore.WorkerDiedError is WorkerDiedError
     assert tpcore.PluginLoadWarning is plugins.PluginLoadWarning

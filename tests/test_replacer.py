@@ -18,8 +18,8 @@ from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 from transformers.pytorch_utils import Conv1D
 
 from tpcore import Layer, Policy, ShardingError, TensorReplacer, divide
-from tpcore.layers import RowParallelConv1D, RowParallelLinear
-from tpcore.slicer import shard
+from tpcore.parallel.layers import RowParallelConv1D, RowParallelLinear
+from tpcore.cut.split import shard
 
 HEADS, HEAD_DIM, INTERMEDIATE = 12, 2, 48  # 12 heads and 48 MLP features divide over 1, 2, 3, 4 ranks
 HIDDEN = HEADS * HEAD_DIM
@@ -181,7 +181,7 @@ def test_world_of_one_is_a_no_op_on_values(bert):
 
 
 def test_auto_policy_is_used_without_custom_policies(bert, monkeypatch):
-    from tpcore.plugins import reset_plugins
+    from tpcore.select.plugins import reset_plugins
 
     monkeypatch.delenv("TPCORE_DISABLE_PLUGIN_AUTOLOAD", raising=False)
     monkeypatch.delenv("TPCORE_PLUGINS", raising=False)

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from tpcore.reshapes import LocalWidthReshapes, local_width_class
+from tpcore.parallel.reshapes import LocalWidthReshapes, local_width_class
 
 FULL, LOCAL = 12, 4
 

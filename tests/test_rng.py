@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tpcore.rng import CallerRandomState, RandomState, device_generator
+from tpcore.ranks.rng import CallerRandomState, RandomState, device_generator
 
 
 class CudaRanks:

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from tpcore import safetensors_file
-from tpcore.safetensors_file import SafetensorsFile
+from tpcore.load import safetensors_file
+from tpcore.load.safetensors_file import SafetensorsFile
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int8, torch.bool]
 

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tpcore import PerRank, ShardingError, share
-from tpcore.shares import deal, per_rank, resolve, runs
+from tpcore.cut.shares import deal, per_rank, resolve, runs
 
 FAST = settings(max_examples=150, deadline=None)
 worlds = st.integers(1, 8)

@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tpcore import shm
-from tpcore.process import RankPool
+from tpcore.parallel import shm
+from tpcore.ranks.process import RankPool
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64]
 

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tpcore import Layer, ShardingError
-from tpcore.slicer import COLUMN, ROW, Split, TensorSlicer, check_divisible, shard, shard_ranges, split_dims
+from tpcore.cut.split import COLUMN, ROW, Split, TensorSlicer, check_divisible, shard, shard_ranges, split_dims
 
 FAST = settings(max_examples=40, deadline=None)
 

@@ -9,10 +9,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tpcore
-from tpcore.auto import AutoPolicy
-from tpcore.layers import ColumnSplitRMSNorm
-from tpcore.plugins import reset_plugins
-from tpcore.samples import small_config
+from tpcore.select.auto import AutoPolicy
+from tpcore.parallel.layers import ColumnSplitRMSNorm
+from tpcore.select.plugins import reset_plugins
+from tpcore.testing.samples import small_config
 from tpcore.testing import ModelSpec, check_equivalence
 
 SIZES = dict(

@@ -10,7 +10,7 @@ import rank_helpers
 import torch
 from transformers import DynamicCache
 
-from tpcore.transfer import first_device, to_cpu, to_device
+from tpcore.ranks.transfer import first_device, to_cpu, to_device
 
 Pair = collections.namedtuple("Pair", ["values", "extra"])
 

@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 
 import tpcore
 from tpcore import PerRank, ShardingError
-from tpcore.cli import plan_json
-from tpcore.plan import ShardPlan
+from tpcore.tools.cli import plan_json
+from tpcore.plan.shard_plan import ShardPlan
 from tpcore.testing import compare_outputs, padded_batch
 
 

@@ -14,7 +14,7 @@ from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from tpcore import TensorReplacer
-from tpcore.layers import VocabParallelEmbedding, VocabParallelLMHead
+from tpcore.parallel.layers import VocabParallelEmbedding, VocabParallelLMHead
 from tpcore.testing import ModelSpec, check_equivalence, parameter_count
 
 

@@ -1,14 +1,14 @@
 """tpcore: tensor-parallel inference for Hugging Face transformers models, on GPUs or CPU ranks."""
 
 from tpcore import log  # noqa: F401  (first: the tpcore logger's level, TPCORE_LOG_LEVEL, and its stderr fallback)
-from tpcore.auto import AutoPolicy, UnsupportedModelError
+from tpcore.select.auto import AutoPolicy, UnsupportedModelError
 from tpcore.engine import ParallelEngine
-from tpcore.hookspecs import hookimpl
+from tpcore.authoring.hookspecs import hookimpl
 from tpcore.parallelize import parallelize
-from tpcore.plugins import PluginConflictError, PluginLoadWarning
-from tpcore.policy import Layer, PerRank, Policy, ShardingError, divide, share
-from tpcore.process import WorkerDiedError, WorkerError
-from tpcore.replacer import TensorReplacer
+from tpcore.select.plugins import PluginConflictError, PluginLoadWarning
+from tpcore.authoring.policy import Layer, PerRank, Policy, ShardingError, divide, share
+from tpcore.ranks.process import WorkerDiedError, WorkerError
+from tpcore.compat import TensorReplacer
 
 __all__ = [
     "AutoPolicy",

@@ -8,14 +8,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tpcore import shm
-from tpcore.checkpoint import Checkpoint, is_checkpoint_path
-from tpcore.comm import group_rank
-from tpcore.distributed import bind_device, check_placement, default_backend, device_for, tensor_parallel_group
-from tpcore.precision import cast_model, resolve_dtype
+from tpcore.parallel import shm
+from tpcore.load.checkpoint import Checkpoint, is_checkpoint_path
+from tpcore.parallel.comm import group_rank
+from tpcore.ranks.distributed import bind_device, check_placement, default_backend, device_for, tensor_parallel_group
+from tpcore.load.precision import cast_model, resolve_dtype
 from tpcore.progress import LoadBar
-from tpcore.replacer import TensorReplacer
-from tpcore.skeleton import empty_model
+from tpcore.compat import TensorReplacer
+from tpcore.load.skeleton import empty_model
 
 __all__ = ["ParallelEngine"]
 

@@ -39,14 +39,14 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from tpcore import memfd
-from tpcore.auto import describe_policies
-from tpcore.checkpoint import Checkpoint, Read, is_checkpoint_path
-from tpcore.distributed import check_placement, default_backend
-from tpcore.layers import bind_group
-from tpcore.plan import ShardPlan, format_bytes
-from tpcore.precision import cast_model, resolve_dtype
-from tpcore.process import (
+from tpcore.parallel import memfd
+from tpcore.select.auto import describe_policies
+from tpcore.load.checkpoint import Checkpoint, Read, is_checkpoint_path
+from tpcore.ranks.distributed import check_placement, default_backend
+from tpcore.parallel.layers import bind_group
+from tpcore.plan.shard_plan import ShardPlan, format_bytes
+from tpcore.load.precision import cast_model, resolve_dtype
+from tpcore.ranks.process import (
     CALL_TIMEOUT_S,
     START_TIMEOUT_S,
     RankContext,
@@ -57,9 +57,9 @@ from tpcore.process import (
     reraise,
 )
 from tpcore.progress import ByteCounter, LoadBar
-from tpcore.replacer import TensorReplacer
-from tpcore.rng import CallerRandomState, RandomState, device_generator
-from tpcore.skeleton import (
+from tpcore.compat import TensorReplacer
+from tpcore.ranks.rng import CallerRandomState, RandomState, device_generator
+from tpcore.load.skeleton import (
     drop_output_capturing_hooks,
     empty_model,
     install_tensors,
@@ -67,7 +67,7 @@ from tpcore.skeleton import (
     register_output_recording,
     weightless_copy,
 )
-from tpcore.transfer import first_device, to_cpu, to_device
+from tpcore.ranks.transfer import first_device, to_cpu, to_device
 
 __all__ = ["ParallelHandle", "parallelize"]
 

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import tpcore
-from tpcore.check import run_check
+from tpcore.tools.check import run_check
 from tpcore.testing import (
     HALF_PRECISION_RTOL,
     ModelSpec,

@@ -24,8 +24,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tpcore
-from tpcore.check import run_check
-from tpcore.samples import forward_parameters, sample_inputs
+from tpcore.tools.check import run_check
+from tpcore.testing.samples import forward_parameters, sample_inputs
 from tpcore.testing import HALF_PRECISION_RTOL, ModelSpec, SavedModelSpec, check_equivalence, seeds
 
 VISION_HEADS, TEXT_HEADS, HEAD_DIM = 6, 4, 8

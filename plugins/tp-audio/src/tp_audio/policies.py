@@ -36,7 +36,7 @@ from tp_bart.policies import DecoderBlockPolicy, EncoderBlockPolicy
 from tp_bert.policies import DebertaV2Policy
 
 from tpcore import Layer, share
-from tpcore.blocks import Attention, BlockPolicy, linear, subclassing
+from tpcore.authoring.blocks import Attention, BlockPolicy, linear, subclassing
 
 _MODELS = "transformers.models"
 

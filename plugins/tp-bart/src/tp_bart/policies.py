@@ -40,9 +40,9 @@ import functools
 from torch import nn
 
 from tpcore import Policy, share
-from tpcore.blocks import Attention, BlockPolicy, keeping_local_attributes
-from tpcore.policy import local_config
-from tpcore.reshapes import local_width_class
+from tpcore.authoring.blocks import Attention, BlockPolicy, keeping_local_attributes
+from tpcore.authoring.policy import local_config
+from tpcore.parallel.reshapes import local_width_class
 
 _MODELS = "transformers.models"
 

@@ -61,10 +61,10 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from tpcore import Layer, Policy, ShardingError, share
-from tpcore.blocks import Attention, BlockPolicy, keeping_local_attributes, subclassing
-from tpcore.comm import all_gather
-from tpcore.layers import RowParallelLinear, reduce_partial_sums
-from tpcore.policy import IfHeld, local_config
+from tpcore.authoring.blocks import Attention, BlockPolicy, keeping_local_attributes, subclassing
+from tpcore.parallel.comm import all_gather
+from tpcore.parallel.layers import RowParallelLinear, reduce_partial_sums
+from tpcore.authoring.policy import IfHeld, local_config
 
 _MODELS = "transformers.models"
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from tp_gpt.policies import _GROUPED_QUERIES, _MODELS, _linear, _local_heads
 from tpcore import Layer, Policy
-from tpcore.tp_plan import experts_arguments
+from tpcore.select.tp_plan import experts_arguments
 
 
 class _FusedExperts(Policy):

@@ -31,7 +31,7 @@ and 3 + 1. Every attention projection names its head count (``Layer(heads=...)``
 from __future__ import annotations
 
 from tpcore import Layer, Policy, share
-from tpcore.layers import RowParallelLinear
+from tpcore.parallel.layers import RowParallelLinear
 
 _MODELS = "transformers.models"
 

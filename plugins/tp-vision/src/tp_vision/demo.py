@@ -14,7 +14,7 @@ import argparse
 
 import torch
 
-from tpcore.demo import run_split
+from tpcore.tools.demo import run_split
 
 PICTURES = ("stripes", "checkerboard", "gradient", "disc")
 

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from tpcore import Layer, Policy
-from tpcore.blocks import Attention, BlockPolicy, linear
+from tpcore.authoring.blocks import Attention, BlockPolicy, linear
 
 _MODELS = "transformers.models"
 

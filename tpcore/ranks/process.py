@@ -40,9 +40,9 @@ from multiprocessing.connection import wait
 from typing import Any
 
 from tpcore import log
-from tpcore.wire import ControlListener, byte_view, encode, recv, send
-from tpcore.worker import AUTHKEY_ENV, PARENT_ENV, RankContext, worker_command
-from tpcore.worker_errors import WorkerDiedError, WorkerError, reraise
+from tpcore.ranks.wire import ControlListener, byte_view, encode, recv, send
+from tpcore.ranks.worker import AUTHKEY_ENV, PARENT_ENV, RankContext, worker_command
+from tpcore.ranks.failures import WorkerDiedError, WorkerError, reraise
 
 __all__ = ["RankContext", "RankPool", "WorkerDiedError", "WorkerError", "reraise"]
 
@@ -51,7 +51,7 @@ CALL_TIMEOUT_S = 600.0
 #: after one rank fails, how long the others get to answer before the pool is presumed stuck
 ERROR_GRACE_S = 3.0
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("tpcore.process")
 
 _live_pools: weakref.WeakSet = weakref.WeakSet()
 
@@ -94,7 +94,7 @@ class RankPool:
         preload: Sequence[str] = (),
         wait: bool = True,
     ):
-        from tpcore.distributed import check_placement, default_backend, listening_store
+        from tpcore.ranks.distributed import check_placement, default_backend, listening_store
 
         if world_size < 1:
             raise ValueError(f"world_size must be at least 1, got {world_size}")
@@ -363,7 +363,7 @@ def _ending(returncode: int | None) -> str:
 def _rank_environment(master_addr: str, backend: str) -> dict[str, str]:
     """The ranks' environment: the caller's, less an outer launcher's world, with the caller's imports,
     and collectives' sockets on the rendezvous address's interface unless the user chose one."""
-    from tpcore.distributed import LAUNCHER_VARIABLES, interface_of
+    from tpcore.ranks.distributed import LAUNCHER_VARIABLES, interface_of
 
     env = {name: value for name, value in os.environ.items() if name not in LAUNCHER_VARIABLES}
     env[PARENT_ENV] = str(os.getpid())

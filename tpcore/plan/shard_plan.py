@@ -39,17 +39,17 @@ import torch
 from torch import nn
 
 from tpcore.configs import module_configs, sub_models
-from tpcore.layers import (
+from tpcore.parallel.layers import (
     VocabParallelEmbedding,
     make_vocab_parallel,
     row_parallel_class,
     set_layer_size,
     vocab_parallel_class,
 )
-from tpcore.policy import IfHeld, Layer, Policy, ShardingError
-from tpcore.shares import PerRank, resolve
-from tpcore.skeleton import named_tensors
-from tpcore.slicer import COLUMN, ROW, Split
+from tpcore.authoring.policy import IfHeld, Layer, Policy, ShardingError
+from tpcore.cut.shares import PerRank, resolve
+from tpcore.load.skeleton import named_tensors
+from tpcore.cut.split import COLUMN, ROW, Split
 
 __all__ = ["REPLICATED_SHARE", "ShardPlan", "Whole", "format_bytes", "get_path", "set_path"]
 
@@ -60,7 +60,7 @@ REPLICATED_SHARE = 0.10
 #: how many of the largest replicated modules that warning names
 _NAMED_IN_WARNING = 3
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("tpcore.plan")
 
 #: attributes attention modules keep their per-head width in (BERT, GPT-2/Llama, T5, XLNet, ...)
 _HEAD_DIM_ATTRIBUTES = ("head_dim", "attention_head_size", "head_size", "key_value_proj_dim", "d_head")

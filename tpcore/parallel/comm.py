@@ -13,8 +13,8 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from tpcore import shm
-from tpcore.memfd import gathered_empty
+from tpcore.parallel import shm
+from tpcore.parallel.memfd import gathered_empty
 
 __all__ = ["all_gather", "all_reduce", "count_collectives", "group_rank", "group_size"]
 

@@ -31,7 +31,7 @@ __all__ = ["cast_model", "fast_cpu_half_dtype", "fp32_patterns", "resolve_dtype"
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("tpcore.precision")
 
 
 def resolve_dtype(fp16: bool, dtype: torch.dtype | None, device: str) -> torch.dtype | None:

@@ -34,9 +34,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from tpcore.precision import cast_model
-from tpcore.process import RankContext, RankPool, WorkerError, reraise
-from tpcore.transfer import to_cpu, to_device
+from tpcore.load.precision import cast_model
+from tpcore.ranks.process import RankContext, RankPool, WorkerError, reraise
+from tpcore.ranks.transfer import to_cpu, to_device
 
 __all__ = [
     "DEFAULT_RTOL",
@@ -275,7 +275,7 @@ def check_model(
     difference, naming the output, the world size, the rank and the amount."""
     from hypothesis import given, settings
 
-    from tpcore.samples import forward_parameters
+    from tpcore.testing.samples import forward_parameters
 
     spec = ModelSpec(model_class, config)
     model = spec.build()
@@ -425,7 +425,7 @@ def sample_batches(model: nn.Module, *, batch=(1, 3), seq=(2, 9)):
     and a length ``seq`` (inclusive ranges; audio takes ``2 * seq`` frames or more), from a drawn seed."""
     from hypothesis import strategies as st
 
-    from tpcore.samples import sample_inputs
+    from tpcore.testing.samples import sample_inputs
 
     return st.builds(
         lambda rows, length, seed: sample_inputs(model, batch=rows, seq=length, seed=seed),

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from tpcore import memfd
+from tpcore.parallel import memfd
 
 try:
     import cloudpickle

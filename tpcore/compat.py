@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from tpcore.auto import AutoPolicy
-from tpcore.comm import group_rank, group_size
-from tpcore.plan import (
+from tpcore.select.auto import AutoPolicy
+from tpcore.parallel.comm import group_rank, group_size
+from tpcore.plan.shard_plan import (
     ShardPlan,
     get_path,
     make_megatron_layer,
@@ -28,7 +28,7 @@ from tpcore.plan import (
     set_path,
     vocabulary_modules,
 )
-from tpcore.policy import Layer, Policy, ShardingError
+from tpcore.authoring.policy import Layer, Policy, ShardingError
 
 __all__ = ["TensorReplacer"]
 

@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 from torch import nn
 
-from tpcore.shares import PerRank, per_rank, resolve, runs
+from tpcore.cut.shares import PerRank, per_rank, resolve, runs
 
 if TYPE_CHECKING:
-    from tpcore.slicer import Split
+    from tpcore.cut.split import Split
 
 __all__ = ["COLUMN", "ROW", "IfHeld", "Layer", "PerRank", "Policy", "ShardingError", "divide", "local_config", "share"]
 
@@ -249,7 +249,7 @@ class Layer:
         ``style`` group, with ``heads`` and ``parts`` names read from ``config``, the config of the
         sub-model the layer belongs to. The bias follows the weight's layout (fused, heads, parts).
         """
-        from tpcore.slicer import Split  # the slicer imports this module
+        from tpcore.cut.split import Split  # the slicer imports this module
 
         weight_dim, bias_dim = self.dims(style)
         heads = None if self.heads is None else self._count(self.heads, config, "heads")

@@ -15,7 +15,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from tpcore.samples import sample_inputs, small_config
+from tpcore.testing.samples import sample_inputs, small_config
 from tpcore.testing import EquivalenceError, ModelSpec, PoolCache, SavedModelSpec, check_equivalence
 
 
@@ -38,7 +38,7 @@ def resolve(model: str, world_sizes: Sequence[int] = (2,)) -> Any:
 def _policy_origins(model, policies: list | None) -> dict:
     """``{policy: where it comes from}``: ``policies`` as given, else what AutoPolicy chooses for ``model``
     (the plugins', then those derived from its tp plan; raises ``UnsupportedModelError``)."""
-    from tpcore.auto import AutoPolicy, policy_origin
+    from tpcore.select.auto import AutoPolicy, policy_origin
 
     if policies:
         return dict.fromkeys(policies, "custom_policies")
@@ -53,9 +53,9 @@ def run_check(
 
     ``policies`` replaces the installed ones (``custom_policies``); ``pools`` are rank pools to
     reuse (a fresh :class:`PoolCache`, closed at the end, by default)."""
-    from tpcore.auto import UnsupportedModelError
-    from tpcore.policy import ShardingError
-    from tpcore.replacer import TensorReplacer
+    from tpcore.select.auto import UnsupportedModelError
+    from tpcore.authoring.policy import ShardingError
+    from tpcore.compat import TensorReplacer
 
     spec = resolve(model, world_sizes)
     built = spec.build()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import traceback
 
-from tpcore.wire import picklable
+from tpcore.ranks.wire import picklable
 
 __all__ = ["WorkerDiedError", "WorkerError", "describe", "reraise"]
 

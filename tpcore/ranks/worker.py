@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tpcore import log
-from tpcore.wire import byte_view, connect, recv, send
-from tpcore.worker_errors import describe
+from tpcore.ranks.wire import byte_view, connect, recv, send
+from tpcore.ranks.failures import describe
 
 __all__ = ["AUTHKEY_ENV", "PARENT_ENV", "WORKER_CODE", "RankContext", "synchronize", "worker_command", "worker_entry"]
 
@@ -32,9 +32,9 @@ __all__ = ["AUTHKEY_ENV", "PARENT_ENV", "WORKER_CODE", "RankContext", "synchroni
 AUTHKEY_ENV = "TPCORE_WORKER_AUTHKEY"
 PARENT_ENV = "TPCORE_WORKER_PARENT"
 #: what ``python -c`` runs in a rank; :func:`worker_entry` reads the arguments :func:`worker_command` appends
-WORKER_CODE = "import sys; from tpcore.worker import worker_entry; worker_entry(sys.argv[1:])"
+WORKER_CODE = "import sys; from tpcore.ranks.worker import worker_entry; worker_entry(sys.argv[1:])"
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("tpcore.worker")
 
 
 def worker_command(
@@ -146,8 +146,8 @@ def _worker_main(
 
             _import_quietly(preload)
 
-            from tpcore import shm
-            from tpcore.distributed import bind_device, device_for, init_process_group
+            from tpcore.parallel import shm
+            from tpcore.ranks.distributed import bind_device, device_for, init_process_group
 
             torch.set_num_threads(threads)
             device = device_for(backend, rank, device_kind)

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from tpcore.plugins import plugin_infos, registered_policies
+from tpcore.select.plugins import plugin_infos, registered_policies
 
 
 def _plugins(args: argparse.Namespace) -> int:
@@ -49,12 +49,12 @@ def _applying(args: argparse.Namespace) -> int:
     a composite model which sub-models they split and which stay whole (and why), and the split over
     ``--world-size`` ranks with the backend and devices ``parallelize(num_gpus=N)`` would use here: every
     tensor's cut, bytes per rank against the whole, and what stays whole when much does."""
-    from tpcore.auto import AutoPolicy, UnsupportedModelError, policy_origin, sub_model_coverage
-    from tpcore.check import resolve
-    from tpcore.distributed import default_backend, device_for
-    from tpcore.plan import ShardPlan
-    from tpcore.policy import ShardingError
-    from tpcore.process import ranks_text
+    from tpcore.select.auto import AutoPolicy, UnsupportedModelError, policy_origin, sub_model_coverage
+    from tpcore.tools.check import resolve
+    from tpcore.ranks.distributed import default_backend, device_for
+    from tpcore.plan.shard_plan import ShardPlan
+    from tpcore.authoring.policy import ShardingError
+    from tpcore.ranks.process import ranks_text
 
     model = resolve(args.model).build()
     try:
@@ -117,8 +117,8 @@ def plan_json(plan) -> dict:
     """A plan as JSON: every tensor's whole shape, each rank's shape and how it is cut (and why a replicated one
     stays whole), the attributes whose values differ by rank (a list, one per rank), each rank's bytes, the
     whole model's and those replicated on every rank."""
-    from tpcore.plan import describe
-    from tpcore.shares import PerRank
+    from tpcore.plan.shard_plan import describe
+    from tpcore.cut.shares import PerRank
 
     ranks = range(plan.world_size)
     tensors = {
@@ -146,7 +146,7 @@ def plan_json(plan) -> dict:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from tpcore.check import run_check  # imports torch and transformers
+    from tpcore.tools.check import run_check  # imports torch and transformers
 
     return run_check(args.model, args.world_sizes)
 

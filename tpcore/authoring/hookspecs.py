@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import pluggy
 
 if TYPE_CHECKING:
-    from tpcore.policy import Policy
+    from tpcore.authoring.policy import Policy
 
 PROJECT = "tpcore"
 

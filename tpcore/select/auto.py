@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from torch import nn
 
 from tpcore.configs import owning_sub_model, sub_models
-from tpcore.plugins import DISABLE_AUTOLOAD_ENV, PolicyEntry, autoload_disabled, plugin_infos, registered_policies
-from tpcore.policy import Policy
-from tpcore.tp_plan import TpPlanError, derive_policies, sub_model_plans
+from tpcore.select.plugins import DISABLE_AUTOLOAD_ENV, PolicyEntry, autoload_disabled, plugin_infos, registered_policies
+from tpcore.authoring.policy import Policy
+from tpcore.select.tp_plan import TpPlanError, derive_policies, sub_model_plans
 
 __all__ = [
     "AutoPolicy",
@@ -31,7 +31,7 @@ __all__ = [
 #: where :func:`policy_origin` says a policy derived from a config's ``base_model_tp_plan`` comes from
 TP_PLAN_ORIGIN = "config tp plan"
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("tpcore.auto")
 
 
 class UnsupportedModelError(LookupError):

@@ -58,9 +58,9 @@ from typing import Any
 from torch import nn
 
 from tpcore.configs import config_of, module_configs, sub_models
-from tpcore.layers import column_split_norm_class
-from tpcore.policy import IfHeld, Layer, Policy, ShardingError, local_config, share
-from tpcore.shares import PerRank, runs
+from tpcore.parallel.layers import column_split_norm_class
+from tpcore.authoring.policy import IfHeld, Layer, Policy, ShardingError, local_config, share
+from tpcore.cut.shares import PerRank, runs
 
 __all__ = ["SubModelPlan", "TpPlanError", "derive_policies", "experts_arguments", "sub_model_plans"]
 

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 
 import pluggy
 
-from tpcore import hookspecs
-from tpcore.policy import Policy
+from tpcore.authoring import hookspecs
+from tpcore.authoring.policy import Policy
 
 __all__ = [
     "PluginConflictError",

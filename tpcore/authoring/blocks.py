@@ -23,8 +23,8 @@ from typing import Any, ClassVar, NamedTuple
 
 from torch import nn
 
-from tpcore.policy import IfHeld, Layer, Policy, share
-from tpcore.reshapes import local_width_class
+from tpcore.authoring.policy import IfHeld, Layer, Policy, share
+from tpcore.parallel.reshapes import local_width_class
 
 __all__ = ["Attention", "BlockPolicy", "keeping_local_attributes", "linear", "subclassing"]
 

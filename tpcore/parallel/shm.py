@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tpcore.memfd import gathered_empty
+from tpcore.parallel.memfd import gathered_empty
 
 __all__ = ["ShmCollectives", "attach", "for_group"]
 

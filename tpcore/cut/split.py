@@ -53,8 +53,8 @@ from typing import NamedTuple
 
 import torch
 
-from tpcore.policy import COLUMN, ROW, Layer, ShardingError
-from tpcore.shares import runs
+from tpcore.authoring.policy import COLUMN, ROW, Layer, ShardingError
+from tpcore.cut.shares import runs
 
 __all__ = ["COLUMN", "ROW", "Split", "TensorSlicer", "check_divisible", "shard", "shard_ranges", "split_dims"]
 
