@@ -109,9 +109,10 @@ def demo(session: nox.Session) -> None:
 
 @nox.session(reuse_venv=True)
 def demo_vision(session: nox.Session) -> None:
-    """Run tp_vision.demo: a CLIP (random-init: no PyPI package ships vision weights) split over 2 CPU ranks."""
+    """Run tpcore.tools.demo_vision: a CLIP (random-init: no PyPI package ships vision weights) split over 2 CPU
+    ranks by tp-vision's policies."""
     install(session, *editable_project())
-    session.run("python", "-m", "tp_vision.demo", *session.posargs)
+    session.run("python", "-m", "tpcore.tools.demo_vision", *session.posargs)
 
 
 #: every benchmark script, in the order ``nox -s bench`` runs them (about 20 minutes on 2 idle cores)

@@ -37,8 +37,8 @@ from gpu_env import scrub_paths
 from torch import nn
 
 import tpcore
-from tpcore.testing import DEFAULT_RTOL, ModelSpec
 from tpcore.ranks.transfer import to_device
+from tpcore.testing import DEFAULT_RTOL, ModelSpec
 
 #: tokens per generate() call; ``min_new_tokens`` keeps an early end-of-sequence from shortening a draw
 GENERATE = {"max_new_tokens": 8, "min_new_tokens": 8, "pad_token_id": 0}

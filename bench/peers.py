@@ -1059,8 +1059,8 @@ def main(argv=None) -> int:
     from transformers.models.gpt2 import modeling_gpt2  # noqa: F401  (imported before any memory baseline)
     from transformers.models.llama import modeling_llama  # noqa: F401
 
-    from tpcore.select.plugins import registered_policies
     from tpcore.ranks.process import RankPool
+    from tpcore.select.plugins import registered_policies
 
     transformers.utils.logging.disable_progress_bar()
     registered_policies()  # load tpcore's plugins now, so that no memory baseline below pays for it

@@ -88,16 +88,16 @@ def plan_collectives(block, rules: dict[str, str]) -> tuple[int, int]:
 def tpcore_collectives(block, policy) -> int:
     """All-reduces one forward of ``block`` costs under the derived ``policy``: one per row-parallel
     module, one per column-split norm (of the tensors the policy names that ``block`` holds)."""
-    from tpcore.plan.shard_plan import ROW, make_megatron_layer
+    from tpcore import NORM, ROW
 
     tensors = dict(block.named_parameters())
     owners = set()
-    for style, spec in make_megatron_layer(policy):
+    for spec in policy.layers():
         if spec.weight not in tensors:
             continue
         # a linear's or a norm's ``.weight``; a fused experts tensor is its experts module's own parameter
         module = spec.weight.rpartition(".")[0]
-        if style == ROW or spec.replace is not None:
+        if spec.style in (ROW, NORM) or spec.replace is not None:
             owners.add(module)
     return len(owners)
 
@@ -112,9 +112,9 @@ def check_one(model_type: str, config_class, pools, world_size: int) -> dict:
     import torch
 
     from tpcore.select.auto import AutoPolicy
-    from tpcore.testing.samples import sample_inputs, small_config
-    from tpcore.testing import ModelSpec, check_equivalence
     from tpcore.select.tp_plan import TpPlanError, derive_policies, sub_model_plans
+    from tpcore.testing import ModelSpec, check_equivalence
+    from tpcore.testing.samples import sample_inputs, small_config
 
     row = {"type": model_type, "model": "", "status": "refused", "reason": "", "collectives": "", "plugin": ""}
     model_class = model_class_for(model_type)

@@ -13,9 +13,17 @@ from torch import nn
 from tp_bert.policies import BertPolicy
 
 from tpcore import Layer
-from tpcore.tools.check import resolve, run_check
-from tpcore.tools.cli import main
 from tpcore.ranks.process import WorkerError
+from tpcore.testing import (
+    DEFAULT_RTOL,
+    SCALE_FLOOR,
+    EquivalenceError,
+    ModelSpec,
+    check_equivalence,
+    compare_outputs,
+    flatten_outputs,
+    parameter_count,
+)
 from tpcore.testing.samples import (
     HEAD_DIM,
     IMAGE_SIZE,
@@ -27,16 +35,8 @@ from tpcore.testing.samples import (
     small_config,
     special_token_ids,
 )
-from tpcore.testing import (
-    DEFAULT_RTOL,
-    SCALE_FLOOR,
-    EquivalenceError,
-    ModelSpec,
-    check_equivalence,
-    compare_outputs,
-    flatten_outputs,
-    parameter_count,
-)
+from tpcore.tools.check import resolve, run_check
+from tpcore.tools.cli import main
 
 
 @pytest.mark.slow  # seconds of rank start-up or a long equivalence run: the full suite only

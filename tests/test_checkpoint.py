@@ -22,8 +22,9 @@ from tqdm import tqdm
 from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, GPT2Model
 
 import tpcore
+from tpcore.compat.parallelformers import shard
+from tpcore.cut.split import Split
 from tpcore.load.checkpoint import Checkpoint
-from tpcore.cut.split import Split, shard
 from tpcore.testing import compare_outputs
 
 GPT2 = GPT2Config(vocab_size=101, n_embd=48, n_layer=2, n_head=12, n_positions=32, bos_token_id=0, eos_token_id=0)

@@ -24,9 +24,10 @@ from transformers import (
 )
 
 import tpcore
+from tpcore.compat.parallelformers import shard
+from tpcore.cut.split import Split
 from tpcore.load.checkpoint import Checkpoint
 from tpcore.load.skeleton import empty_model, install_tensors, named_tensors
-from tpcore.cut.split import Split, shard
 from tpcore.testing import compare_outputs
 
 VIT = ViTConfig(

@@ -18,8 +18,9 @@ import transformers
 
 import tpcore
 from tpcore import Policy
+from tpcore.errors import PluginLoadWarning
+from tpcore.select.plugins import reset_plugins
 from tpcore.tools.cli import main
-from tpcore.select.plugins import PluginLoadWarning, reset_plugins
 
 BERT_LAYER = "transformers.models.bert.modeling_bert.BertLayer"
 DISTILBERT_LAYER = "transformers.models.distilbert.modeling_distilbert.TransformerBlock"

@@ -16,12 +16,12 @@ from torch import nn
 
 import tpcore
 from tpcore import Layer, Policy, TensorReplacer, divide
-from tpcore.select.auto import AutoPolicy, sub_model_coverage
-from tpcore.tools.cli import main
 from tpcore.configs import config_of, module_configs, sub_models
+from tpcore.select.auto import AutoPolicy, sub_model_coverage
 from tpcore.select.plugins import PolicyEntry, reset_plugins
-from tpcore.testing import ModelSpec, check_equivalence
 from tpcore.select.tp_plan import TpPlanError, derive_policies, sub_model_plans
+from tpcore.testing import ModelSpec, check_equivalence
+from tpcore.tools.cli import main
 
 IMAGE_TOKEN = 63
 IMAGE_FEATURES = 4  # (8 / 4) ** 2 patches of the tiny vision tower; its CLS feature is dropped

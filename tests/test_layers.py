@@ -30,6 +30,9 @@ from transformers import (
     OlmoeForCausalLM,
 )
 
+from tpcore.compat.parallelformers import shard
+from tpcore.errors import ShardingError
+from tpcore.load.skeleton import weightless_copy
 from tpcore.parallel.layers import (
     ColumnSplitRMSNorm,
     VocabParallelEmbedding,
@@ -41,9 +44,6 @@ from tpcore.parallel.layers import (
     row_parallel_class,
     vocab_parallel_class,
 )
-from tpcore.authoring.policy import ShardingError
-from tpcore.load.skeleton import weightless_copy
-from tpcore.cut.split import shard
 
 VOCAB, HIDDEN = 50, 32
 TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}

@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from tpcore import Layer, ShardingError, share
+from tpcore import COLUMN, ROW, Layer, ShardingError, share
 from tpcore.cut.shares import resolve
-from tpcore.cut.split import COLUMN, ROW, Split
+from tpcore.cut.split import Split
 
 FAST = settings(max_examples=25, deadline=None)
 ATOL = 1e-5
@@ -66,7 +66,7 @@ def test_an_explicit_dim_cuts_a_tensor_of_any_rank_and_its_pieces_reassemble(wor
     shape = data.draw(st.lists(st.integers(1, 3), min_size=ndim, max_size=ndim), label="shape")
     shape[dim] = n_fused * world * per_rank
     tensor = randn(*shape, seed=data.draw(seeds, label="seed"))
-    split = Layer(weight="w", dim=dim, n_fused=n_fused).splits(COLUMN)[0]
+    split = Layer(weight="w", dim=dim, n_fused=n_fused).styled(COLUMN).splits()[0]
 
     pieces = [split.shard(tensor, rank, world) for rank in range(world)]
 
@@ -109,8 +109,8 @@ def test_fused_moe_experts_cut_on_their_intermediate_dim_sum_to_the_whole_expert
             out += routing[:, e, None] * ((nn.functional.silu(gate) * up) @ down[e].T)
         return out
 
-    gate_up_split, _ = gate_up_layer.splits(COLUMN)
-    down_split, _ = down_layer.splits(ROW)
+    gate_up_split, _ = gate_up_layer.styled(COLUMN).splits()
+    down_split, _ = down_layer.styled(ROW).splits()
     partial = [
         experts_forward(gate_up_split.shard(gate_up, rank, world), down_split.shard(down, rank, world))
         for rank in range(world)
@@ -157,9 +157,9 @@ def test_element_interleaved_moe_gate_up_with_biases_sums_to_the_whole_experts(
         interleaved=True,
         heads="intermediate_size",
     )
-    gate_up_split, gate_up_bias_split = gate_up_layer.splits(COLUMN, config)
-    down_split, down_bias_split = Layer(weight="experts.down_proj", bias="experts.down_proj_bias", dim=1).splits(
-        ROW, config
+    gate_up_split, gate_up_bias_split = gate_up_layer.styled(COLUMN).splits(config)
+    down_split, down_bias_split = (
+        Layer(weight="experts.down_proj", bias="experts.down_proj_bias", dim=1).styled(ROW).splits(config)
     )
     assert down_bias_split is None
     no_bias = torch.zeros_like(down_bias)
@@ -201,9 +201,9 @@ def test_xlnet_per_head_3d_projections_cut_on_their_heads_dim_sum_to_the_whole_a
         attn_vec = torch.einsum("nij,jnd->ind", scores.softmax(-1), v_head)
         return torch.einsum("ind,hnd->ih", attn_vec, o)
 
-    qkv_split, _ = Layer(weight="q", dim=1).splits(COLUMN, config)
-    o_split, _ = Layer(weight="o", dim=1).splits(ROW, config)
-    bias_split, _ = Layer(weight="r_w_bias", heads="n_head").splits(COLUMN, config)
+    qkv_split, _ = Layer(weight="q", dim=1).styled(COLUMN).splits(config)
+    o_split, _ = Layer(weight="o", dim=1).styled(ROW).splits(config)
+    bias_split, _ = Layer(weight="r_w_bias", heads="n_head").styled(COLUMN).splits(config)
     partial = [
         xlnet_attention(
             *(qkv_split.shard(t, rank, world) for t in (q, k, v)),
@@ -253,7 +253,7 @@ def test_a_qkv_pack_with_fewer_kv_heads_cut_by_parts_gives_each_rank_its_heads_o
         q, k, v = (x @ weight.T + bias).split([q_heads * head_dim, kv_width, kv_width], -1)
         return attention(*(t.unflatten(-1, (-1, head_dim)) for t in (q, k, v)))
 
-    weight_split, bias_split = layer.splits(COLUMN, config)
+    weight_split, bias_split = layer.styled(COLUMN).splits(config)
     local = share(q_heads, world, "num_attention_heads", groups=kv_heads)
     assert weight_split == Split(0, parts=(q_heads, kv_heads, kv_heads))
     assert bias_split == weight_split
@@ -286,7 +286,7 @@ def test_a_pack_of_kv_groups_cut_by_interleaved_parts_gives_each_rank_its_heads_
         packed = (x @ weight.T).unflatten(-1, (kv_heads, q_heads // kv_heads + 2, head_dim))
         return attention(packed[:, :, :-2].flatten(1, 2), packed[:, :, -2], packed[:, :, -1])
 
-    split, _ = layer.splits(COLUMN, config)
+    split, _ = layer.styled(COLUMN).splits(config)
     assert split == Split(0, parts=(q_heads, kv_heads, kv_heads), interleaved=True)
     local_q = share(q_heads, world, "num_attention_heads", groups=kv_heads)
     local_kv = share(kv_heads, world, "num_kv_heads")
@@ -326,8 +326,8 @@ def test_a_head_interleaved_pack_gives_each_rank_whole_heads_of_the_whole_attent
         q, k, v = (x @ in_proj.T).unflatten(-1, (-1, 3 * head_dim)).chunk(3, dim=-1)
         return attention(q + q_bias.view(-1, head_dim), k, v + v_bias.view(-1, head_dim))
 
-    in_proj_split, _ = Layer(weight="in_proj.weight", n_fused=3, interleaved=True, heads=heads).splits(COLUMN)
-    bias_split, _ = Layer(weight="q_bias", heads="num_attention_heads").splits(COLUMN, config)
+    in_proj_split, _ = Layer(weight="in_proj.weight", n_fused=3, interleaved=True, heads=heads).styled(COLUMN).splits()
+    bias_split, _ = Layer(weight="q_bias", heads="num_attention_heads").styled(COLUMN).splits(config)
     outputs = [
         deberta_attention(
             *(s.shard(t, r, world) for s, t in ((in_proj_split, in_proj), (bias_split, q_bias), (bias_split, v_bias)))
@@ -357,8 +357,8 @@ def test_per_head_norm_weights_follow_the_heads_of_their_projection(world, data,
         states = (x @ proj.T).unflatten(-1, (-1, head_dim))
         return nn.functional.layer_norm(states, (head_dim,)) * norm_weight
 
-    proj_split, _ = Layer(weight="k_proj.weight", heads=heads).splits(COLUMN)
-    norm_split, _ = Layer(weight="k_norm.weight", heads=heads).splits(COLUMN)
+    proj_split, _ = Layer(weight="k_proj.weight", heads=heads).styled(COLUMN).splits()
+    norm_split, _ = Layer(weight="k_norm.weight", heads=heads).styled(COLUMN).splits()
     whole = normed_heads(proj, norm_weight)
     for rank in range(world):
         got = normed_heads(proj_split.shard(proj, rank, world), norm_split.shard(norm_weight, rank, world))
@@ -380,8 +380,10 @@ def test_a_per_head_table_split_on_its_last_dim_gives_each_rank_its_heads_of_the
     def position_bias(table):
         return table[index].view(window, window, -1).permute(2, 0, 1)
 
-    split, bias = Layer(weight="relative_position_bias_table", dim=-1, heads="num_heads").splits(
-        COLUMN, SimpleNamespace(num_heads=heads)
+    split, bias = (
+        Layer(weight="relative_position_bias_table", dim=-1, heads="num_heads")
+        .styled(COLUMN)
+        .splits(SimpleNamespace(num_heads=heads))
     )
     assert bias is None or bias.dim == 0
     whole = position_bias(table)
@@ -475,8 +477,11 @@ def test_parts_given_as_a_list_are_kept_as_a_tuple():
 )
 def test_splits_gives_the_weight_and_bias_split_of_each_style(fields, style, expected):
     config = SimpleNamespace(num_attention_heads=8, num_key_value_heads=2)
-    assert Layer(weight="w", bias="b", **fields).splits(style, config) == expected
-    assert Layer(weight="w", bias="b", **fields).dims(style) == (expected[0].dim, expected[1] and expected[1].dim)
+    assert Layer(weight="w", bias="b", **fields).styled(style).splits(config) == expected
+    assert Layer(weight="w", bias="b", **fields).styled(style).dims() == (
+        expected[0].dim,
+        expected[1] and expected[1].dim,
+    )
 
 
 @pytest.mark.parametrize(
@@ -492,11 +497,11 @@ def test_splits_gives_the_weight_and_bias_split_of_each_style(fields, style, exp
 )
 def test_splits_names_the_config_attribute_it_cannot_read(fields, config, message):
     with pytest.raises(ShardingError, match=message):
-        Layer(weight="attn.k.weight", **fields).splits(COLUMN, config)
+        Layer(weight="attn.k.weight", **fields).styled(COLUMN).splits(config)
 
 
 def test_splits_refuses_a_row_bias_dim_and_an_unknown_style():
     with pytest.raises(ValueError, match="a row-parallel bias is added whole"):
-        Layer(weight="w", bias="b", bias_dim=1).splits(ROW)
+        Layer(weight="w", bias="b", bias_dim=1).styled(ROW).splits()
     with pytest.raises(ValueError, match="unknown parallel style 'diagonal'"):
-        Layer(weight="w").splits("diagonal")
+        Layer(weight="w").styled("diagonal").splits()

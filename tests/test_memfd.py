@@ -15,10 +15,7 @@ from multiprocessing.connection import Connection
 import pytest
 import torch
 
-from tpcore.parallel import comm
-
-from tpcore.parallel import memfd
-
+from tpcore.parallel import comm, memfd
 from tpcore.ranks import wire
 
 pytestmark = pytest.mark.skipif(not memfd.AVAILABLE, reason="no memfd on this system: tensors use the socket")

@@ -19,11 +19,11 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 
 import tpcore
-from tpcore.tools.check import run_check
 from tpcore.load.checkpoint import Checkpoint
-from tpcore.plan.shard_plan import ShardPlan
 from tpcore.load.skeleton import empty_model
+from tpcore.plan import plan_for
 from tpcore.testing import ModelSpec, check_equivalence, compare_outputs
+from tpcore.tools.check import run_check
 
 SIZES = dict(vocab_size=64, hidden_size=48, num_hidden_layers=2, num_attention_heads=6, pad_token_id=0)
 EXPERTS = dict(moe_intermediate_size=20, num_experts_per_tok=2)
@@ -111,7 +111,7 @@ def test_deepseek_v3_latent_attention_splits_by_heads_and_matches_unsplit(rank_p
     """Five heads over 2 ranks (3 + 2), each head's rows of q_b_proj and kv_b_proj together."""
     model_spec = ModelSpec(transformers.DeepseekV3ForCausalLM, config_of("deepseek_v3", num_attention_heads=5))
     model = model_spec.build()
-    plan = ShardPlan.build(model, tpcore.AutoPolicy().get_policy(model), 2)
+    plan = plan_for(model, tpcore.AutoPolicy().get_policy(model), 2)
     rows = [plan.shard_shape("model.layers.0.self_attn.kv_b_proj.weight", rank)[0] for rank in range(2)]
     assert rows == [3 * (6 + 5), 2 * (6 + 5)]  # heads * (qk_nope_head_dim + v_head_dim)
     report = check_equivalence(model_spec, batch(), world_sizes=(2,), pools=rank_pools)

@@ -28,8 +28,8 @@ from process_probes import children, gone
 from tp_gpt.policies import LlamaPolicy
 
 from tpcore import parallelize  # the one line that changes: was `from parallelformers import parallelize`
-from tpcore.ranks.distributed import free_port
 from tpcore.load.precision import cast_model, resolve_dtype
+from tpcore.ranks.distributed import free_port
 from tpcore.testing import ModelSpec, compare_outputs
 
 #: 6 query heads over 3 grouped KV heads: each of 3 ranks holds 2 query heads and 1 KV head

@@ -38,6 +38,7 @@ from torch import nn
 from tqdm import tqdm
 
 import tpcore
+from tpcore.plan import bytes_summary, replicated_warning
 from tpcore.ranks.process import WorkerDiedError, WorkerError
 from tpcore.testing import ModelSpec, compare_outputs
 
@@ -282,14 +283,14 @@ def test_the_start_shows_a_bar_of_the_bytes_sent_to_every_rank_and_logs_what_was
     version = importlib.metadata.version("tp-bert")
     chose = f"AutoPolicy chose for BertForMaskedLM: BertPolicy (tp-bert {version})"
     assert ("tpcore.auto", "INFO", None, chose) in logged
-    assert ("tpcore.plan", "INFO", None, f"BertForMaskedLM over 2 ranks: {plan.bytes_summary()}") in logged
+    assert ("tpcore.plan", "INFO", None, f"BertForMaskedLM over 2 ranks: {bytes_summary(plan)}") in logged
     for rank in (0, 1):
         joined = [m for name, _, r, m in logged if name == "tpcore.worker" and r == rank]
         assert len(joined) == 1 and joined[0].startswith(
             f"rank {rank}: joined the gloo group on cpu (pid {pids[rank]})"
         )
     warnings = [r.getMessage() for r in records if r.levelno >= logging.WARNING]
-    assert warnings == [plan.replicated_warning()]  # this tiny BERT's 512 positions outweigh its layers
+    assert warnings == [replicated_warning(plan)]  # this tiny BERT's 512 positions outweigh its layers
     assert "bert.embeddings.position_embeddings (Embedding, 96.0 KiB) is replicated" in warnings[0]
     assert "word_embeddings" not in warnings[0]  # split over the vocabulary
 
@@ -298,7 +299,7 @@ def test_the_served_models_repr_and_its_handles_show_the_split(masked_lm):
     model, reference = masked_lm
     handle = model._tpcore_handle
     version = importlib.metadata.version("tp-bert")
-    split = f"split over 2 gloo ranks on cpu by BertPolicy (tp-bert {version}): {handle.plan.bytes_summary()}"
+    split = f"split over 2 gloo ranks on cpu by BertPolicy (tp-bert {version}): {bytes_summary(handle.plan)}"
     shown = repr(model).splitlines()
     assert shown[0] == "BertForMaskedLM(" and shown[1] == f"  tpcore: {split}"
     assert shown[2:] == repr(reference).splitlines()[1:]  # the model's own modules, unchanged

@@ -19,13 +19,13 @@ from transformers import AlbertConfig, AlbertModel, BertConfig, BertModel, GPT2C
 from transformers.models.albert.modeling_albert import AlbertLayer
 
 from tpcore import Layer, Policy, ShardingError, TensorReplacer, divide, share
-from tpcore.configs import config_of
-from tpcore.parallel.layers import RowParallelLinear, VocabParallelEmbedding
-from tpcore.plan.shard_plan import ShardPlan
 from tpcore.authoring.policy import IfHeld
+from tpcore.configs import config_of
 from tpcore.cut.shares import resolve
-from tpcore.load.skeleton import named_tensors, weightless_copy
 from tpcore.cut.split import Split
+from tpcore.load.skeleton import named_tensors, weightless_copy
+from tpcore.parallel.layers import RowParallelLinear, VocabParallelEmbedding
+from tpcore.plan import apply_plan, log_plan, plan_for, replicated_warning, report
 
 
 def randomize(model: torch.nn.Module) -> torch.nn.Module:
@@ -56,11 +56,11 @@ def test_building_a_plan_changes_nothing_and_applying_it_cuts_what_share_cuts(wo
     model = gpt2()
     before = state(model)
     classes = [type(module) for module in model.modules()]
-    plan = ShardPlan.build(model, [GPT2Policy], world)
+    plan = plan_for(model, [GPT2Policy], world)
     assert [type(module) for module in model.modules()] == classes
     assert all(torch.equal(before[name], tensor) for name, tensor in named_tensors(model).items())
     for rank in range(world):
-        shard = plan.apply(copy.deepcopy(model), rank)
+        shard = apply_plan(plan, copy.deepcopy(model), rank)
         for name, tensor in named_tensors(shard).items():
             expected = plan.share(name, before[name], rank)
             assert tensor.shape == plan.shard_shape(name)
@@ -69,9 +69,9 @@ def test_building_a_plan_changes_nothing_and_applying_it_cuts_what_share_cuts(wo
 
 def test_the_plan_applies_to_a_meta_skeleton_with_the_shapes_of_the_real_shard():
     model = gpt2()
-    plan = ShardPlan.build(model, [GPT2Policy], 3)
-    skeleton = plan.apply(weightless_copy(model), 1)
-    real = plan.apply(copy.deepcopy(model), 1)
+    plan = plan_for(model, [GPT2Policy], 3)
+    skeleton = apply_plan(plan, weightless_copy(model), 1)
+    real = apply_plan(plan, copy.deepcopy(model), 1)
     assert {n: t.shape for n, t in named_tensors(skeleton).items()} == {
         n: t.shape for n, t in named_tensors(real).items()
     }
@@ -83,7 +83,7 @@ def test_the_seed_api_and_the_plan_give_the_same_shard():
     model = bert()
     by_replacer = copy.deepcopy(model)
     TensorReplacer(by_replacer, None, False, 2, [BertPolicy], rank=1).replace_modules()
-    by_plan = ShardPlan.build(model, [BertPolicy], 2).apply(copy.deepcopy(model), 1)
+    by_plan = apply_plan(plan_for(model, [BertPolicy], 2), copy.deepcopy(model), 1)
     for (name, a), (_, b) in zip(named_tensors(by_replacer).items(), named_tensors(by_plan).items(), strict=True):
         assert torch.equal(a, b), name
     assert type(by_plan.encoder.layer[0].output.dense) is RowParallelLinear
@@ -92,9 +92,9 @@ def test_the_seed_api_and_the_plan_give_the_same_shard():
 
 
 def test_a_plan_refuses_a_model_it_was_not_built_for():
-    plan = ShardPlan.build(bert(), [BertPolicy], 2)
+    plan = plan_for(bert(), [BertPolicy], 2)
     with pytest.raises(ValueError, match="this plan of BertModel cuts"):
-        plan.apply(bert(hidden_size=12, num_attention_heads=6), 0)
+        apply_plan(plan, bert(hidden_size=12, num_attention_heads=6), 0)
 
 
 class NoHeadsPolicy(BertPolicy):
@@ -135,12 +135,12 @@ def test_a_value_if_held_is_set_only_in_the_layer_instances_holding_its_module()
     for layer in model.encoder.layer:
         layer.attention.self.tag = "whole"
     model.encoder.layer[1].attention.self.marker = torch.nn.Identity()
-    plan = ShardPlan.build(model, [MarkedOnlyPolicy], 2)
+    plan = plan_for(model, [MarkedOnlyPolicy], 2)
     assert {path: value for path, value in plan.attributes.items() if path.endswith(".tag")} == {
         "encoder.layer.1.attention.self.tag": "cut"
     }
     assert plan.attributes["encoder.layer.0.attention.self.num_attention_heads"] == 3  # the others as before
-    shard = plan.apply(copy.deepcopy(model), 0)
+    shard = apply_plan(plan, copy.deepcopy(model), 0)
     assert [layer.attention.self.tag for layer in shard.encoder.layer] == ["whole", "cut"]
 
 
@@ -152,8 +152,8 @@ def test_heads_that_do_not_stay_whole_are_refused_before_anything_changes():
     ):
         TensorReplacer(model, None, False, 4, [NoHeadsPolicy], rank=0).validate()
     assert all(torch.equal(before[name], tensor) for name, tensor in named_tensors(model).items())
-    ShardPlan.build(model, [NoHeadsPolicy], 3)  # 6 heads over 3 ranks: whole heads, accepted
-    ShardPlan.build(model, [BertPolicy], 4)  # the policy that names the heads deals them: 2, 2, 1, 1
+    plan_for(model, [NoHeadsPolicy], 3)  # 6 heads over 3 ranks: whole heads, accepted
+    plan_for(model, [BertPolicy], 4)  # the policy that names the heads deals them: 2, 2, 1, 1
 
 
 class BrokenPolicy(BertPolicy):
@@ -164,7 +164,7 @@ class BrokenPolicy(BertPolicy):
 
 def test_an_exception_from_a_policy_keeps_its_type_and_names_model_policy_and_layer():
     with pytest.raises(AttributeError) as caught:
-        ShardPlan.build(bert(), [BrokenPolicy], 2)
+        plan_for(bert(), [BrokenPolicy], 2)
     (note,) = caught.value.__notes__
     assert "BertModel over 2 ranks" in note and "encoder.layer.0" in note and "BrokenPolicy" in note
 
@@ -178,20 +178,20 @@ def test_one_tensor_cut_two_ways_is_refused():
             return [Layer(weight="transformer.wte.weight"), Layer(weight="lm_head.weight", reversed=True)]
 
     with pytest.raises(ShardingError, match="lm_head.weight.*is cut as"):
-        ShardPlan.build(gpt2(62), [CutsTheEmbedding], 2, vocab_parallel=False)
+        plan_for(gpt2(62), [CutsTheEmbedding], 2, vocab_parallel=False)
 
 
 def test_the_report_says_what_is_cut_how_and_the_bytes_per_rank():
     model = gpt2()
-    report = ShardPlan.build(model, [GPT2Policy], 2).report()
-    assert report.startswith("GPT2LMHeadModel over 2 ranks:")
-    assert "transformer.h.*.attn.c_attn.weight" in report and "x2" in report
-    assert "vocabulary rows" in report and "replicated" in report
+    text = report(plan_for(model, [GPT2Policy], 2))
+    assert text.startswith("GPT2LMHeadModel over 2 ranks:")
+    assert "transformer.h.*.attn.c_attn.weight" in text and "x2" in text
+    assert "vocabulary rows" in text and "replicated" in text
     whole = sum(t.numel() * t.element_size() for t in named_tensors(model).values())
-    assert whole < 2**20 and f"of {whole / 2**10:.1f} KiB" in report  # sizes under a MiB in KiB
-    plan = ShardPlan.build(model, [GPT2Policy], 2)
+    assert whole < 2**20 and f"of {whole / 2**10:.1f} KiB" in text  # sizes under a MiB in KiB
+    plan = plan_for(model, [GPT2Policy], 2)
     share, replicated = plan.bytes_per_rank(0) / whole, plan.replicated_bytes / 2**10
-    assert report.endswith(f" ({share:.0%}; {replicated:.1f} KiB replicated on every rank)")
+    assert text.endswith(f" ({share:.0%}; {replicated:.1f} KiB replicated on every rank)")
 
 
 # -- what stays whole, and why ----------------------------------------------------------------------
@@ -213,7 +213,7 @@ class TableReader(torch.nn.Module):
 
 
 def test_a_plan_says_why_each_tensor_it_does_not_cut_stays_whole():
-    plan = ShardPlan.build(gpt2(), [GPT2Policy], 2, vocab_parallel=False)
+    plan = plan_for(gpt2(), [GPT2Policy], 2, vocab_parallel=False)
     assert set(plan.kept_whole) == set(plan.shapes) - set(plan.splits)
     assert plan.kept_whole["transformer.wte.weight"] == ("Embedding", "vocab_parallel=False")
     assert plan.kept_whole["transformer.wpe.weight"] == (
@@ -226,8 +226,8 @@ def test_a_plan_says_why_each_tensor_it_does_not_cut_stays_whole():
 
 def test_much_replicated_is_one_warning_naming_the_largest_and_why(caplog):
     model = gpt2()
-    plan = ShardPlan.build(model, [GPT2Policy], 2, vocab_parallel=False)
-    plan.log()
+    plan = plan_for(model, [GPT2Policy], 2, vocab_parallel=False)
+    log_plan(plan)
     (warning,) = [record for record in caplog.records if record.levelno == logging.WARNING]
     whole = sum(t.numel() * t.element_size() for t in named_tensors(model).values())
     replicated = whole - sum(t.numel() * t.element_size() for n, t in named_tensors(model).items() if n in plan.splits)
@@ -243,9 +243,9 @@ def test_much_replicated_is_one_warning_naming_the_largest_and_why(caplog):
 def test_an_embedding_that_cannot_be_split_over_the_vocabulary_is_named_with_why():
     model = gpt2()
     model.transformer.wte.__class__ = NormalizedEmbedding  # tied to lm_head still
-    plan = ShardPlan.build(model, [GPT2Policy], 2)
+    plan = plan_for(model, [GPT2Policy], 2)
     assert "transformer.wte.weight" not in plan.splits and not plan.vocab  # the tied head stays whole with it
-    assert plan.replicated_warning().splitlines()[1] == (
+    assert replicated_warning(plan).splitlines()[1] == (
         "    transformer.wte (NormalizedEmbedding, 5.7 KiB) is replicated: the forward of NormalizedEmbedding "
         "is not a lookup times one scale, which is what splits over the vocabulary"
     )
@@ -254,17 +254,17 @@ def test_an_embedding_that_cannot_be_split_over_the_vocabulary_is_named_with_why
 def test_an_embedding_another_module_reads_is_named_with_its_reader():
     model = gpt2()
     model.reader = TableReader(model.transformer.wte.weight)
-    plan = ShardPlan.build(model, [GPT2Policy], 2)
-    assert plan.replicated_warning().splitlines()[1] == (
+    plan = plan_for(model, [GPT2Policy], 2)
+    assert replicated_warning(plan).splitlines()[1] == (
         "    transformer.wte (Embedding, 5.7 KiB) is replicated: reader (TableReader) reads its tensors too"
     )
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_nothing_is_said_when_the_vocabulary_is_split_or_there_is_one_rank(caplog, world_size):
-    plan = ShardPlan.build(gpt2(), [GPT2Policy], world_size, vocab_parallel=world_size == 2)
-    plan.log()
-    assert plan.replicated_warning() is None
+    plan = plan_for(gpt2(), [GPT2Policy], world_size, vocab_parallel=world_size == 2)
+    log_plan(plan)
+    assert replicated_warning(plan) is None
     assert not [record for record in caplog.records if record.levelno >= logging.WARNING]
 
 
@@ -305,7 +305,7 @@ def test_a_layer_reached_through_several_paths_is_split_once():
     model = randomize(AlbertModel(config))
     shared = model.encoder.albert_layer_groups[0].albert_layers[0]
     model.encoder.albert_layer_groups[0].albert_layers.append(shared)  # a second path to the same layer
-    shards = [ShardPlan.build(model, [AlbertLayerPolicy], 2).apply(copy.deepcopy(model), r) for r in range(2)]
+    shards = [apply_plan(plan_for(model, [AlbertLayerPolicy], 2), copy.deepcopy(model), r) for r in range(2)]
     for shard in shards:
         layer = shard.encoder.albert_layer_groups[0].albert_layers[0]
         assert layer.attention.query.weight.shape == (8, 16) and layer.ffn.weight.shape == (16, 16)
@@ -317,9 +317,7 @@ def test_each_layer_reads_the_config_of_its_own_sub_model():
     layer_name = "encoder.layer.1"
     assert config_of(model, layer_name) is model.config
     assert config_of(model, "") is model.config
-    assert isinstance(
-        ShardPlan.build(model, [BertPolicy], 2).splits["encoder.layer.1.attention.self.query.weight"], Split
-    )
+    assert isinstance(plan_for(model, [BertPolicy], 2).splits["encoder.layer.1.attention.self.query.weight"], Split)
 
 
 def test_a_per_head_parameter_left_whole_while_heads_are_cut_is_refused():
@@ -343,7 +341,7 @@ def test_a_per_head_parameter_left_whole_while_heads_are_cut_is_refused():
                           num_key_value_heads=2, intermediate_size=64, use_qk_norm=True)  # fmt: skip
     model = CohereForCausalLM(config).eval()
     with pytest.raises(ShardingError, match=r"self_attn.q_norm.weight.*per-head parameter of shape \(4, 8\)"):
-        ShardPlan.build(model, [ForgetsTheNorms], 2)
+        plan_for(model, [ForgetsTheNorms], 2)
     plan = TensorReplacer(model, None, False, 2, rank=0).split_plan()  # its tp plan, with the norms following the heads
     assert plan.shard_shape("model.layers.0.self_attn.q_norm.weight") == (2, 8)
 
@@ -405,7 +403,7 @@ def test_blocks_of_one_class_are_each_cut_by_their_own_heads_and_their_pieces_su
     with torch.no_grad():
         for param in model.parameters():
             param.copy_(torch.randn(param.shape, generator=generator))
-    plan = ShardPlan.build(model, [StagePolicy], world)
+    plan = plan_for(model, [StagePolicy], world)
     for index, (width, heads) in enumerate(sizes):
         block, name = model.blocks[index], f"blocks.{index}"
         x = torch.randn(3, width, generator=generator)

@@ -33,9 +33,9 @@ from transformers.models.olmo2.modeling_olmo2 import Olmo2DecoderLayer
 from transformers.models.phi3.modeling_phi3 import Phi3DecoderLayer
 
 from tpcore import Layer, Policy, divide
-from tpcore.parallel.layers import VocabParallelEmbedding, column_split_norm_class
-from tpcore.plan.shard_plan import ShardPlan
 from tpcore.load.skeleton import named_tensors
+from tpcore.parallel.layers import VocabParallelEmbedding, column_split_norm_class
+from tpcore.plan import apply_plan, plan_for
 
 VOCAB = 61  # odd: the vocabulary is padded over any world size
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
@@ -212,8 +212,8 @@ def test_the_plan_splits_the_layout_and_every_rank_gives_the_whole_models_logits
     ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(world_size))
     with torch.no_grad():
         expected = model(ids).logits
-    plan = ShardPlan.build(model, policies, world_size)
-    shards = [plan.apply(copy.deepcopy(model), rank) for rank in range(world_size)]
+    plan = plan_for(model, policies, world_size)
+    shards = [apply_plan(plan, copy.deepcopy(model), rank) for rank in range(world_size)]
     whole_bytes = sum(t.numel() for t in named_tensors(model).values())
     assert all(sum(t.numel() for t in named_tensors(s).values()) < whole_bytes for s in shards)
     if case == "gemma-scaled-embedding":

@@ -14,8 +14,14 @@ from transformers import BertConfig, BertModel, FNetConfig, FNetModel
 import tpcore
 from tpcore import AutoPolicy, Policy, UnsupportedModelError
 from tpcore.select import plugins as tp_plugins
+from tpcore.select.plugins import (
+    PluginLoadWarning,
+    get_plugin_manager,
+    plugin_infos,
+    registered_policies,
+    reset_plugins,
+)
 from tpcore.tools.cli import main
-from tpcore.select.plugins import PluginLoadWarning, get_plugin_manager, plugin_infos, registered_policies, reset_plugins
 
 # Policies tp-bert has registered since its first release (it may add more).
 BERT_POLICIES = [

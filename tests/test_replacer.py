@@ -18,8 +18,8 @@ from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 from transformers.pytorch_utils import Conv1D
 
 from tpcore import Layer, Policy, ShardingError, TensorReplacer, divide
+from tpcore.compat.parallelformers import shard
 from tpcore.parallel.layers import RowParallelConv1D, RowParallelLinear
-from tpcore.cut.split import shard
 
 HEADS, HEAD_DIM, INTERMEDIATE = 12, 2, 48  # 12 heads and 48 MLP features divide over 1, 2, 3, 4 ranks
 HIDDEN = HEADS * HEAD_DIM

@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tpcore import Layer, ShardingError
-from tpcore.cut.split import COLUMN, ROW, Split, TensorSlicer, check_divisible, shard, shard_ranges, split_dims
+from tpcore.compat.parallelformers import COLUMN, ROW, TensorSlicer, check_divisible, shard, shard_ranges, split_dims
+from tpcore.cut.split import Split
 
 FAST = settings(max_examples=40, deadline=None)
 

@@ -9,11 +9,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tpcore
-from tpcore.select.auto import AutoPolicy
 from tpcore.parallel.layers import ColumnSplitRMSNorm
+from tpcore.plan import class_for
+from tpcore.select.auto import AutoPolicy
 from tpcore.select.plugins import reset_plugins
-from tpcore.testing.samples import small_config
 from tpcore.testing import ModelSpec, check_equivalence
+from tpcore.testing.samples import small_config
 
 SIZES = dict(
     vocab_size=64,
@@ -131,7 +132,8 @@ def test_gathered_outputs_are_split_by_their_parts_without_a_gather():
     assert phi3.shard_shape("model.layers.0.mlp.gate_up_proj.weight", 1)[0] == 2 * 21  # 64 = 22 + 21 + 21 per half
     olmo2 = spec_for(*DERIVED["OLMo2"]).build()
     plan = tpcore.TensorReplacer(olmo2, None, False, 4, rank=0).split_plan()
-    assert issubclass(plan.classes["model.layers.0.self_attn.q_norm"], ColumnSplitRMSNorm)
+    q_norm = "model.layers.0.self_attn.q_norm"
+    assert issubclass(class_for(olmo2.get_submodule(q_norm), plan.replacements[q_norm]), ColumnSplitRMSNorm)
     assert plan.shard_shape("model.layers.0.self_attn.k_norm.weight", 3) == (width,)
     with pytest.raises(tpcore.ShardingError, match=r"over 3 ranks its 2 key/value heads would be held by unequally"):
         tpcore.TensorReplacer(olmo2, None, False, 3, rank=0).validate()

@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 
 import tpcore
 from tpcore import PerRank, ShardingError
-from tpcore.tools.cli import plan_json
-from tpcore.plan.shard_plan import ShardPlan
+from tpcore.plan import ShardPlan, apply_plan, report
 from tpcore.testing import compare_outputs, padded_batch
+from tpcore.tools.cli import plan_json
 
 
 def family_config(family: str, heads: int, kv_heads: int, head_dim: int, intermediate: int):
@@ -109,13 +109,11 @@ def test_a_nine_head_model_over_two_ranks_keeps_each_kv_head_with_its_query_head
     assert [plan.shard_shape("model.layers.0.self_attn.k_proj.weight", r) for r in (0, 1)] == [(8, 36), (4, 36)]
     assert [plan.shard_shape("model.layers.0.self_attn.o_proj.weight", r) for r in (0, 1)] == [(36, 24), (36, 12)]
     assert [plan.shard_shape("model.layers.0.mlp.up_proj.weight", r) for r in (0, 1)] == [(15, 36), (15, 36)]
-    report = plan.report()
-    assert "LlamaForCausalLM over 2 ranks, shares by rank:" in report
-    assert "(36, 36) -> (24, 36) | (12, 36) x2" in report
+    text = report(plan)
+    assert "LlamaForCausalLM over 2 ranks, shares by rank:" in text
+    assert "(36, 36) -> (24, 36) | (12, 36) x2" in text
     per_rank = [plan.bytes_per_rank(rank) for rank in (0, 1)]
-    assert (
-        per_rank[0] > per_rank[1] and f"per rank {per_rank[0] / 1024:.1f} KiB | {per_rank[1] / 1024:.1f} KiB" in report
-    )
+    assert per_rank[0] > per_rank[1] and f"per rank {per_rank[0] / 1024:.1f} KiB | {per_rank[1] / 1024:.1f} KiB" in text
     as_json = plan_json(plan)
     assert as_json["bytes_per_rank"] == per_rank
     assert as_json["tensors"]["model.layers.0.self_attn.q_proj.weight"]["per_rank"] == [[24, 36], [12, 36]]
@@ -125,11 +123,11 @@ def test_per_rank_attributes_are_reported_and_each_rank_gets_its_own():
     plan = plan_of("GPT2", 2, 5)
     assert plan.attributes["transformer.h.0.attn.num_heads"] == PerRank((3, 2))
     assert plan.attributes["transformer.h.0.attn.split_size"] == PerRank((12, 8))
-    assert "transformer.h.*.attn.num_heads" in plan.report() and "3 | 2 x2" in plan.report()
+    assert "transformer.h.*.attn.num_heads" in report(plan) and "3 | 2 x2" in report(plan)
     assert plan_json(plan)["attributes_per_rank"]["transformer.h.1.attn.embed_dim"] == [12, 8]
     model_class, config = family_config("GPT2", 5, 5, 4, 30)
     with torch.device("meta"):
-        shards = [plan.apply(model_class(config), rank) for rank in (0, 1)]
+        shards = [apply_plan(plan, model_class(config), rank) for rank in (0, 1)]
     assert [s.transformer.h[0].attn.num_heads for s in shards] == [3, 2]
     assert [s.transformer.h[0].attn.c_attn.weight.shape[1] for s in shards] == [36, 24]
 

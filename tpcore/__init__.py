@@ -1,32 +1,154 @@
-"""tpcore: tensor-parallel inference for Hugging Face transformers models, on GPUs or CPU ranks."""
+"""tpcore: tensor-parallel inference for Hugging Face transformers models, on GPUs or CPU ranks.
 
-from tpcore import log  # noqa: F401  (first: the tpcore logger's level, TPCORE_LOG_LEVEL, and its stderr fallback)
-from tpcore.select.auto import AutoPolicy, UnsupportedModelError
-from tpcore.engine import ParallelEngine
-from tpcore.authoring.hookspecs import hookimpl
-from tpcore.parallelize import parallelize
-from tpcore.select.plugins import PluginConflictError, PluginLoadWarning
-from tpcore.authoring.policy import Layer, PerRank, Policy, ShardingError, divide, share
-from tpcore.ranks.process import WorkerDiedError, WorkerError
-from tpcore.compat import TensorReplacer
+The one line, ``tpcore.parallelize(model, num_gpus=N)``, and its SPMD counterpart
+:class:`ParallelEngine`; and everything a policy author writes with (:class:`Policy`, :class:`Layer`
+and its :class:`Style`, per-rank counts, the shared block shapes, the parallel layers a policy may
+name, :data:`hookimpl`, the errors), so that a plugin imports only ``from tpcore import ...``.
+
+Every name is imported on first use (PEP 562), so ``import tpcore`` and ``tpcore --version`` cost
+no torch import.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from tpcore import log  # noqa: F401  (the tpcore logger's level, TPCORE_LOG_LEVEL, and its stderr fallback)
+from tpcore.compat import moved
+
+__version__ = "0.1.0"
+
+#: each public name, by the module that defines it
+_EXPORTS = {
+    "COLUMN": "tpcore.authoring",
+    "NORM": "tpcore.authoring",
+    "PER_HEAD": "tpcore.authoring",
+    "ROW": "tpcore.authoring",
+    "IfHeld": "tpcore.authoring",
+    "Layer": "tpcore.authoring",
+    "PerRank": "tpcore.authoring",
+    "Policy": "tpcore.authoring",
+    "Style": "tpcore.authoring",
+    "divide": "tpcore.authoring",
+    "hookimpl": "tpcore.authoring",
+    "local_config": "tpcore.authoring",
+    "share": "tpcore.authoring",
+    "Attention": "tpcore.authoring.blocks",
+    "BlockPolicy": "tpcore.authoring.blocks",
+    "keeping_local_attributes": "tpcore.authoring.blocks",
+    "linear": "tpcore.authoring.blocks",
+    "subclassing": "tpcore.authoring.blocks",
+    "ParallelEngine": "tpcore.engine",
+    "PluginConflictError": "tpcore.errors",
+    "PluginLoadWarning": "tpcore.errors",
+    "ShardingError": "tpcore.errors",
+    "UnsupportedModelError": "tpcore.errors",
+    "WorkerDiedError": "tpcore.errors",
+    "WorkerError": "tpcore.errors",
+    "all_gather": "tpcore.parallel.comm",
+    "all_reduce": "tpcore.parallel.comm",
+    "ColumnSplitRMSNorm": "tpcore.parallel.layers",
+    "RowParallelLinear": "tpcore.parallel.layers",
+    "column_split_norm_class": "tpcore.parallel.layers",
+    "reduce_partial_sums": "tpcore.parallel.layers",
+    "local_width_class": "tpcore.parallel.reshapes",
+    "parallelize": "tpcore.parallelize",
+    "AutoPolicy": "tpcore.select",
+    "experts_arguments": "tpcore.select.tp_plan",
+    "TensorReplacer": "tpcore.compat.parallelformers",
+}
 
 __all__ = [
+    "Attention",
     "AutoPolicy",
+    "BlockPolicy",
+    "COLUMN",
+    "ColumnSplitRMSNorm",
+    "IfHeld",
     "Layer",
-    "PerRank",
+    "NORM",
+    "PER_HEAD",
     "ParallelEngine",
+    "PerRank",
     "PluginConflictError",
     "PluginLoadWarning",
     "Policy",
+    "ROW",
+    "RowParallelLinear",
     "ShardingError",
+    "Style",
     "TensorReplacer",
     "UnsupportedModelError",
     "WorkerDiedError",
     "WorkerError",
+    "all_gather",
+    "all_reduce",
+    "column_split_norm_class",
     "divide",
+    "experts_arguments",
     "hookimpl",
+    "keeping_local_attributes",
+    "linear",
+    "local_config",
+    "local_width_class",
     "parallelize",
+    "reduce_partial_sums",
     "share",
-]
+    "subclassing",
+]  # the names of _EXPORTS (tests/test_architecture.py)
 
-__version__ = "0.1.0"
+moved.install()
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tpcore' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+if TYPE_CHECKING:
+    from tpcore.authoring import (
+        COLUMN,
+        NORM,
+        PER_HEAD,
+        ROW,
+        IfHeld,
+        Layer,
+        PerRank,
+        Policy,
+        Style,
+        divide,
+        hookimpl,
+        local_config,
+        share,
+    )
+    from tpcore.authoring.blocks import Attention, BlockPolicy, keeping_local_attributes, linear, subclassing
+    from tpcore.compat.parallelformers import TensorReplacer
+    from tpcore.engine import ParallelEngine
+    from tpcore.errors import (
+        PluginConflictError,
+        PluginLoadWarning,
+        ShardingError,
+        UnsupportedModelError,
+        WorkerDiedError,
+        WorkerError,
+    )
+    from tpcore.parallel.comm import all_gather, all_reduce
+    from tpcore.parallel.layers import (
+        ColumnSplitRMSNorm,
+        RowParallelLinear,
+        column_split_norm_class,
+        reduce_partial_sums,
+    )
+    from tpcore.parallel.reshapes import local_width_class
+    from tpcore.parallelize import parallelize
+    from tpcore.select import AutoPolicy
+    from tpcore.select.tp_plan import experts_arguments

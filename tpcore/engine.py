@@ -8,14 +8,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tpcore.parallel import shm
 from tpcore.load.checkpoint import Checkpoint, is_checkpoint_path
-from tpcore.parallel.comm import group_rank
-from tpcore.ranks.distributed import bind_device, check_placement, default_backend, device_for, tensor_parallel_group
 from tpcore.load.precision import cast_model, resolve_dtype
-from tpcore.progress import LoadBar
-from tpcore.compat import TensorReplacer
 from tpcore.load.skeleton import empty_model
+from tpcore.parallel import shm
+from tpcore.parallel.comm import group_rank
+from tpcore.plan import apply_plan, log_plan, plan_for
+from tpcore.progress import LoadBar
+from tpcore.ranks.distributed import bind_device, check_placement, default_backend, device_for, tensor_parallel_group
+from tpcore.select import choose_policies
 
 __all__ = ["ParallelEngine"]
 
@@ -116,7 +117,8 @@ class ParallelEngine:
         else:
             checkpoint = None
         # Fail on bad input (and, from a checkpoint, on missing weights) before joining any process group.
-        plan = self._replacer(model, None, fp16, rank=0).split_plan()
+        policies = choose_policies(model, self.custom_policies)
+        plan = plan_for(model, policies, self.world_size, vocab_parallel=self.vocab_parallel)
         if checkpoint is not None:
             reads = checkpoint.reads(model, plan.splits)
         device = self.device
@@ -126,9 +128,9 @@ class ParallelEngine:
             shm.attach(group)  # gloo ranks of one host: shared-memory collectives
         rank = group_rank(group)
         if rank == 0:
-            plan.log()
+            log_plan(plan)
         model.eval().requires_grad_(False)
-        plan.apply(model, rank, group, gather_logits=self.gather_logits)
+        apply_plan(plan, model, rank, group, gather_logits=self.gather_logits)
         if checkpoint is not None:
             self._load(checkpoint, model, reads, plan, rank, device, dtype)
         if dtype is not None:
@@ -144,15 +146,3 @@ class ParallelEngine:
         with LoadBar(total, f"tpcore: rank 0 of {self.world_size} loading") as bar:
             checkpoint.load_into(model, reads, rank, self.world_size, device, dtype, progress=bar.add)
             bar.done(f"tpcore: rank 0 of {self.world_size} loaded")
-
-    def _replacer(self, model: nn.Module, group, fp16: bool, rank: int | None = None) -> TensorReplacer:
-        return TensorReplacer(
-            model,
-            group,
-            fp16,
-            self.world_size,
-            self.custom_policies,
-            rank=rank,
-            vocab_parallel=self.vocab_parallel,
-            gather_logits=self.gather_logits,
-        )

@@ -23,7 +23,9 @@ from typing import Any, ClassVar, NamedTuple
 
 from torch import nn
 
-from tpcore.authoring.policy import IfHeld, Layer, Policy, share
+from tpcore.authoring.counts import share
+from tpcore.authoring.layer import Layer
+from tpcore.authoring.policy import IfHeld, Policy
 from tpcore.parallel.reshapes import local_width_class
 
 __all__ = ["Attention", "BlockPolicy", "keeping_local_attributes", "linear", "subclassing"]
@@ -53,7 +55,7 @@ class Attention(NamedTuple):
 def linear(path: str, *, optional: bool = False, **layout) -> Layer:
     """The :class:`~tpcore.Layer` of the ``nn.Linear`` at ``path``: its weight and bias (a Linear
     without bias is fine)."""
-    return Layer(weight=f"{path}.weight", bias=f"{path}.bias", ignore_checker=optional, **layout)
+    return Layer(weight=f"{path}.weight", bias=f"{path}.bias", optional=optional, **layout)
 
 
 class BlockPolicy(Policy):

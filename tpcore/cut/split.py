@@ -1,4 +1,4 @@
-"""TensorSlicer: pure functions from a whole tensor to one rank's shard. No I/O, no env, no state.
+"""``Split``: pure functions from a whole tensor to one rank's shard. No I/O, no env, no state.
 
 A :class:`Split` says how one dimension of size ``S`` is cut over ``N`` ranks. It sees the dimension
 as consecutive *segments*, each made of equal *units* (heads, or single features), and rank ``r``
@@ -47,16 +47,15 @@ tokens), so it is ``pad``-ded instead: every rank holds ``ceil(V / N)`` rows, ra
 from __future__ import annotations
 
 import collections
-import dataclasses
 import math
 from typing import NamedTuple
 
 import torch
 
-from tpcore.authoring.policy import COLUMN, ROW, Layer, ShardingError
 from tpcore.cut.shares import runs
+from tpcore.errors import ShardingError
 
-__all__ = ["COLUMN", "ROW", "Split", "TensorSlicer", "check_divisible", "shard", "shard_ranges", "split_dims"]
+__all__ = ["Split"]
 
 
 class Split(NamedTuple):
@@ -236,70 +235,3 @@ class Split(NamedTuple):
 def _runs(units: int, world_size: int, groups: int | None) -> tuple[tuple[int, int], ...]:
     """:func:`tpcore.shares.runs`, with an empty dimension giving every rank nothing."""
     return runs(units, world_size, groups) if units else ((0, 0),) * world_size
-
-
-def check_divisible(size: int, world_size: int, n_fused: int = 1, heads: int | None = None) -> None:
-    """Raise :class:`ShardingError` unless ``size`` splits into ``n_fused * world_size`` equal pieces
-    (or, for a tensor of ``heads`` heads, into ``n_fused * heads`` and the heads evenly over the ranks)."""
-    split = Split(0, n_fused, heads)
-    split.check(size, world_size)
-    if not split.even(size, world_size):
-        units = f"{heads} heads" if heads else f"{size // n_fused} features"
-        raise ShardingError(f"size {size}: {units} cannot be split evenly over {world_size} ranks")
-
-
-def shard_ranges(
-    size: int, rank: int, world_size: int, n_fused: int = 1, heads: int | None = None, pad: bool = False
-) -> tuple[list[tuple[int, int]], int]:
-    """:meth:`Split.ranges` of ``Split(0, n_fused, heads, pad)``."""
-    return Split(0, n_fused, heads, pad).ranges(size, rank, world_size)
-
-
-def shard(
-    tensor: torch.Tensor,
-    dim: int,
-    rank: int,
-    world_size: int,
-    n_fused: int = 1,
-    heads: int | None = None,
-    pad: bool = False,
-) -> torch.Tensor:
-    """:meth:`Split.shard` of ``Split(dim, n_fused, heads, pad)``."""
-    return Split(dim, n_fused, heads, pad).shard(tensor, rank, world_size)
-
-
-def split_dims(style: str, layer: Layer) -> tuple[int, int | None]:
-    """Split dimensions ``(weight_dim, bias_dim)`` of ``layer`` in a ``style`` group: :meth:`Layer.dims`."""
-    return layer.dims(style)
-
-
-class TensorSlicer:
-    """Slices the tensors of a :class:`Layer` for one rank of a ``world_size`` group."""
-
-    def __init__(self, rank: int, world_size: int) -> None:
-        if not (isinstance(rank, int) and isinstance(world_size, int) and 0 <= rank < world_size):
-            raise ValueError(f"rank {rank} is outside a world of {world_size}")
-        self.rank = rank
-        self.world_size = world_size
-
-    def column_slice(
-        self, layer: Layer, weight: torch.Tensor, bias: torch.Tensor | None, heads: int | None = None, config=None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Shard ``weight`` and ``bias`` along the output features (``heads`` overrides ``layer.heads``;
-        ``config`` resolves the head counts ``layer`` names)."""
-        return self._slice(COLUMN, layer, weight, bias, heads, config)
-
-    def row_slice(
-        self, layer: Layer, weight: torch.Tensor, bias: torch.Tensor | None, heads: int | None = None, config=None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Shard ``weight`` along the input features; ``bias`` stays whole (added once after the reduce)."""
-        return self._slice(ROW, layer, weight, bias, heads, config)
-
-    def _slice(self, style, layer, weight, bias, heads, config):
-        if heads is not None:
-            layer = dataclasses.replace(layer, heads=heads)
-        weight_split, bias_split = layer.splits(style, config)
-        weight = weight_split.shard(weight, self.rank, self.world_size)
-        if bias is not None and bias_split is not None:
-            bias = bias_split.shard(bias, self.rank, self.world_size)
-        return weight, bias

@@ -30,10 +30,10 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from tpcore.cut.split import Split
 from tpcore.load.conversion import Sources, TargetShapes, combined_shape, model_sources
 from tpcore.load.safetensors_file import SafetensorsFile
 from tpcore.load.skeleton import install_tensors, named_tensors
-from tpcore.cut.split import Split
 
 __all__ = ["Checkpoint", "Read", "is_checkpoint_path"]
 

@@ -39,8 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tpcore.errors import ShardingError
 from tpcore.parallel.comm import all_gather, all_reduce, group_rank, group_size
-from tpcore.authoring.policy import ShardingError
 
 __all__ = [
     "ColumnSplitRMSNorm",

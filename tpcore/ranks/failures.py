@@ -9,29 +9,10 @@ from __future__ import annotations
 
 import traceback
 
+from tpcore.errors import WorkerDiedError, WorkerError
 from tpcore.ranks.wire import picklable
 
 __all__ = ["WorkerDiedError", "WorkerError", "describe", "reraise"]
-
-
-class WorkerError(RuntimeError):
-    """A rank raised. ``exception`` is the original exception when it could be sent back."""
-
-    def __init__(self, rank: int, type_name: str, message: str, remote_traceback: str, exception=None):
-        super().__init__(
-            f"rank {rank} raised {type_name}: {message}\n\n--- rank {rank} traceback ---\n{remote_traceback}"
-        )
-        self.rank = rank
-        self.type_name = type_name
-        self.remote_message = message
-        self.remote_traceback = remote_traceback
-        self.exception = exception
-        #: every rank answered, so the pool is still usable
-        self.pool_consistent = False
-
-
-class WorkerDiedError(RuntimeError):
-    """A rank's process ended without answering, or the pool is closed."""
 
 
 def reraise(error: WorkerError):

@@ -11,16 +11,26 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
+from tpcore.authoring import Policy
 from tpcore.configs import owning_sub_model, sub_models
-from tpcore.select.plugins import DISABLE_AUTOLOAD_ENV, PolicyEntry, autoload_disabled, plugin_infos, registered_policies
-from tpcore.authoring.policy import Policy
+from tpcore.errors import UnsupportedModelError
+from tpcore.select.plugins import (
+    DISABLE_AUTOLOAD_ENV,
+    PolicyEntry,
+    autoload_disabled,
+    plugin_infos,
+    registered_policies,
+)
 from tpcore.select.tp_plan import TpPlanError, derive_policies, sub_model_plans
 
 __all__ = [
     "AutoPolicy",
+    "as_policy_list",
+    "choose_policies",
     "SubModelCoverage",
     "UnsupportedModelError",
     "describe_policies",
@@ -32,10 +42,6 @@ __all__ = [
 TP_PLAN_ORIGIN = "config tp plan"
 
 logger = logging.getLogger("tpcore.auto")
-
-
-class UnsupportedModelError(LookupError):
-    """No installed policy covers any layer of a model."""
 
 
 class AutoPolicy:
@@ -67,6 +73,23 @@ class AutoPolicy:
     def available(self) -> list[PolicyEntry]:
         """Every registered policy."""
         return registered_policies()
+
+
+def as_policy_list(policies: Any) -> list[type[Policy]]:
+    """``custom_policies`` as a list: ``None`` (empty), one Policy class, or a list or tuple of them."""
+    if policies is None:
+        return []
+    if isinstance(policies, type):
+        return [policies]
+    if isinstance(policies, (list, tuple)):
+        return list(policies)
+    raise TypeError(f"custom_policies must be a Policy subclass or a list of them, got {policies!r}")
+
+
+def choose_policies(model: nn.Module, custom_policies: Any = None) -> list[type[Policy]]:
+    """The policies that split ``model``: ``custom_policies`` when given (a class or a list), else what
+    :class:`AutoPolicy` finds (raises :class:`~tpcore.UnsupportedModelError` when nothing covers it)."""
+    return as_policy_list(custom_policies) or AutoPolicy().get_policy(model)
 
 
 def policy_origin(policy: type[Policy]) -> str:

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 
 import pluggy
 
-from tpcore.authoring import hookspecs
-from tpcore.authoring.policy import Policy
+from tpcore.authoring import Policy, hookspecs
+from tpcore.errors import PluginConflictError, PluginLoadWarning
 
 __all__ = [
     "PluginConflictError",
@@ -41,10 +41,6 @@ __all__ = [
 
 DISABLE_AUTOLOAD_ENV = "TPCORE_DISABLE_PLUGIN_AUTOLOAD"
 ONLY_PLUGINS_ENV = "TPCORE_PLUGINS"
-
-
-class PluginLoadWarning(UserWarning):
-    """An installed plugin could not be loaded; the others were."""
 
 
 @dataclass
@@ -90,10 +86,6 @@ def autoload_disabled() -> bool:
 def _canonical(name: str) -> str:
     """Distribution names compare as packaging does: case, ``_`` and ``.`` do not matter."""
     return re.sub(r"[-_.]+", "-", name.strip()).lower()
-
-
-class PluginConflictError(RuntimeError):
-    """A plugin registers a policy whose name or layer class another loaded plugin already claims."""
 
 
 def _check_conflicts(policies: list[type[Policy]], info: PluginInfo, owners: dict) -> None:

@@ -57,10 +57,11 @@ from typing import Any
 
 from torch import nn
 
+from tpcore.authoring import IfHeld, Layer, Policy, local_config, share
 from tpcore.configs import config_of, module_configs, sub_models
-from tpcore.parallel.layers import column_split_norm_class
-from tpcore.authoring.policy import IfHeld, Layer, Policy, ShardingError, local_config, share
 from tpcore.cut.shares import PerRank, runs
+from tpcore.errors import ShardingError
+from tpcore.parallel.layers import column_split_norm_class
 
 __all__ = ["SubModelPlan", "TpPlanError", "derive_policies", "experts_arguments", "sub_model_plans"]
 

@@ -15,8 +15,8 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from tpcore.testing.samples import sample_inputs, small_config
 from tpcore.testing import EquivalenceError, ModelSpec, PoolCache, SavedModelSpec, check_equivalence
+from tpcore.testing.samples import sample_inputs, small_config
 
 
 def resolve(model: str, world_sizes: Sequence[int] = (2,)) -> Any:
@@ -38,11 +38,10 @@ def resolve(model: str, world_sizes: Sequence[int] = (2,)) -> Any:
 def _policy_origins(model, policies: list | None) -> dict:
     """``{policy: where it comes from}``: ``policies`` as given, else what AutoPolicy chooses for ``model``
     (the plugins', then those derived from its tp plan; raises ``UnsupportedModelError``)."""
-    from tpcore.select.auto import AutoPolicy, policy_origin
+    from tpcore.select import choose_policies, policy_origin
 
-    if policies:
-        return dict.fromkeys(policies, "custom_policies")
-    return {policy: policy_origin(policy) for policy in AutoPolicy().get_policy(model)}
+    chosen = choose_policies(model, policies)
+    return {policy: "custom_policies" if policies else policy_origin(policy) for policy in chosen}
 
 
 def run_check(
@@ -53,9 +52,8 @@ def run_check(
 
     ``policies`` replaces the installed ones (``custom_policies``); ``pools`` are rank pools to
     reuse (a fresh :class:`PoolCache`, closed at the end, by default)."""
-    from tpcore.select.auto import UnsupportedModelError
-    from tpcore.authoring.policy import ShardingError
-    from tpcore.compat import TensorReplacer
+    from tpcore.errors import ShardingError, UnsupportedModelError
+    from tpcore.plan import plan_for
 
     spec = resolve(model, world_sizes)
     built = spec.build()
@@ -81,7 +79,7 @@ def run_check(
     try:
         for world_size in world_sizes:
             try:
-                TensorReplacer(built, None, False, world_size, policies, rank=0).validate()  # before any rank starts
+                plan_for(built, list(origins), world_size)  # before any rank starts
             except ShardingError as error:
                 failed = True
                 print(f"  {world_size} ranks: REFUSED {error}")

@@ -49,16 +49,16 @@ def _applying(args: argparse.Namespace) -> int:
     a composite model which sub-models they split and which stay whole (and why), and the split over
     ``--world-size`` ranks with the backend and devices ``parallelize(num_gpus=N)`` would use here: every
     tensor's cut, bytes per rank against the whole, and what stays whole when much does."""
-    from tpcore.select.auto import AutoPolicy, UnsupportedModelError, policy_origin, sub_model_coverage
-    from tpcore.tools.check import resolve
+    from tpcore.errors import ShardingError, UnsupportedModelError
+    from tpcore.plan import plan_for, replicated_warning, report
     from tpcore.ranks.distributed import default_backend, device_for
-    from tpcore.plan.shard_plan import ShardPlan
-    from tpcore.authoring.policy import ShardingError
     from tpcore.ranks.process import ranks_text
+    from tpcore.select import choose_policies, policy_origin, sub_model_coverage
+    from tpcore.tools.check import resolve
 
     model = resolve(args.model).build()
     try:
-        policies = AutoPolicy().get_policy(model)
+        policies = choose_policies(model)
     except UnsupportedModelError as error:
         print(error)
         return 2
@@ -78,7 +78,7 @@ def _applying(args: argparse.Namespace) -> int:
         for part in parts
     ]
     try:
-        plan = ShardPlan.build(model, policies, args.world_size)
+        plan = plan_for(model, policies, args.world_size)
     except ShardingError as error:
         plan, problem = None, str(error)
     if args.json:
@@ -106,8 +106,8 @@ def _applying(args: argparse.Namespace) -> int:
     if plan is None:
         print(problem)
         return 2
-    print(plan.report())
-    warning = plan.replicated_warning()
+    print(report(plan))
+    warning = replicated_warning(plan)
     if warning is not None:
         print(warning)
     return 0
@@ -117,8 +117,8 @@ def plan_json(plan) -> dict:
     """A plan as JSON: every tensor's whole shape, each rank's shape and how it is cut (and why a replicated one
     stays whole), the attributes whose values differ by rank (a list, one per rank), each rank's bytes, the
     whole model's and those replicated on every rank."""
-    from tpcore.plan.shard_plan import describe
     from tpcore.cut.shares import PerRank
+    from tpcore.plan import describe
 
     ranks = range(plan.world_size)
     tensors = {

@@ -25,9 +25,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tpcore
-from tpcore.tools.check import run_check
-from tpcore.testing.samples import forward_parameters, sample_inputs
 from tpcore.testing import HALF_PRECISION_RTOL, ModelSpec, SavedModelSpec, check_equivalence, sample_batches, seeds
+from tpcore.testing.samples import forward_parameters, sample_inputs
+from tpcore.tools.check import run_check
 
 ENCODER_HEADS, DECODER_HEADS, HEAD_DIM = 6, 4, 8
 VOCAB = 1024

@@ -23,7 +23,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tpcore
-from tpcore.tools.check import run_check
 from tpcore.testing import (
     HALF_PRECISION_RTOL,
     ModelSpec,
@@ -33,6 +32,7 @@ from tpcore.testing import (
     seeds,
     split_sizes,
 )
+from tpcore.tools.check import run_check
 
 VOCAB = 64
 BOS, PAD, EOS = 0, 1, 2

@@ -19,7 +19,6 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import tpcore
-from tpcore.tools.check import run_check
 from tpcore.testing import (
     HALF_PRECISION_RTOL,
     ModelSpec,
@@ -31,6 +30,7 @@ from tpcore.testing import (
     split_sizes,
     with_choices,
 )
+from tpcore.tools.check import run_check
 
 
 @dataclass(frozen=True)

@@ -24,9 +24,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tpcore
-from tpcore.tools.check import run_check
-from tpcore.testing.samples import forward_parameters, sample_inputs
 from tpcore.testing import HALF_PRECISION_RTOL, ModelSpec, SavedModelSpec, check_equivalence, seeds
+from tpcore.testing.samples import forward_parameters, sample_inputs
+from tpcore.tools.check import run_check
 
 VISION_HEADS, TEXT_HEADS, HEAD_DIM = 6, 4, 8
 VOCAB, PAD, IMAGE_TOKEN = 64, 0, 63

@@ -35,8 +35,7 @@ from torch import nn
 from tp_bart.policies import DecoderBlockPolicy, EncoderBlockPolicy
 from tp_bert.policies import DebertaV2Policy
 
-from tpcore import Layer, share
-from tpcore.authoring.blocks import Attention, BlockPolicy, linear, subclassing
+from tpcore import Attention, BlockPolicy, Layer, linear, share, subclassing
 
 _MODELS = "transformers.models"
 
@@ -160,7 +159,7 @@ class WavLMEncoderLayerPolicy(SpeechEncoderLayerPolicy):
     @classmethod
     def attn_qkv(cls):
         per_head = [
-            Layer(weight="attention.rel_attn_embed.weight", dim=-1, heads=cls.heads, ignore_checker=True),
+            Layer(weight="attention.rel_attn_embed.weight", dim=-1, heads=cls.heads, optional=True),
             Layer(weight="attention.gru_rel_pos_const", dim=1, heads=cls.heads),
         ]
         return [*super().attn_qkv(), *per_head]
@@ -210,8 +209,8 @@ class Wav2Vec2ConformerEncoderLayerPolicy(BlockPolicy):
     def attn_qkv(cls):
         relative = [  # relative position embeddings only
             linear("self_attn.linear_pos", optional=True, heads=cls.heads),
-            Layer(weight="self_attn.pos_bias_u", dim=0, heads=cls.heads, ignore_checker=True),
-            Layer(weight="self_attn.pos_bias_v", dim=0, heads=cls.heads, ignore_checker=True),
+            Layer(weight="self_attn.pos_bias_u", dim=0, heads=cls.heads, optional=True),
+            Layer(weight="self_attn.pos_bias_v", dim=0, heads=cls.heads, optional=True),
         ]
         return [*super().attn_qkv(), *relative]
 

@@ -39,10 +39,7 @@ import functools
 
 from torch import nn
 
-from tpcore import Policy, share
-from tpcore.authoring.blocks import Attention, BlockPolicy, keeping_local_attributes
-from tpcore.authoring.policy import local_config
-from tpcore.parallel.reshapes import local_width_class
+from tpcore import Attention, BlockPolicy, Policy, keeping_local_attributes, local_config, local_width_class, share
 
 _MODELS = "transformers.models"
 

@@ -60,11 +60,21 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from tpcore import Layer, Policy, ShardingError, share
-from tpcore.authoring.blocks import Attention, BlockPolicy, keeping_local_attributes, subclassing
-from tpcore.parallel.comm import all_gather
-from tpcore.parallel.layers import RowParallelLinear, reduce_partial_sums
-from tpcore.authoring.policy import IfHeld, local_config
+from tpcore import (
+    Attention,
+    BlockPolicy,
+    IfHeld,
+    Layer,
+    Policy,
+    RowParallelLinear,
+    ShardingError,
+    all_gather,
+    keeping_local_attributes,
+    local_config,
+    reduce_partial_sums,
+    share,
+    subclassing,
+)
 
 _MODELS = "transformers.models"
 
@@ -83,7 +93,7 @@ def _out(prefix: str, optional: bool = False) -> list[Layer]:
 def _linear(path: str, n_fused: int = 1, optional: bool = False, **layout) -> Layer:
     """The weight and bias of the ``nn.Linear`` at ``path`` (a missing bias module attribute is ``None``);
     ``layout``: the head words of :class:`~tpcore.Layer` (``heads``, ``groups``)."""
-    return Layer(weight=f"{path}.weight", bias=f"{path}.bias", n_fused=n_fused, ignore_checker=optional, **layout)
+    return Layer(weight=f"{path}.weight", bias=f"{path}.bias", n_fused=n_fused, optional=optional, **layout)
 
 
 def _local_heads(config, world_size: int, name: str = _HEADS, groups: str | None = None):
@@ -298,7 +308,7 @@ class ConvBertPolicy(Policy):
             names = ("query", "key", "value", "conv_out_layer")
             layers += [_linear(f"{path}.{name}", **heads) for name in names]
             for name in ("key_conv_attn_layer.pointwise.weight", "key_conv_attn_layer.bias"):  # [features, ...]
-                layers.append(Layer(weight=f"{path}.{name}", dim=0, heads=_convbert_heads, ignore_checker=optional))
+                layers.append(Layer(weight=f"{path}.{name}", dim=0, heads=_convbert_heads, optional=optional))
         return layers
 
     @staticmethod
@@ -819,7 +829,7 @@ class MPNetEncoderPolicy(Policy):
 
     @staticmethod
     def attn_qkv():
-        return [Layer(weight="relative_attention_bias.weight", reversed=True, heads=_HEADS)]
+        return [Layer(weight="relative_attention_bias.weight", transposed=True, heads=_HEADS)]
 
 
 class _LlamaLayoutPolicy(Policy):

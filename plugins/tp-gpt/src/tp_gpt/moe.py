@@ -25,8 +25,7 @@ uses one MLP class for its dense layers and its shared experts.
 from __future__ import annotations
 
 from tp_gpt.policies import _GROUPED_QUERIES, _MODELS, _linear, _local_heads
-from tpcore import Layer, Policy
-from tpcore.select.tp_plan import experts_arguments
+from tpcore import Layer, Policy, experts_arguments
 
 
 class _FusedExperts(Policy):

@@ -30,8 +30,7 @@ and 3 + 1. Every attention projection names its head count (``Layer(heads=...)``
 
 from __future__ import annotations
 
-from tpcore import Layer, Policy, share
-from tpcore.parallel.layers import RowParallelLinear
+from tpcore import Layer, Policy, RowParallelLinear, share
 
 _MODELS = "transformers.models"
 
@@ -42,7 +41,7 @@ def _linear(path: str, **options) -> Layer:
 
 def _conv1d(path: str, n_fused: int = 1, **layout) -> Layer:
     """An HF ``Conv1D`` (weight stored ``(in, out)``)."""
-    return Layer(weight=f"{path}.weight", bias=f"{path}.bias", n_fused=n_fused, reversed=True, **layout)
+    return Layer(weight=f"{path}.weight", bias=f"{path}.bias", n_fused=n_fused, transposed=True, **layout)
 
 
 def _local_heads(config, world_size: int, name: str, groups: str | None = None, first: bool = False):

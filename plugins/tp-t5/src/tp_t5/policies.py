@@ -38,9 +38,7 @@ class T5AttentionPolicy(Policy):
 
     @staticmethod
     def attn_qkv():
-        bias_table = Layer(
-            weight="relative_attention_bias.weight", reversed=True, ignore_checker=True, heads="num_heads"
-        )
+        bias_table = Layer(weight="relative_attention_bias.weight", transposed=True, optional=True, heads="num_heads")
         return [
             _linear("q", heads="num_heads"),
             _linear("k", heads="num_heads"),

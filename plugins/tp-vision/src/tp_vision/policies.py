@@ -34,8 +34,7 @@ import functools
 import torch
 from torch import nn
 
-from tpcore import Layer, Policy
-from tpcore.authoring.blocks import Attention, BlockPolicy, linear
+from tpcore import Attention, BlockPolicy, Layer, Policy, linear
 
 _MODELS = "transformers.models"
 

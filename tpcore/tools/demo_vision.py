@@ -1,6 +1,6 @@
 """Demo: a CLIP model split over 2 CPU ranks (gloo), image-text similarities beside the unsplit model's.
 
-Run with ``nox -s demo_vision`` (or ``python -m tp_vision.demo`` with tpcore and tp-vision
+Run with ``nox -s demo_vision`` (or ``python -m tpcore.tools.demo_vision`` with tpcore and tp-vision
 installed). No PyPI package ships vision weights, so the model is random-init (seeded) at a small
 ViT-S/32-like size: the similarities mean nothing, but the split model must give the same ones.
 The vision tower (6 heads) and the text tower (4 heads) are split by heads, each by its own count.

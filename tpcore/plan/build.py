@@ -1,0 +1,344 @@
+"""Building a plan: every policy resolved on every layer instance and checked, before anything changes.
+
+:func:`plan_for` finds each policy's layer instances (each with the config of its own sub-model),
+resolves every tensor its :class:`~tpcore.Layer` s name, checks every cut (sizes that cut into whole
+units, row cuts that would count a replicated head twice, one tensor cut two ways), evaluates the
+per-rank attributes, adds the vocabulary cuts, checks that every attention keeps whole heads, and
+records why each tensor it does not cut stays whole. An error names the model, the world size, the
+layer and the tensor; an exception a policy's own code raises keeps its type and gains a note.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from tpcore.authoring import NORM, ROW, IfHeld, Layer, Policy
+from tpcore.configs import module_configs
+from tpcore.cut.split import Split
+from tpcore.errors import ShardingError
+from tpcore.load.skeleton import named_tensors
+from tpcore.plan.apply import class_for
+from tpcore.plan.paths import MISSING, get_path, join
+from tpcore.plan.shard_plan import Replacement, ShardPlan, Whole
+from tpcore.plan.vocabulary import vocabulary_choices
+
+__all__ = ["add_note", "plan_for", "resolve_layer"]
+
+#: attributes attention modules keep their per-head width in (BERT, GPT-2/Llama, T5, XLNet, ...)
+_HEAD_DIM_ATTRIBUTES = ("head_dim", "attention_head_size", "head_size", "key_value_proj_dim", "d_head")
+
+
+def plan_for(
+    model: nn.Module,
+    policies: list[type[Policy]],
+    world_size: int,
+    *,
+    vocab_parallel: bool = True,
+    rewrites: bool = True,
+) -> ShardPlan:
+    """Resolve and check how ``policies`` split ``model`` (real weights or meta) over ``world_size`` ranks.
+
+    ``vocab_parallel`` also splits the input and output embeddings over the vocabulary;
+    ``rewrites=False`` leaves out the policies' attribute rewrites and ``replace_modules`` (what the
+    predecessor's ``replace_orig_to_megatron_modules`` did). Raises :class:`~tpcore.ShardingError`
+    naming the model, the world size, the layer and the tensor.
+    """
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    builder = _Builder(model, ShardPlan(type(model).__name__, world_size, policies=list(policies)))
+    targets = builder.targets()
+    for target in targets:
+        builder.add_layer(target, rewrites)
+    vocabulary = vocabulary_choices(model)
+    if vocab_parallel:
+        builder.add_vocabulary(vocabulary)
+    builder.check_whole_heads()
+    builder.explain_whole(targets, vocabulary)
+    return builder.plan
+
+
+@dataclass(frozen=True)
+class Target:
+    """One layer instance of the model, the policy that applies to it and the config it reads."""
+
+    name: str
+    layer: nn.Module
+    policy: type[Policy]
+    config: Any
+
+    @property
+    def where(self) -> str:
+        return f"{self.name} ({type(self.layer).__name__}, policy {self.policy.policy_name()})"
+
+
+class _Builder:
+    """Fills one :class:`ShardPlan` from one model, step by step (:func:`plan_for`)."""
+
+    def __init__(self, model: nn.Module, plan: ShardPlan):
+        self.model, self.plan = model, plan
+        tensors = named_tensors(model)
+        plan.shapes = {name: tuple(tensor.shape) for name, tensor in tensors.items()}
+        plan.dtypes = {name: tensor.dtype for name, tensor in tensors.items()}
+        self.first_name = {id(tensor): name for name, tensor in tensors.items()}
+
+    def targets(self) -> list[Target]:
+        """Every layer instance each policy applies to, with its config (its sub-model's, or its own)."""
+        plan, targets = self.plan, []
+        configs = module_configs(self.model)
+        claimed: dict[str, type[Policy]] = {}
+        for policy in plan.policies:
+            if not (isinstance(policy, type) and issubclass(policy, Policy)):
+                raise TypeError(f"custom_policies must be Policy subclasses, got {policy!r}")
+            other = claimed.setdefault(policy.layer_class_name(), policy)
+            if other is not policy:  # two policies would split the same tensors twice
+                both = f"{other.policy_name()} and {policy.policy_name()}"
+                raise ShardingError(f"policies {both} both apply to {policy.layer_class_name()}")
+            found = []
+            for name, module in self.model.named_modules():
+                if policy.matches(module):
+                    target = Target(name, module, policy, configs[name])
+                    with self.calling(target):  # the instance's own counts, where its blocks differ
+                        found.append(dataclasses.replace(target, config=policy.layer_config(target.config, module)))
+            if not found:
+                raise ShardingError(
+                    f"policy {policy.policy_name()} applies to {policy.layer_class_name()}, "
+                    f"which {plan.model_name} does not contain"
+                )
+            targets.extend(found)
+        return targets
+
+    @contextlib.contextmanager
+    def calling(self, target: Target) -> Iterator[None]:
+        """Around a policy's own code: a ShardingError is restated for this model and layer; any other
+        exception keeps its type and gains a note naming the model, the policy and the layer."""
+        try:
+            yield
+        except ShardingError as error:
+            raise self.plan.error(target.where, str(error)) from None
+        except Exception as error:
+            add_note(
+                error, f"while splitting {self.plan.model_name} over {self.plan.world_size} ranks: layer {target.where}"
+            )
+            raise
+
+    def add_layer(self, target: Target, rewrites: bool) -> None:
+        """A layer instance's module replacements, per-rank attributes and cut tensors."""
+        policy = target.policy
+        with self.calling(target):
+            arguments = policy.replace_arguments(target.config, self.plan.world_size) if rewrites else {}
+            rules = policy.replace_modules() if rewrites else {}
+            layers = policy.layers()
+        replaced = self.add_replacements(target, rules)
+        self.add_attributes(target, arguments, replaced)
+        for spec in layers:
+            self.add_tensors(target, spec)
+
+    def add_replacements(self, target: Target, rules: dict[str, Any]) -> dict[str, type[nn.Module]]:
+        """Record a policy's ``replace_modules`` rules; the classes they give this instance, by path."""
+        classes = {}
+        for path, rule in rules.items():
+            module = get_path(target.layer, path)
+            module = module if isinstance(module, nn.Module) else None
+            if isinstance(rule, type) and module is None:
+                raise self.plan.error(target.where, f"module {path!r} to replace does not exist")
+            with self.calling(target):
+                chosen = class_for(module, rule) if module is not None or not isinstance(rule, type) else None
+            if chosen is not None:
+                classes[path] = chosen
+                self.plan.replacements[join(target.name, path)] = rule
+        return classes
+
+    def add_attributes(self, target: Target, arguments: dict[str, Any], replaced: dict[str, type[nn.Module]]) -> None:
+        """Record the per-rank attribute values (an :class:`~tpcore.IfHeld` one where its module is)."""
+        for path, value in arguments.items():
+            if isinstance(value, IfHeld):
+                if not isinstance(get_path(target.layer, value.module), nn.Module):
+                    continue  # this instance lacks the module (a block of a hybrid stack)
+                value = value.value
+            owner, _, attribute = path.rpartition(".")
+            declared = owner in replaced and hasattr(replaced[owner], attribute)  # by the class it is given
+            if get_path(target.layer, path) is MISSING and not declared:
+                raise self.plan.error(target.where, f"attribute {path!r} to rewrite does not exist")
+            self.plan.attributes[join(target.name, path)] = value
+
+    def add_tensors(self, target: Target, spec: Layer) -> None:
+        """Record the cuts of one :class:`~tpcore.Layer`'s weight and bias, checked, and what its module becomes."""
+        resolved = resolve_layer(target.layer, spec)
+        if resolved is None:
+            raise self.plan.error(
+                target.where, f"policy {target.policy.policy_name()} names {spec.weight!r} or {spec.bias!r}, "
+                "which the layer lacks"
+            )  # fmt: skip
+        if not resolved:  # optional and absent
+            return
+        with self.calling(target):
+            weight_split, bias_split = spec.splits(target.config)
+        for path, tensor, split in ((spec.weight, resolved[0], weight_split), (spec.bias, resolved[1], bias_split)):
+            if tensor is not None and split is not None:
+                self.add_cut(join(target.name, path or ""), tensor, split, spec)
+        owner_path = join(target.name, spec.module_path)
+        if owner_path not in self.plan.resized:
+            self.plan.resized.append(owner_path)
+        rule: Replacement | None = spec.replace if spec.replace is not None else None
+        if rule is None and spec.style in (ROW, NORM):
+            rule = spec.style
+        if rule is not None:
+            try:  # validated here, chosen again where the plan is applied
+                class_for(get_path(target.layer, spec.module_path), rule)
+            except ShardingError as error:
+                raise self.plan.error(owner_path, str(error)) from None
+            self.plan.replacements[owner_path] = rule
+
+    def add_cut(self, full_path: str, tensor: Any, split: Split, spec: Layer) -> None:
+        """Check and record one tensor's cut."""
+        plan = self.plan
+        if not isinstance(tensor, torch.Tensor) or not -tensor.dim() <= split.dim < tensor.dim():
+            raise plan.error(full_path, f"not a tensor with a dimension {split.dim} to split")
+        where = f"tensor {full_path!r} of shape {tuple(tensor.shape)}, split along dim {split.dim}"
+        try:
+            split.check(tensor.shape[split.dim], plan.world_size)
+        except ShardingError as error:
+            raise plan.error(where, str(error)) from None
+        if spec.style is ROW and split.replicated(tensor.shape[split.dim], plan.world_size):
+            raise plan.error(
+                where,
+                f"its {split.heads or split.parts} heads are fewer than the ranks (or than the ranks that share "
+                "a key/value head): a row-parallel sum would count a head held by two ranks twice",
+            )
+        split = split.resolved(tensor.dim())
+        name = self.first_name[id(tensor)]
+        earlier = plan.splits.setdefault(name, split)
+        if earlier != split:  # one tensor (tied) reached twice, cut two ways
+            raise plan.error(f"tensor {full_path!r}", f"is cut as {earlier} and as {split} by its policies")
+
+    def add_vocabulary(self, vocabulary: dict[str, tuple[nn.Module, str | None]]) -> None:
+        """Split the input and output embeddings over the vocabulary: those :func:`vocabulary_choices` finds
+        splittable, unless a policy cuts them already."""
+        cut_by_policies = set(self.plan.splits)
+        for path, (module, refusal) in vocabulary.items():
+            if refusal is not None or self.first_name[id(module.weight)] in cut_by_policies:
+                continue
+            for tensor in (module.weight, getattr(module, "bias", None)):
+                if tensor is not None:
+                    self.plan.splits.setdefault(self.first_name[id(tensor)], Split(0, pad=True))
+            self.plan.vocab[path] = int(module.weight.shape[0])  # type: ignore[index]
+
+    def explain_whole(self, targets: list[Target], vocabulary: dict[str, tuple[nn.Module, str | None]]) -> None:
+        """Record why each tensor the plan does not cut stays whole: an embedding's own reason (or
+        ``vocab_parallel=False``), a policy's layer that does not cut it, or no policy's layer around it."""
+        plan = self.plan
+        by_layer = {target.name: target.policy for target in targets}
+        layer_classes = ", ".join(dict.fromkeys(type(target.layer).__name__ for target in targets)) or "none"
+        for path, module in self.model.named_modules():
+            held = [*module._parameters.values(), *module._buffers.values()]
+            names = [self.first_name[id(t)] for t in held if t is not None and id(t) in self.first_name]
+            names = [name for name in names if name not in plan.splits and name not in plan.kept_whole]
+            if not names:
+                continue
+            if path in vocabulary:
+                reason = vocabulary[path][1] or "vocab_parallel=False"
+            else:
+                layer = next((name for name in _enclosing(path) if name in by_layer), None)
+                if layer is not None:
+                    reason = f"{by_layer[layer].policy_name()} does not cut it"
+                else:
+                    reason = f"outside the layers the policies split ({layer_classes})"
+            for name in names:
+                plan.kept_whole[name] = Whole(type(module).__name__, reason)
+
+    def check_whole_heads(self) -> None:
+        """Every attention whose projections are cut holds whole heads on every rank, and cuts its
+        per-head parameters with them.
+
+        An attention module is one with a per-head width attribute (``head_dim``, ...). Each cut
+        linear it holds directly must give every rank a multiple of that width per packed part
+        (policies that split head counts without :func:`~tpcore.divide` are caught here), and a
+        parameter it holds of shape ``(heads, ..., head_dim)`` (Cohere's per-head q/k norms) for one
+        of its projections' head counts must be cut too: whole, it would not match the rank's heads.
+        """
+        for path, module in self.model.named_modules():
+            head_dim = next((getattr(module, a) for a in _HEAD_DIM_ATTRIBUTES if _is_int(getattr(module, a, None))), 0)
+            if head_dim >= 1:
+                head_counts = self._check_projection_heads(path, module, head_dim)
+                self._check_per_head_parameters(path, module, head_dim, head_counts)
+
+    def _check_projection_heads(self, path: str, module: nn.Module, head_dim: int) -> set[int]:
+        """Each cut projection of the attention ``module`` gives every rank whole heads; its head counts."""
+        plan, head_counts = self.plan, set()
+        for child_name, child in module.named_children():
+            weight = getattr(child, "weight", None)
+            split = plan.splits.get(self.first_name.get(id(weight), ""))
+            if weight is None or split is None or split.pad or not _is_projection(child):
+                continue
+            if split.heads is not None and weight.shape[split.dim] == split.heads * split.n_fused:
+                continue  # one feature per head (a per-head gate), dealt in whole heads by its split
+            for size in piece_sizes(split, weight.shape[split.dim], plan.world_size):
+                if size % head_dim:
+                    raise plan.error(
+                        join(path, child_name),
+                        f"each rank would hold {size / head_dim:g} heads of width {head_dim} "
+                        f"({size} of {weight.shape[split.dim]} features): heads must stay whole; "
+                        "the policy's head counts do not divide by the world size",
+                    )
+            head_counts.update(size // head_dim for size in piece_sizes(split, weight.shape[split.dim], 1))
+        return head_counts
+
+    def _check_per_head_parameters(self, path: str, module: nn.Module, head_dim: int, head_counts: set[int]) -> None:
+        """A parameter of shape ``(heads, ..., head_dim)`` beside cut heads is cut with them."""
+        for name, tensor in module.named_parameters():
+            whole = self.first_name.get(id(tensor), "") not in self.plan.splits
+            if whole and tensor.dim() >= 2 and tensor.shape[0] in head_counts and tensor.shape[-1] == head_dim:
+                raise self.plan.error(
+                    join(path, name),
+                    f"a per-head parameter of shape {tuple(tensor.shape)} (one row per head) is left whole "
+                    "while the heads are cut: the policy must cut it with them (Layer(style=PER_HEAD, heads=...))",
+                )
+
+
+def resolve_layer(layer: nn.Module, spec: Layer) -> tuple[Any, Any] | tuple[()] | None:
+    """``(weight, bias)`` that ``spec`` names on ``layer`` (bias ``None`` when it names none); ``()``
+    when an optional weight is absent; ``None`` when a required tensor is absent."""
+    weight = get_path(layer, spec.weight) if spec.weight else MISSING
+    if weight is MISSING:
+        return () if spec.optional else None
+    bias = get_path(layer, spec.bias) if spec.bias else None
+    if bias is MISSING:
+        if not spec.optional:
+            return None
+        bias = None
+    return weight, bias
+
+
+def add_note(error: BaseException, note: str) -> None:
+    """``error.add_note(note)`` (Python 3.11+); on 3.10 the note joins the message, the type unchanged."""
+    if hasattr(error, "add_note"):
+        error.add_note(note)
+    elif error.args and isinstance(error.args[0], str):
+        error.args = (f"{error.args[0]} ({note})", *error.args[1:])
+
+
+def piece_sizes(split: Split, size: int, world_size: int) -> set[int]:
+    """The sizes of the contiguous pieces that ranks hold of a dimension of ``size`` (one per packed part)."""
+    return {stop - start for rank in range(world_size) for start, stop in split.ranges(size, rank, world_size)[0]}
+
+
+def _enclosing(path: str) -> list[str]:
+    """``path`` and the paths of the modules around it, innermost first (``"a.b.c"``, ``"a.b"``, ``"a"``, ``""``)."""
+    parts = path.split(".") if path else []
+    return [".".join(parts[:end]) for end in range(len(parts), -1, -1)]
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_projection(module: nn.Module) -> bool:
+    """A linear map whose cut feature dimension packs heads (``nn.Linear``, HF ``Conv1D``)."""
+    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
