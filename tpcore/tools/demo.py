@@ -69,11 +69,11 @@ class SplitRun:
 
 def run_split(model, ranks: int, run: Callable[[Any], Any]) -> SplitRun:
     """``run(model)`` on ``model`` split over ``ranks`` CPU ranks by the one line, then deparallelized."""
-    import tpcore
+    from tpcore.parallelize import parallelize
 
     whole_bytes = parameter_bytes(model)
     started = time.perf_counter()
-    model = tpcore.parallelize(model, num_gpus=ranks)  # the one line
+    model = parallelize(model, num_gpus=ranks)  # the one line
     ready = time.perf_counter() - started
     try:
         return SplitRun(run(model), ready, whole_bytes, model.memory_allocated())
