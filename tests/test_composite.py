@@ -238,7 +238,8 @@ def test_a_prefixed_plan_on_the_top_level_config_is_merged_with_the_sub_models(m
     plans = {plan.name: plan for plan in sub_model_plans(model)}
     assert plans[""].rules == plans["model.language_model"].rules  # the same blocks, found both ways
     (policy,) = derive_policies(model)
-    assert {spec.weight for spec in policy.attn_qkv()} >= {"self_attn.q_proj.weight", "mlp.up_proj.weight"}
+    columns = {spec.weight for spec in policy.layers() if spec.style is tpcore.COLUMN}
+    assert columns >= {"self_attn.q_proj.weight", "mlp.up_proj.weight"}
     disagreeing = {**prefixed, "language_model.layers.*.mlp.down_proj": "colwise"}
     monkeypatch.setattr(transformers.LlavaConfig, "base_model_tp_plan", disagreeing)
     with pytest.raises(TpPlanError, match=r"split 'model.language_model.layers.0.mlp.down_proj' as 'colwise' and 'row"):

@@ -18,6 +18,7 @@ from torch import nn
 from tpcore.authoring import Policy
 from tpcore.configs import owning_sub_model, sub_models
 from tpcore.errors import UnsupportedModelError
+from tpcore.select.plan_policy import PlanPolicy
 from tpcore.select.plugins import (
     DISABLE_AUTOLOAD_ENV,
     PolicyEntry,
@@ -98,7 +99,7 @@ def policy_origin(policy: type[Policy]) -> str:
     entry = next((entry for entry in registered_policies() if entry.policy is policy), None)
     if entry is not None:
         return f"{entry.distribution} {entry.version}"
-    if policy.__module__ == derive_policies.__module__:
+    if issubclass(policy, PlanPolicy):
         return TP_PLAN_ORIGIN
     return "custom_policies"
 
