@@ -40,6 +40,7 @@ _EXPORTS = {
     "linear": "tpcore.authoring.blocks",
     "subclassing": "tpcore.authoring.blocks",
     "ParallelEngine": "tpcore.engine",
+    "destroy_process_group": "tpcore.ranks.distributed",
     "PluginConflictError": "tpcore.errors",
     "PluginLoadWarning": "tpcore.errors",
     "ShardingError": "tpcore.errors",
@@ -53,7 +54,7 @@ _EXPORTS = {
     "column_split_norm_class": "tpcore.parallel.layers",
     "reduce_partial_sums": "tpcore.parallel.layers",
     "local_width_class": "tpcore.parallel.reshapes",
-    "parallelize": "tpcore.parallelize",
+    "parallelize": "tpcore.api",
     "AutoPolicy": "tpcore.select",
     "experts_arguments": "tpcore.select.tp_plan",
     "TensorReplacer": "tpcore.compat.parallelformers",
@@ -85,6 +86,7 @@ __all__ = [
     "all_gather",
     "all_reduce",
     "column_split_norm_class",
+    "destroy_process_group",
     "divide",
     "experts_arguments",
     "hookimpl",
@@ -104,6 +106,8 @@ moved.install()
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
+        if f"tpcore.{name}" in moved.MOVED_MODULES:  # an earlier module path, reached as an attribute
+            return importlib.import_module(f"tpcore.{name}")
         raise AttributeError(f"module 'tpcore' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
@@ -133,6 +137,7 @@ if TYPE_CHECKING:
     from tpcore.authoring.blocks import Attention, BlockPolicy, keeping_local_attributes, linear, subclassing
     from tpcore.compat.parallelformers import TensorReplacer
     from tpcore.engine import ParallelEngine
+    from tpcore.ranks.distributed import destroy_process_group
     from tpcore.errors import (
         PluginConflictError,
         PluginLoadWarning,
@@ -149,6 +154,6 @@ if TYPE_CHECKING:
         reduce_partial_sums,
     )
     from tpcore.parallel.reshapes import local_width_class
-    from tpcore.parallelize import parallelize
+    from tpcore.api import parallelize
     from tpcore.select import AutoPolicy
     from tpcore.select.tp_plan import experts_arguments

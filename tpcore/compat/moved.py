@@ -62,8 +62,9 @@ class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> Any:
         new = MOVED_MODULES[spec.name]
+        where = "" if new == "tpcore" else f" (or {new})"
         warnings.warn(
-            f"{spec.name} is deprecated; import its names from tpcore (or {new})", DeprecationWarning, stacklevel=2
+            f"{spec.name} is deprecated; import its names from tpcore{where}", DeprecationWarning, stacklevel=2
         )
         module = importlib.import_module(new)
         sys.modules[spec.name] = module

@@ -69,7 +69,7 @@ class SplitRun:
 
 def run_split(model, ranks: int, run: Callable[[Any], Any]) -> SplitRun:
     """``run(model)`` on ``model`` split over ``ranks`` CPU ranks by the one line, then deparallelized."""
-    from tpcore.parallelize import parallelize
+    from tpcore.api import parallelize
 
     whole_bytes = parameter_bytes(model)
     started = time.perf_counter()

@@ -1,4 +1,4 @@
-"""The one-line ``parallelize()``: a split model served from the caller's own process, in three steps.
+"""`tpcore.parallelize()`, the one line: a split model served from the caller's own process, in three steps.
 
 1. :func:`~tpcore.plan.plan_for`: the policies for the model (:func:`~tpcore.select.choose_policies`),
    every cut resolved and checked; nothing has started yet.
