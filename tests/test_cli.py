@@ -230,3 +230,16 @@ def test_plugins_model_says_what_stays_whole_when_much_does(capsys, monkeypatch,
         "stays whole on every rank; the largest:\n    transformer.wte (ClampedEmbedding, 18.9 KiB) is replicated: "
         in out
     )
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["--help"], ["plugins", "--help"], ["check", "--help"]])
+def test_help_and_version_answer_without_importing_torch_or_transformers(argv):
+    code = (
+        "import sys\nfrom tpcore.tools.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit as end:\n"
+        "    assert end.code == 0, end.code\n"
+        "print('heavy:', sorted({'torch', 'transformers', 'pluggy'} & set(sys.modules)))"
+    )
+    done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, check=True)
+    assert done.stdout.splitlines()[-1] == "heavy: []"
+    if argv == ["--version"]:
+        assert done.stdout.splitlines()[0] == f"tpcore {tpcore.__version__}"

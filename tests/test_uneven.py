@@ -19,9 +19,8 @@ from hypothesis import strategies as st
 
 import tpcore
 from tpcore import PerRank, ShardingError
-from tpcore.plan import ShardPlan, apply_plan, report
+from tpcore.plan import ShardPlan, apply_plan, as_json, report
 from tpcore.testing import compare_outputs, padded_batch
-from tpcore.tools.cli import plan_json
 
 
 def family_config(family: str, heads: int, kv_heads: int, head_dim: int, intermediate: int):
@@ -114,9 +113,9 @@ def test_a_nine_head_model_over_two_ranks_keeps_each_kv_head_with_its_query_head
     assert "(36, 36) -> (24, 36) | (12, 36) x2" in text
     per_rank = [plan.bytes_per_rank(rank) for rank in (0, 1)]
     assert per_rank[0] > per_rank[1] and f"per rank {per_rank[0] / 1024:.1f} KiB | {per_rank[1] / 1024:.1f} KiB" in text
-    as_json = plan_json(plan)
-    assert as_json["bytes_per_rank"] == per_rank
-    assert as_json["tensors"]["model.layers.0.self_attn.q_proj.weight"]["per_rank"] == [[24, 36], [12, 36]]
+    shown = as_json(plan)
+    assert shown["bytes_per_rank"] == per_rank
+    assert shown["tensors"]["model.layers.0.self_attn.q_proj.weight"]["per_rank"] == [[24, 36], [12, 36]]
 
 
 def test_per_rank_attributes_are_reported_and_each_rank_gets_its_own():
@@ -124,7 +123,7 @@ def test_per_rank_attributes_are_reported_and_each_rank_gets_its_own():
     assert plan.attributes["transformer.h.0.attn.num_heads"] == PerRank((3, 2))
     assert plan.attributes["transformer.h.0.attn.split_size"] == PerRank((12, 8))
     assert "transformer.h.*.attn.num_heads" in report(plan) and "3 | 2 x2" in report(plan)
-    assert plan_json(plan)["attributes_per_rank"]["transformer.h.1.attn.embed_dim"] == [12, 8]
+    assert as_json(plan)["attributes_per_rank"]["transformer.h.1.attn.embed_dim"] == [12, 8]
     model_class, config = family_config("GPT2", 5, 5, 4, 30)
     with torch.device("meta"):
         shards = [apply_plan(plan, model_class(config), rank) for rank in (0, 1)]

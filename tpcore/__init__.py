@@ -16,8 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from tpcore import log  # noqa: F401  (the tpcore logger's level, TPCORE_LOG_LEVEL, and its stderr fallback)
 from tpcore.compat import moved
-
-__version__ = "0.1.0"
+from tpcore.version import __version__ as __version__
 
 #: each public name, by the module that defines it
 _EXPORTS = {
@@ -119,6 +118,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
+    from tpcore.api import parallelize
     from tpcore.authoring import (
         COLUMN,
         NORM,
@@ -137,7 +137,6 @@ if TYPE_CHECKING:
     from tpcore.authoring.blocks import Attention, BlockPolicy, keeping_local_attributes, linear, subclassing
     from tpcore.compat.parallelformers import TensorReplacer
     from tpcore.engine import ParallelEngine
-    from tpcore.ranks.distributed import destroy_process_group
     from tpcore.errors import (
         PluginConflictError,
         PluginLoadWarning,
@@ -154,6 +153,6 @@ if TYPE_CHECKING:
         reduce_partial_sums,
     )
     from tpcore.parallel.reshapes import local_width_class
-    from tpcore.api import parallelize
+    from tpcore.ranks.distributed import destroy_process_group
     from tpcore.select import AutoPolicy
     from tpcore.select.tp_plan import experts_arguments

@@ -14,13 +14,14 @@ module             responsibility
 
 from tpcore.plan.apply import apply_plan, class_for
 from tpcore.plan.build import plan_for
-from tpcore.plan.report import bytes_summary, describe, format_bytes, log_plan, replicated_warning, report
+from tpcore.plan.report import as_json, bytes_summary, describe, format_bytes, log_plan, replicated_warning, report
 from tpcore.plan.shard_plan import ShardPlan, Whole
 
 __all__ = [
     "ShardPlan",
     "Whole",
     "apply_plan",
+    "as_json",
     "bytes_summary",
     "class_for",
     "describe",

@@ -15,7 +15,16 @@ from tpcore.cut.shares import PerRank
 from tpcore.cut.split import Split
 from tpcore.plan.shard_plan import ShardPlan
 
-__all__ = ["REPLICATED_SHARE", "bytes_summary", "describe", "format_bytes", "log_plan", "replicated_warning", "report"]
+__all__ = [
+    "REPLICATED_SHARE",
+    "as_json",
+    "bytes_summary",
+    "describe",
+    "format_bytes",
+    "log_plan",
+    "replicated_warning",
+    "report",
+]
 
 #: :func:`log_plan` warns when the tensors every rank holds whole exceed this share of the model's bytes
 REPLICATED_SHARE = 0.10
@@ -135,3 +144,32 @@ def format_bytes(size: int) -> str:
         if size >= scale:
             return f"{size / scale:.1f} {unit}"
     return f"{size / 2**10:.1f} KiB"
+
+
+def as_json(plan: ShardPlan) -> dict:
+    """A plan as JSON: every tensor's whole shape, each rank's shape and how it is cut (and why a replicated one
+    stays whole), the attributes whose values differ by rank (a list, one per rank), each rank's bytes, the
+    whole model's and those replicated on every rank."""
+    ranks = range(plan.world_size)
+    tensors = {
+        name: {
+            "cut": describe(plan.splits.get(name)),
+            "shape": list(shape),
+            "per_rank": [list(plan.shard_shape(name, rank)) for rank in ranks],
+        }
+        for name, shape in plan.shapes.items()
+    }
+    for name, whole in plan.kept_whole.items():
+        tensors[name]["kept_whole"] = whole.reason
+    attributes = {
+        path: [v if isinstance(v, (int, float)) else type(v).__name__ for v in value]
+        for path, value in plan.attributes.items()
+        if isinstance(value, PerRank)
+    }
+    return {
+        "tensors": tensors,
+        "attributes_per_rank": attributes,
+        "bytes_per_rank": [plan.bytes_per_rank(rank) for rank in ranks],
+        "whole_bytes": plan.whole_bytes,
+        "replicated_bytes": plan.replicated_bytes,
+    }

@@ -1,39 +1,42 @@
-"""The ``tpcore`` console script."""
+"""The ``tpcore`` console script: ``tpcore plugins``, ``tpcore check``.
+
+Parsing imports nothing heavy (``tpcore --help`` and ``tpcore --version`` answer at once); each
+subcommand imports what it needs (torch, transformers, the plugins) when it runs.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from typing import Any
 
-from tpcore.select.plugins import plugin_infos, registered_policies
+from tpcore.version import __version__
 
 
 def _plugins(args: argparse.Namespace) -> int:
+    """Every installed plugin with its version and the policies it registers (or why it failed to load)."""
     if args.model:
         return _applying(args)
-    infos = plugin_infos()
+    from tpcore.select.plugins import plugin_infos, registered_policies
+
     entries = registered_policies()
-    rows = []
-    for info in infos:
-        policies = [
-            {"name": e.policy.policy_name(), "layer_class": e.policy.layer_class_name()}
-            for e in entries
-            if e.plugin == info.name
-        ]
-        rows.append(
-            {
-                "name": info.name,
-                "distribution": info.distribution,
-                "version": info.version,
-                "policies": policies,
-                "error": info.error,
-            }
-        )
+    rows = [
+        {
+            "name": info.name,
+            "distribution": info.distribution,
+            "version": info.version,
+            "policies": [
+                {"name": e.policy.policy_name(), "layer_class": e.policy.layer_class_name()}
+                for e in entries
+                if e.plugin == info.name
+            ],
+            "error": info.error,
+        }
+        for info in plugin_infos()
+    ]
     if args.json:
-        json.dump(rows, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-        return 0
+        return _print_json(rows)
     if not rows:
         print("No tpcore plugins installed (pip install tp-bert, tp-gpt, tp-t5, tp-bart, ...).")
     for row in rows:
@@ -50,10 +53,8 @@ def _applying(args: argparse.Namespace) -> int:
     ``--world-size`` ranks with the backend and devices ``parallelize(num_gpus=N)`` would use here: every
     tensor's cut, bytes per rank against the whole, and what stays whole when much does."""
     from tpcore.errors import ShardingError, UnsupportedModelError
-    from tpcore.plan import plan_for, replicated_warning, report
-    from tpcore.ranks.distributed import default_backend, device_for
-    from tpcore.ranks.process import ranks_text
-    from tpcore.select import choose_policies, policy_origin, sub_model_coverage
+    from tpcore.plan import as_json, plan_for, replicated_warning, report
+    from tpcore.select import choose_policies
     from tpcore.tools.check import resolve
 
     model = resolve(args.model).build()
@@ -62,47 +63,15 @@ def _applying(args: argparse.Namespace) -> int:
     except UnsupportedModelError as error:
         print(error)
         return 2
-    rows = [
-        {"policy": p.policy_name(), "layer_class": p.layer_class_name(), "from": policy_origin(p)} for p in policies
-    ]
-    backend = default_backend(args.world_size)
-    devices = [str(device_for(backend, rank)) for rank in range(args.world_size)]
-    parts = sub_model_coverage(model, policies)[1:]  # the model's own sub-models, if it is composite
-    sub_rows = [
-        {
-            "name": part.name,
-            "class": part.module_class,
-            "policies": [p.policy_name() for p in part.policies],
-            "whole": part.whole,
-        }
-        for part in parts
-    ]
+    shown = _applying_rows(model, policies, args.world_size)
     try:
-        plan = plan_for(model, policies, args.world_size)
+        plan, problem = plan_for(model, policies, args.world_size), None
     except ShardingError as error:
         plan, problem = None, str(error)
     if args.json:
-        shown = {
-            "model": type(model).__name__,
-            "policies": rows,
-            "sub_models": sub_rows,
-            "world_size": args.world_size,
-            "backend": backend,
-            "devices": devices,
-        }
-        shown["plan"] = plan_json(plan) if plan is not None else {"error": problem}
-        json.dump(shown, sys.stdout, indent=2)
-        sys.stdout.write("\n")
+        _print_json({**shown, "plan": as_json(plan) if plan is not None else {"error": problem}})
         return 0 if plan is not None else 2
-    placement = ranks_text(args.world_size, backend, devices)
-    print(f"{type(model).__name__} over {placement} (what parallelize(num_gpus={args.world_size}) uses here):")
-    for row in rows:
-        print(f"    {row['policy']:<24} {row['layer_class']}  (from {row['from']})")
-    if sub_rows:
-        print("  sub-models:")
-    for row in sub_rows:
-        status = f"stays whole: {row['whole']}" if row["whole"] else "split by " + ", ".join(row["policies"])
-        print(f"    {row['name']:<24} {row['class']}  {status}")
+    _print_applying(shown)
     if plan is None:
         print(problem)
         return 2
@@ -113,36 +82,53 @@ def _applying(args: argparse.Namespace) -> int:
     return 0
 
 
-def plan_json(plan) -> dict:
-    """A plan as JSON: every tensor's whole shape, each rank's shape and how it is cut (and why a replicated one
-    stays whole), the attributes whose values differ by rank (a list, one per rank), each rank's bytes, the
-    whole model's and those replicated on every rank."""
-    from tpcore.cut.shares import PerRank
-    from tpcore.plan import describe
+def _applying_rows(model: Any, policies: list, world_size: int) -> dict[str, Any]:
+    """The model, its policies and where each comes from, its sub-models, and the placement of ``world_size``
+    ranks here, as :func:`_applying` prints them (and as its JSON)."""
+    from tpcore.ranks.distributed import default_backend, device_for
+    from tpcore.select import policy_origin, sub_model_coverage
 
-    ranks = range(plan.world_size)
-    tensors = {
-        name: {
-            "cut": describe(plan.splits.get(name)),
-            "shape": list(shape),
-            "per_rank": [list(plan.shard_shape(name, rank)) for rank in ranks],
-        }
-        for name, shape in plan.shapes.items()
-    }
-    for name, whole in plan.kept_whole.items():
-        tensors[name]["kept_whole"] = whole.reason
-    attributes = {
-        path: [v if isinstance(v, (int, float)) else type(v).__name__ for v in value]
-        for path, value in plan.attributes.items()
-        if isinstance(value, PerRank)
-    }
+    backend = default_backend(world_size)
+    parts = sub_model_coverage(model, policies)[1:]  # the model's own sub-models, if it is composite
     return {
-        "tensors": tensors,
-        "attributes_per_rank": attributes,
-        "bytes_per_rank": [plan.bytes_per_rank(rank) for rank in ranks],
-        "whole_bytes": plan.whole_bytes,
-        "replicated_bytes": plan.replicated_bytes,
+        "model": type(model).__name__,
+        "policies": [
+            {"policy": p.policy_name(), "layer_class": p.layer_class_name(), "from": policy_origin(p)} for p in policies
+        ],
+        "sub_models": [
+            {
+                "name": part.name,
+                "class": part.module_class,
+                "policies": [p.policy_name() for p in part.policies],
+                "whole": part.whole,
+            }
+            for part in parts
+        ],
+        "world_size": world_size,
+        "backend": backend,
+        "devices": [str(device_for(backend, rank)) for rank in range(world_size)],
     }
+
+
+def _print_applying(shown: dict[str, Any]) -> None:
+    from tpcore.ranks.process import ranks_text
+
+    world_size = shown["world_size"]
+    placement = ranks_text(world_size, shown["backend"], shown["devices"])
+    print(f"{shown['model']} over {placement} (what parallelize(num_gpus={world_size}) uses here):")
+    for row in shown["policies"]:
+        print(f"    {row['policy']:<24} {row['layer_class']}  (from {row['from']})")
+    if shown["sub_models"]:
+        print("  sub-models:")
+    for row in shown["sub_models"]:
+        status = f"stays whole: {row['whole']}" if row["whole"] else "split by " + ", ".join(row["policies"])
+        print(f"    {row['name']:<24} {row['class']}  {status}")
+
+
+def _print_json(value: Any) -> int:
+    json.dump(value, sys.stdout, indent=2)
+    sys.stdout.write("\n")
+    return 0
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -151,9 +137,13 @@ def _check(args: argparse.Namespace) -> int:
     return run_check(args.model, args.world_sizes)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tpcore", description="Tensor-parallel inference for transformers models.")
-    commands = parser.add_subparsers(dest="command", required=True)
+def parser() -> argparse.ArgumentParser:
+    """The ``tpcore`` command line."""
+    tpcore_parser = argparse.ArgumentParser(
+        prog="tpcore", description="Tensor-parallel inference for transformers models."
+    )
+    tpcore_parser.add_argument("--version", action="version", version=f"tpcore {__version__}")
+    commands = tpcore_parser.add_subparsers(dest="command", required=True)
     plugins = commands.add_parser("plugins", help="list installed plugins and the policies each registers")
     plugins.add_argument("--json", action="store_true", help="print JSON")
     plugins.add_argument("--model", help="show only the policies that apply to this model (directory or class name)")
@@ -164,8 +154,12 @@ def main(argv: list[str] | None = None) -> int:
     check = commands.add_parser("check", help="split a model over gloo ranks and compare it with the unsplit model")
     check.add_argument("model", help="a saved model directory, or a transformers class name (small random config)")
     check.add_argument("--world-sizes", type=int, nargs="+", default=[2], metavar="N", help="rank counts to try")
-    check.set_defaults(run=lambda args: _check(args))
-    args = parser.parse_args(argv)
+    check.set_defaults(run=_check)
+    return tpcore_parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     return args.run(args)
 
 
