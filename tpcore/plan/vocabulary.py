@@ -47,20 +47,8 @@ def vocabulary_choices(model: nn.Module) -> dict[str, tuple[nn.Module, str | Non
     ``decoder.embed_tokens`` and ``lm_head``: one tied table) holds its weight or bias: a tensor that
     some other module reads must stay whole. Tied modules are split together or not at all.
     """
-    holders: dict[int, dict[int, nn.Module]] = {}
-    for module in model.modules():
-        for tensor in module._parameters.values():
-            if tensor is not None:
-                holders.setdefault(id(tensor), {})[id(module)] = module
-    asked: dict[int, nn.Module] = {}
-    for owner in sub_models(model).values():  # a composite model's towers name their own (CLIP's text tower)
-        for getter in ("get_input_embeddings", "get_output_embeddings"):
-            try:
-                module = getattr(owner, getter)()
-            except (AttributeError, NotImplementedError):
-                continue
-            if isinstance(module, nn.Module):
-                asked[id(module)] = module
+    holders = _holders(model)
+    asked = _embeddings(model)
     refusals = {key: _vocabulary_refusal(module) for key, module in asked.items()}
     found = {key: module for key, module in asked.items() if refusals[key] is None}
     for module in list(found.values()):  # the modules a tied table is shared with
@@ -72,10 +60,40 @@ def vocabulary_choices(model: nn.Module) -> dict[str, tuple[nn.Module, str | Non
     parents = {names[key].rpartition(".")[0] for key in found if key in names}
     allowed = found.keys() | {id(module) for name, module in model.named_modules() if name in parents}
     for key, module in found.items():
-        for table in (module.weight, getattr(module, "bias", None)):
-            readers = [holder for other, holder in holders.get(id(table), {}).items() if other not in allowed]
-            if table is not None and readers:
-                reader = readers[0]
-                refusals[key] = f"{names.get(id(reader), 'a module')} ({type(reader).__name__}) reads its tensors too"
-                break
+        reader = _other_reader(module, holders, allowed)
+        if reader is not None:
+            refusals[key] = f"{names.get(id(reader), 'a module')} ({type(reader).__name__}) reads its tensors too"
     return {names[key]: (module, refusals[key]) for key, module in asked.items() if key in names}
+
+
+def _holders(model: nn.Module) -> dict[int, dict[int, nn.Module]]:
+    """``{id(parameter): {id(module): module}}``: every module holding each parameter (tied ones hold it twice)."""
+    holders: dict[int, dict[int, nn.Module]] = {}
+    for module in model.modules():
+        for tensor in module._parameters.values():
+            if tensor is not None:
+                holders.setdefault(id(tensor), {})[id(module)] = module
+    return holders
+
+
+def _embeddings(model: nn.Module) -> dict[int, nn.Module]:
+    """The input and output embeddings the model and its sub-models name (CLIP's text tower names its own)."""
+    found: dict[int, nn.Module] = {}
+    for owner in sub_models(model).values():
+        for getter in ("get_input_embeddings", "get_output_embeddings"):
+            try:
+                module = getattr(owner, getter)()
+            except (AttributeError, NotImplementedError):
+                continue
+            if isinstance(module, nn.Module):
+                found[id(module)] = module
+    return found
+
+
+def _other_reader(module: nn.Module, holders: dict[int, dict[int, nn.Module]], allowed: set[int]) -> nn.Module | None:
+    """A module not in ``allowed`` that holds ``module``'s weight or bias too, if any."""
+    for table in (module.weight, getattr(module, "bias", None)):
+        readers = [holder for other, holder in holders.get(id(table), {}).items() if other not in allowed]
+        if table is not None and readers:
+            return readers[0]
+    return None
