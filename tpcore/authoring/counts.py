@@ -48,7 +48,7 @@ def share(value: int, world_size: int, what: str, *, groups: int | None = None, 
         dealt = runs(value, world_size, groups)
     except ValueError:
         raise ShardingError(f"{what} = {value} cannot form {groups} equal groups") from None
-    return per_rank(start if first else count for start, count in dealt)
+    return per_rank([start if first else count for start, count in dealt])
 
 
 def local_config(config: Any, world_size: int, **counts: int | PerRank) -> Any:
