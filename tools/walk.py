@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import sys
 import tempfile
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 
