@@ -247,7 +247,7 @@ def probe(function: Callable[[Mode, dict], None]) -> Callable[[Mode, dict], None
 
 
 def collectives_on_rank(context, dtype_names: list[str]) -> dict:
-    """On a rank: all_reduce and all_gather of exactly representable values, through tpcore.comm and
+    """On a rank: all_reduce and all_gather of exactly representable values, through tpcore.parallel.comm and
     torch.distributed, on the rank's device; the largest error of each and the device each ran on."""
     from tpcore.parallel import comm
 
@@ -261,8 +261,8 @@ def collectives_on_rank(context, dtype_names: list[str]) -> dict:
         parts = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(parts, mine, group=context.group)
         outputs = {
-            "tpcore.comm.all_reduce": (comm.all_reduce(mine.clone(), context.group), "sum"),
-            "tpcore.comm.all_gather": (comm.all_gather(mine, context.group, dim=-1), "gather"),
+            "tpcore.parallel.comm.all_reduce": (comm.all_reduce(mine.clone(), context.group), "sum"),
+            "tpcore.parallel.comm.all_gather": (comm.all_gather(mine, context.group, dim=-1), "gather"),
             "dist.all_reduce": (direct_sum, "sum"),
             "dist.all_gather": (torch.cat(parts, -1), "gather"),
         }
@@ -283,7 +283,7 @@ def check_collectives(record: dict, results: list[dict], device_type: str) -> No
 @probe
 def collectives(mode: Mode, record: dict) -> None:
     """NCCL at world size 1 on cuda:0 (``--cpu``: gloo over 2 CPU ranks), fp32/fp16/bf16. At world size 1
-    tpcore.comm returns its input (nothing to exchange); torch.distributed's calls still go through NCCL."""
+    tpcore.parallel.comm returns its input (nothing to exchange); torch.distributed's calls still go through NCCL."""
     from tpcore.ranks.process import RankPool
 
     world_size, backend = (1, "nccl") if mode.cuda else (2, "gloo")
@@ -357,7 +357,7 @@ def shard_on_load(mode: Mode, record: dict) -> None:
 def gloo_two_ranks_one_gpu(mode: Mode, record: dict) -> None:
     """Two gloo ranks on cuda:0 with CUDA tensors (``device="cuda"``): a Llama with an odd vocabulary (101,
     padded to 2 x 51) and grouped KV heads, so the vocabulary masks, the logits' all-gather and the row
-    all-reduce run on CUDA; then tpcore.comm and torch.distributed collectives of CUDA tensors over gloo."""
+    all-reduce run on CUDA; then tpcore.parallel.comm and torch.distributed collectives of CUDA tensors over gloo."""
     mode.need_cuda()
     if "device" not in inspect.signature(tpcore.parallelize).parameters:
         raise RuntimeError("this tpcore's parallelize() has no device= option")

@@ -136,7 +136,7 @@ def rank_drop(context, key: str) -> None:
 
 def rank_collectives(context, key: str, inputs: dict) -> dict:
     """Collectives of one forward, in total and inside the first decoder layer. tpcore's layers count their own
-    (``tpcore.comm.count_collectives``: its shared-memory transport bypasses ``torch.distributed``); the peers'
+    (``tpcore.parallel.comm.count_collectives``: its shared-memory transport bypasses ``torch.distributed``); the peers'
     are seen by ``CommDebugMode``. A cross-check counts the calls of the ``torch.distributed`` functions."""
     import warnings
 
@@ -177,7 +177,7 @@ def rank_collectives(context, key: str, inputs: dict) -> dict:
     if own:  # tpcore's layers issued them
         before, after = snapshots.get("before", {}), snapshots.get("after", {})
         layer = {op: after.get(op, 0) - before.get(op, 0) for op in after if after.get(op, 0) > before.get(op, 0)}
-        by_op, total, counted_by = dict(own), sum(own.values()), "tpcore.comm.count_collectives"
+        by_op, total, counted_by = dict(own), sum(own.values()), "tpcore.parallel.comm.count_collectives"
     else:
         layer = {}
         for module_name, counts in mode.comm_module_counts.items():
@@ -824,7 +824,7 @@ def half_part(args, task: Task, pools: Pools, report: Report) -> None:
         )
     text = (
         f"## Half precision, N={n}\n\n{task.describe()} `fp16=True` resolves to **{resolved_fp16()}** on this "
-        "machine (`tpcore.precision.resolve_dtype`). x fp32: against the same way in fp32.\n\n"
+        "machine (`tpcore.load.precision.resolve_dtype`). x fp32: against the same way in fp32.\n\n"
         + markdown_table(header, rows)
     )
     report.add("half", text)

@@ -4,7 +4,7 @@ Three ways of running one forward pass of a random-init BERT (bert-base widths, 
 default so the whole run stays within a few minutes on two CPU cores):
 
 - **unsplit**: the whole model in this process (``--threads`` torch threads; ``cuda:0`` with NCCL);
-- **SPMD**: the model split over N ranks of a ``tpcore.process.RankPool`` with ``ParallelEngine``,
+- **SPMD**: the model split over N ranks of a ``tpcore.ranks.process.RankPool`` with ``ParallelEngine``,
   the forward run back to back on the ranks and timed there (no round trip to this process; a
   call's time is the slowest rank's);
 - **proxy**: the same model through ``tpcore.parallelize(model, num_gpus=N)``, timed in this

@@ -2,8 +2,8 @@
 
 For every model type whose config (or one of its sub-configs) carries a ``base_model_tp_plan``:
 build its causal LM (else its base model) from the default config shrunk to two small layers
-(:func:`tpcore.samples.small_config`, random weights), derive the policies from the plan alone
-(:func:`tpcore.tp_plan.derive_policies`, plugins not consulted) and check the split at 2 ranks
+(:func:`tpcore.testing.samples.small_config`, random weights), derive the policies from the plan alone
+(:func:`tpcore.select.tp_plan.derive_policies`, plugins not consulted) and check the split at 2 ranks
 against the unsplit model (:func:`tpcore.testing.check_equivalence`, fp32 on CPU). Each model is
 *covered*, or *refused* with the reason: a plan style tpcore does not follow, the model cannot be
 built tiny, no inputs, a split or a run that fails.

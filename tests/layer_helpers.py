@@ -7,7 +7,7 @@ import torch
 
 def bound_forward(context, modules, inputs):
     """This rank's ``modules[rank]`` (split on the caller, so its class travelled by value), bound to the
-    pool's group with :func:`tpcore.layers.bind_group`, run on ``inputs[rank]``: the output, tpcore's
+    pool's group with :func:`tpcore.parallel.layers.bind_group`, run on ``inputs[rank]``: the output, tpcore's
     collectives during the forward, and the module's ``vocab_start`` (``None`` if it has none)."""
     from tpcore.parallel.comm import count_collectives
     from tpcore.parallel.layers import bind_group

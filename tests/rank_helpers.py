@@ -104,7 +104,7 @@ def engine_logits_from_checkpoint(context, directory, policies, inputs):
 
 
 def shm_against_backend(context, tensors):
-    """All-reduce and all-gather each tensor (scaled by rank + 1) through tpcore.comm and through the
+    """All-reduce and all-gather each tensor (scaled by rank + 1) through tpcore.parallel.comm and through the
     group's backend directly; returns both, and whether shared-memory collectives are attached."""
     from tpcore.parallel import comm, shm
 

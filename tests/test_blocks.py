@@ -1,4 +1,4 @@
-"""tpcore.blocks.keeping_local_attributes: a module that rebuilds its attention from the config keeps
+"""tpcore.authoring.blocks.keeping_local_attributes: a module that rebuilds its attention from the config keeps
 the rank's counts on the new attention, and changes nothing else."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""tpcore.memfd and the wire's shared-memory frames, within one process (a socket pair stands for a rank).
+"""tpcore.parallel.memfd and the wire's shared-memory frames, within one process (a socket pair stands for a rank).
 
 What crosses is a descriptor: the receiver maps the sender's segment copy-on-write, a tensor made in a
 segment travels with no copy, and every segment is gone once its last tensor is.

@@ -48,7 +48,7 @@ class FakeDist:
 
 @dataclass
 class FakeEntryPoint:
-    """What tpcore.plugins uses of an importlib.metadata.EntryPoint: name, dist, load()."""
+    """What tpcore.select.plugins uses of an importlib.metadata.EntryPoint: name, dist, load()."""
 
     name: str
     target: object

@@ -1,5 +1,5 @@
 """Reshapes to the unsplit width inside a split attention become reshapes to the rank's width
-(tpcore.reshapes): exactly those, and nothing else."""
+(tpcore.parallel.reshapes): exactly those, and nothing else."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""tpcore.safetensors_file: slices read with pread equal safetensors' own, and nothing stays mapped."""
+"""tpcore.load.safetensors_file: slices read with pread equal safetensors' own, and nothing stays mapped."""
 
 from __future__ import annotations
 

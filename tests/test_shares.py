@@ -1,4 +1,4 @@
-"""Property tests of :mod:`tpcore.shares`: how counts are dealt to ranks, and per-rank values."""
+"""Property tests of :mod:`tpcore.cut.shares`: how counts are dealt to ranks, and per-rank values."""
 
 from __future__ import annotations
 

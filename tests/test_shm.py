@@ -1,4 +1,4 @@
-"""Shared-memory collectives of the gloo ranks of one host (:mod:`tpcore.shm`): the same results
+"""Shared-memory collectives of the gloo ranks of one host (:mod:`tpcore.parallel.shm`): the same results
 as gloo's, nothing left in /dev/shm, a missing rank ends in a timeout instead of a hang."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Property tests of :mod:`tpcore.slicer`: pure (tensor, rank, world) -> shard functions."""
+"""Property tests of :mod:`tpcore.compat.parallelformers`: pure (tensor, rank, world) -> shard functions."""
 
 from __future__ import annotations
 

@@ -61,7 +61,7 @@ def parallelize(
         fp16: run the ranks in ``torch.float16`` (``dtype`` for any other dtype); the model is cast as
             ``from_pretrained(dtype=...)`` casts it (modules it keeps in fp32 stay, rotary buffers too).
             CPU ranks on a CPU without float16 arithmetic run bfloat16 where the CPU has it, else keep the
-            model's dtype, with a warning (:func:`tpcore.precision.resolve_dtype`); ``dtype=torch.float16``
+            model's dtype, with a warning (:func:`tpcore.load.precision.resolve_dtype`); ``dtype=torch.float16``
             casts them anyway.
         backend: ``"nccl"`` or ``"gloo"``; ``None`` is NCCL when there is a CUDA device per rank, else gloo.
         custom_policies: a Policy class or a list; ``None`` uses the installed plugins.

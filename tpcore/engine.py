@@ -31,7 +31,7 @@ class ParallelEngine:
         custom_policies: a Policy class or list of them; ``None`` uses the installed plugins.
         dtype: cast the model to this dtype after slicing, as ``from_pretrained(dtype=...)`` does
             (``fp16=True`` means ``torch.float16``, except on a CPU without float16 arithmetic: bfloat16 or no
-            cast, see :func:`tpcore.precision.resolve_dtype`; any other dtype with it is refused).
+            cast, see :func:`tpcore.load.precision.resolve_dtype`; any other dtype with it is refused).
         device: ``"cuda"`` or ``"cpu"``; ``None`` is CUDA for NCCL, the CPU for gloo. The rank's
             ``LOCAL_RANK`` picks its GPU (gloo ranks on ``"cuda"`` share them: ``cuda:(r % devices)``).
         process_group: use this group instead of creating one.

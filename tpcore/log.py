@@ -1,12 +1,15 @@
 """The ``tpcore`` logger: what a load is doing, for a user who asks, and the records of the ranks.
 
-Every module logs to ``logging.getLogger(__name__)``, under ``"tpcore"``. As with transformers' logger,
+Records go to loggers under ``"tpcore"`` whose names say what speaks and stay put when modules move:
+``tpcore.process`` (the ranks' start, stop and deaths), ``tpcore.worker`` (a rank joining), ``tpcore.auto``
+(the policies chosen), ``tpcore.plan`` (bytes per rank, what stays whole), ``tpcore.parallelize`` (a rank's
+reads), ``tpcore.precision`` (the half dtype chosen). As with transformers' logger,
 warnings show and info does not by default; ``TPCORE_LOG_LEVEL`` (a name such as ``INFO``, or a number)
 sets the ``tpcore`` logger's level when tpcore is imported (``logging.getLogger("tpcore").setLevel``
 any time later). The root logger is never configured: a record goes wherever the application's logging
 sends it, and only where no handler would take it does tpcore's own print it on stderr, so it shows once.
 
-A rank of a :class:`~tpcore.process.RankPool` forwards its ``tpcore`` records to the caller
+A rank of a :class:`~tpcore.ranks.process.RankPool` forwards its ``tpcore`` records to the caller
 (:func:`records_forwarded`) at the caller's level, which every call carries (:func:`caller_level`); the
 caller re-emits each through its logger of the same name (:func:`emit_rank_record`), with
 ``record.rank`` set and ``"rank 1: "`` before the message.

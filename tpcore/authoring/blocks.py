@@ -7,7 +7,7 @@ and names its :class:`Attention` s and its MLP; it derives the policy methods fr
   output projection row parallel, heads dealt whole (:func:`tpcore.share`: 6 heads over 4 ranks as
   2, 2, 1, 1), the attributes holding its head count and its width (``heads x head_dim``) set per
   rank, and the modules that reshape to their input's width given
-  :func:`tpcore.reshapes.local_width_class`;
+  :func:`tpcore.parallel.reshapes.local_width_class`;
 - the MLP's input projections column parallel, its output projections row parallel.
 
 The block's heads are the config attribute ``heads`` and its head dim ``hidden_size // heads`` of
@@ -78,7 +78,7 @@ class BlockPolicy(Policy):
         for attention in cls.attentions:
             values = dict.fromkeys(map(attention.at, attention.counts), heads)
             values |= dict.fromkeys(map(attention.at, attention.widths), width)
-            if attention.reshaping is not None:  # tpcore.reshapes: the widths its reshapes go between
+            if attention.reshaping is not None:  # tpcore.parallel.reshapes: the widths its reshapes go between
                 values[attention.at(attention.reshaping, "full_width")] = config.hidden_size
                 values[attention.at(attention.reshaping, "local_width")] = width
             held = attention.at(attention.projections[0])  # an optional attention is where its projections are
@@ -149,7 +149,7 @@ def keeping_local_attributes(method: str, child: str, names: tuple[str, ...]) ->
     @subclassing("Local")
     def keeping(base: type) -> dict[str, Any]:
         """A subclass whose ``method`` keeps the per-rank counts of its rebuilt ``child``
-        (:func:`tpcore.blocks.keeping_local_attributes`)."""
+        (:func:`tpcore.authoring.blocks.keeping_local_attributes`)."""
 
         def rebuild(self, *args, **kwargs):
             local = {name: getattr(getattr(self, child), name) for name in names}

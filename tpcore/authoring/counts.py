@@ -32,7 +32,7 @@ def divide(value: int, world_size: int, what: str) -> int:
 
 def share(value: int, world_size: int, what: str, *, groups: int | None = None, first: bool = False) -> int | PerRank:
     """How many of ``value`` units (heads, features) each rank holds: ``value // world_size`` when it
-    divides, else :class:`PerRank` counts dealt as :func:`tpcore.shares.runs` deals them, the ones
+    divides, else :class:`PerRank` counts dealt as :func:`tpcore.cut.shares.runs` deals them, the ones
     every :class:`Layer` with the same ``heads`` and ``groups`` is cut by (so ``share(heads, N, ...,
     groups=kv_heads)`` for query heads that stay with their key/value heads). A count of fewer
     units than ranks gives each rank one (replicated key/value heads). ``first=True`` gives the index

@@ -2,7 +2,7 @@
 
 A :class:`Split` says how one dimension of size ``S`` is cut over ``N`` ranks. It sees the dimension
 as consecutive *segments*, each made of equal *units* (heads, or single features), and rank ``r``
-keeps, from every segment, in order, a contiguous run of its units, dealt by :func:`tpcore.shares.runs`:
+keeps, from every segment, in order, a contiguous run of its units, dealt by :func:`tpcore.cut.shares.runs`:
 
 - a segment of ``u >= N`` units gives rank ``r`` ``u // N + (r < u % N)`` of them, so ``[r u / N,
   (r + 1) u / N)`` when ``N`` divides ``u`` (the equal split) and whole units, near-equal, otherwise;
@@ -233,5 +233,5 @@ class Split(NamedTuple):
 
 
 def _runs(units: int, world_size: int, groups: int | None) -> tuple[tuple[int, int], ...]:
-    """:func:`tpcore.shares.runs`, with an empty dimension giving every rank nothing."""
+    """:func:`tpcore.cut.shares.runs`, with an empty dimension giving every rank nothing."""
     return runs(units, world_size, groups) if units else ((0, 0),) * world_size

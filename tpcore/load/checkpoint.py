@@ -3,15 +3,15 @@
 A checkpoint is a directory as ``save_pretrained`` writes it: ``config.json`` and the weights in
 safetensors, one ``model.safetensors`` or shards listed by ``model.safetensors.index.json``. A
 rank reads only the rows or columns it holds, straight from the files into memory of its own
-(:mod:`tpcore.safetensors_file`: no mapping, so the rank's memory holds its share alone, and the model
+(:mod:`tpcore.load.safetensors_file`: no mapping, so the rank's memory holds its share alone, and the model
 never keeps a view of a file, which could change under it); a rank on a GPU moves each tensor there.
 Pickle checkpoints (``pytorch_model.bin``, sharded or not) are opened with ``weights_only=True``
 (no code in them runs) and memory-mapped where their format allows.
 
 Which stored tensors make a model tensor is what ``from_pretrained`` would read for it: transformers'
-own conversion mapping renames legacy keys and merges per-expert tensors (:mod:`tpcore.conversion`).
-Which slice a rank reads is the :class:`~tpcore.slicer.Split` the plan gives the model tensor, so a
-tensor read from the files equals the one :func:`~tpcore.slicer.shard` cuts from the whole tensor; a
+own conversion mapping renames legacy keys and merges per-expert tensors (:mod:`tpcore.load.conversion`).
+Which slice a rank reads is the :class:`~tpcore.compat.parallelformers.Split` the plan gives the model tensor, so a
+tensor read from the files equals the one :func:`~tpcore.compat.parallelformers.shard` cuts from the whole tensor; a
 tensor merged from several stored ones is read as the pieces of them that its slice covers.
 """
 
@@ -44,7 +44,7 @@ CPU = torch.device("cpu")
 
 
 class Read(NamedTuple):
-    """One model tensor to fill: its name (of :func:`~tpcore.skeleton.named_tensors`), the stored tensors
+    """One model tensor to fill: its name (of :func:`~tpcore.load.skeleton.named_tensors`), the stored tensors
     that make it, and how it is cut (``None``: whole); or, for a parameter the model does not save
     (``value``), the whole tensor its own init computes."""
 
@@ -162,7 +162,7 @@ class Checkpoint:
 
         Only the pieces of the stored tensors that the slice covers are read: rows ``[a, b)`` along the
         split dim of a tensor stacked from per-expert tensors are rows ``[a, b)`` of each of them (see
-        :mod:`tpcore.conversion`). Safetensors slices are read into memory of their own (no mapping of the file
+        :mod:`tpcore.load.conversion`). Safetensors slices are read into memory of their own (no mapping of the file
         stays resident), then moved to ``device``. A tensor that the model's later cast to ``dtype`` would
         shrink is read to the CPU instead, so the device never holds its wider copy.
         """
@@ -248,10 +248,10 @@ class Checkpoint:
 
     def reads(self, model: nn.Module, splits: Mapping[str, Split | None]) -> list[Read]:
         """What to read to fill ``model``'s tensors, cut by ``splits`` (by the names of
-        :func:`~tpcore.skeleton.named_tensors`; a name not there is read whole).
+        :func:`~tpcore.load.skeleton.named_tensors`; a name not there is read whole).
 
         The stored tensors of each model tensor are the ones ``from_pretrained`` would convert into it
-        (:func:`tpcore.conversion.model_sources`); a tensor is found under any of its names (tied
+        (:func:`tpcore.load.conversion.model_sources`); a tensor is found under any of its names (tied
         weights are saved once). Raises ``KeyError`` naming the parameters the files lack; a buffer
         they lack keeps the value the model was built with, and a parameter the model declares unsaved
         (``_keys_to_ignore_on_save``, ``_keys_to_ignore_on_load_missing``: Marian's sinusoidal positions)

@@ -1,6 +1,6 @@
 """Collectives of the tensor-parallel group. Inference only: no autograd through them.
 
-A group with shared-memory collectives attached (the gloo ranks of one host, see :mod:`tpcore.shm`)
+A group with shared-memory collectives attached (the gloo ranks of one host, see :mod:`tpcore.parallel.shm`)
 uses them for every tensor that fits; the rest goes through the group's backend.
 """
 

@@ -13,7 +13,7 @@ sums are summed in fp32 and rounded once (:func:`reduce_partial_sums`); over two
 sum already rounds once, so they travel as they are.
 
 Vocab-parallel modules hold ``V_r = ceil(V / N)`` rows of a ``(V, H)`` table, rank ``r`` the rows from
-``vocab_start = r * V_r`` (zero rows pad the last ranks, see :mod:`tpcore.slicer`)::
+``vocab_start = r * V_r`` (zero rows pad the last ranks, see :mod:`tpcore.compat.parallelformers`)::
 
     embedding:  E[ids] = sum_r  mask_r(ids) * E_r[ids - vocab_start_r]      one all-reduce
     LM head:    x @ W.T = concat_r (x @ W_r.T)[..., :V]                     one all-gather

@@ -2,7 +2,7 @@
 
 A segment is a ``memfd`` (Linux): memory with no name in any file system, freed when the last
 descriptor and mapping of it are gone, so nothing is left behind however the processes end. The
-sender passes the descriptor over a Unix socket (``SCM_RIGHTS``, :mod:`tpcore.wire`); the receiver
+sender passes the descriptor over a Unix socket (``SCM_RIGHTS``, :mod:`tpcore.ranks.wire`); the receiver
 maps it and reads the tensors in place, without a copy through the socket.
 
 Two ways in:

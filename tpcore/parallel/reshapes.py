@@ -90,11 +90,11 @@ def _local_width_subclass(cls: type) -> type[nn.Module]:
         if full is None or local is None:
             raise RuntimeError(
                 f"{type(self).__name__} reshapes to the rank's width but its policy set no full_width and "
-                "local_width (tpcore.reshapes)"
+                "local_width (tpcore.parallel.reshapes)"
             )
         with LocalWidthReshapes(full, local):
             return cls.forward(self, *args, **kwargs)
 
-    doc = f"``{cls.__qualname__}`` whose reshapes to the unsplit width keep the rank's width (:mod:`tpcore.reshapes`)."
+    doc = f"``{cls.__qualname__}`` whose reshapes to the unsplit width keep the rank's width (:mod:`tpcore.parallel.reshapes`)."
     namespace = {"__doc__": doc, "__module__": __name__, "forward": forward, "full_width": None, "local_width": None}
     return type(f"LocalWidth{cls.__name__}", (cls,), namespace)

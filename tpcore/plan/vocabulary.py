@@ -16,7 +16,7 @@ __all__ = ["vocabulary_choices", "vocabulary_modules"]
 
 
 def _vocabulary_refusal(module: nn.Module) -> str | None:
-    """Why ``module``'s type cannot be split over the vocabulary (:func:`~tpcore.layers.vocab_parallel_class`);
+    """Why ``module``'s type cannot be split over the vocabulary (:func:`~tpcore.parallel.layers.vocab_parallel_class`);
     ``None`` when it can."""
     if vocab_parallel_class(module) is not None:
         return None
@@ -41,7 +41,7 @@ def vocabulary_choices(model: nn.Module) -> dict[str, tuple[nn.Module, str | Non
     """The input and output embeddings of the model and its sub-models, by path, each with ``None`` where it
     splits over the vocabulary, else why it stays whole.
 
-    A module splits when its type has a vocabulary-parallel class (:func:`~tpcore.layers.vocab_parallel_class`)
+    A module splits when its type has a vocabulary-parallel class (:func:`~tpcore.parallel.layers.vocab_parallel_class`)
     and no module but it, its parents (BERT's head keeps the decoder's bias there) and the other
     vocabulary-parallel modules holding the same weight (BART's ``shared``, ``encoder.embed_tokens``,
     ``decoder.embed_tokens`` and ``lm_head``: one tied table) holds its weight or bias: a tensor that

@@ -1,22 +1,22 @@
 """RankPool: N local ranks joined in one process group, running functions sent to them (the caller side).
 
-Ranks are fresh interpreters (``python -c`` into :mod:`tpcore.worker`, which holds the rank side), not
+Ranks are fresh interpreters (``python -c`` into :mod:`tpcore.ranks.worker`, which holds the rank side), not
 forks or ``multiprocessing`` spawns: they never re-import the caller's ``__main__``, so scripts need
 no ``if __name__ == "__main__"`` guard and notebooks work. They run in their own session, so a
 terminal's Ctrl-C reaches the caller only, and they end soon after the caller does, however it ends.
-Messages travel over authenticated Unix sockets (:mod:`tpcore.wire`); the ranks meet in a TCP store
+Messages travel over authenticated Unix sockets (:mod:`tpcore.ranks.wire`); the ranks meet in a TCP store
 that the caller serves on the rendezvous address alone (loopback by default).
 
 The caller never blocks without a bound: every wait watches the ranks' connections (a dead rank
 closes its end at once) and a deadline. A rank that raises sends back the exception, its type,
 message and traceback. If every rank answered, the pool stays usable and the error is raised as
 :class:`WorkerError`; if some rank gave no answer (it may be stuck in a collective with the failed
-one), the pool is torn down first (:mod:`tpcore.worker_errors`).
+one), the pool is torn down first (:mod:`tpcore.ranks.failures`).
 
 While it waits for the replies of a call, the caller handles the events a rank sends before its reply
-(:mod:`tpcore.worker`): the rank's ``tpcore`` log records, re-emitted here with the rank (:mod:`tpcore.log`),
+(:mod:`tpcore.ranks.worker`): the rank's ``tpcore`` log records, re-emitted here with the rank (:mod:`tpcore.log`),
 and running counts, given to the call's ``on_progress``. Events do not move the deadline. The pool logs
-its ranks' start and stop, and a rank's death, to ``tpcore.process``.
+its ranks' start and stop, and a rank's death, to the logger ``tpcore.process``.
 
 This module is also the public place of the names a function sent to the ranks and its caller use:
 :class:`RankContext`, :class:`WorkerError`, :class:`WorkerDiedError` and :func:`reraise`.

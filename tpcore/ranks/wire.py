@@ -9,7 +9,7 @@ A message is framed as the pickled message (cloudpickle: code from ``__main__`` 
 and where its out-of-band buffers are, then each raw frame. Plain CPU tensors travel as their bytes
 (pickle protocol 5), never through torch's own serialization (about 0.1 ms a tensor however small):
 small ones inside the pickle, large ones out of band with no copy into it; from a megabyte on they
-travel in shared memory (:mod:`tpcore.memfd`), the receiver mapping what the sender wrote, and a
+travel in shared memory (:mod:`tpcore.parallel.memfd`), the receiver mapping what the sender wrote, and a
 tensor the sender already holds in shared memory is not copied at all.
 """
 
@@ -47,7 +47,7 @@ _RANK_BYTES = 4
 _REPLY_BYTES = hashlib.sha256().digest_size + _RANK_BYTES
 #: CPU tensors from this size on travel as raw frames beside the pickled message
 RAW_TENSOR_BYTES = 64 * 2**10
-#: ... and from this size on in shared memory (:mod:`tpcore.memfd`) where the system has it
+#: ... and from this size on in shared memory (:mod:`tpcore.parallel.memfd`) where the system has it
 SHARED_TENSOR_BYTES = 2**20
 #: descriptors one ``SCM_RIGHTS`` message may carry (Linux's ``SCM_MAX_FD``)
 _MAX_FDS_PER_MESSAGE = 253
@@ -220,7 +220,7 @@ class _Pickler(cloudpickle.Pickler):
     :data:`RAW_TENSOR_BYTES`, out of band from there on (as raw frames or in shared memory).
 
     ``buffers`` lists the out-of-band buffers in order and ``segments``, for each, the
-    :class:`~tpcore.memfd.Segment` its tensor already lives in (it travels as that segment's descriptor,
+    :class:`~tpcore.parallel.memfd.Segment` its tensor already lives in (it travels as that segment's descriptor,
     with no copy at all) or ``None``.
     """
 

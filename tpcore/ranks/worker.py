@@ -1,9 +1,9 @@
-"""The rank side of a :class:`~tpcore.process.RankPool`: one rank's process, from its command line to its exit.
+"""The rank side of a :class:`~tpcore.ranks.process.RankPool`: one rank's process, from its command line to its exit.
 
 A rank is a fresh interpreter (:func:`worker_command`). It watches its caller, connects back to it
-(:mod:`tpcore.wire`), binds its device, joins the group, then serves calls until told to stop: each
+(:mod:`tpcore.ranks.wire`), binds its device, joins the group, then serves calls until told to stop: each
 call is ``(fn, args, kwargs, log level)``, run as ``fn(context, *args, **kwargs)`` with a :class:`RankContext`
-and answered ``("ok", result)`` or ``("error", describe(exception))`` (:mod:`tpcore.worker_errors`).
+and answered ``("ok", result)`` or ``("error", describe(exception))`` (:mod:`tpcore.ranks.failures`).
 
 Before its answer a rank may send events, which the caller handles and keeps waiting: ``("log", record)``
 for each ``tpcore`` record at the caller's level (:mod:`tpcore.log`), ``("progress", count)`` for a running

@@ -1,7 +1,7 @@
 """AutoPolicy: find the policies for a model among all registered plugins, and its tp plans.
 
 The rule, per layer class: a registered plugin policy for the class if there is one; otherwise the
-policy derived from the tp plan of the class's sub-model (:mod:`tpcore.tp_plan`), unless its
+policy derived from the tp plan of the class's sub-model (:mod:`tpcore.select.tp_plan`), unless its
 blocks contain, or lie inside, a layer a plugin policy covers (both would split the same tensors).
 LLaVA with tp-gpt installed: tp-gpt's Llama policy splits the language model; its CLIP vision
 tower, which neither a plugin nor a tp plan covers, stays whole on every rank.

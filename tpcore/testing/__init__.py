@@ -226,7 +226,7 @@ def check_equivalence(
     NCCL pools). Returns ``{world_size: {output name: max abs diff}}``; raises
     :class:`EquivalenceError` naming the world size, the rank and the output that differ. An
     exception raised on a rank is raised here as its own type, its ``__cause__`` the
-    :class:`~tpcore.process.WorkerError` that holds the rank's traceback.
+    :class:`~tpcore.ranks.process.WorkerError` that holds the rank's traceback.
     """
     own_pools = pools is None
     pools = pools or PoolCache()
@@ -334,7 +334,7 @@ def split_sizes(
     intermediate size as multiples of it (``heads_per_rank``, ``intermediate_per_rank``: inclusive
     ranges per rank), a head size from ``head_dims`` and a layer count from ``layers``. With
     ``uneven``, heads and intermediate size are any count in those ranges times the world size, so
-    mostly ones the ranks do not divide (dealt in whole heads, :mod:`tpcore.shares`). With
+    mostly ones the ranks do not divide (dealt in whole heads, :mod:`tpcore.cut.shares`). With
     ``grouped_kv``, the key/value heads divide the heads; without ``uneven`` they also split over the
     ranks or are replicated evenly (they divide the world size or it divides them)."""
     from hypothesis import strategies as st
@@ -420,7 +420,7 @@ MEDIA_INPUTS = frozenset({"pixel_values", "input_features", "input_values"})
 
 
 def sample_batches(model: nn.Module, *, batch=(1, 3), seq=(2, 9)):
-    """Strategy of :func:`tpcore.samples.sample_inputs` batches for ``model``, any modality
+    """Strategy of :func:`tpcore.testing.samples.sample_inputs` batches for ``model``, any modality
     (images, waveforms or audio features with a padded row, token ids, decoder ids): ``batch`` rows
     and a length ``seq`` (inclusive ranges; audio takes ``2 * seq`` frames or more), from a drawn seed."""
     from hypothesis import strategies as st

