@@ -95,6 +95,6 @@ def _local_width_subclass(cls: type) -> type[nn.Module]:
         with LocalWidthReshapes(full, local):
             return cls.forward(self, *args, **kwargs)
 
-    doc = f"``{cls.__qualname__}`` whose reshapes to the unsplit width keep the rank's width (:mod:`tpcore.parallel.reshapes`)."
+    doc = f"``{cls.__qualname__}`` whose reshapes to the unsplit width keep the rank's width (:mod:`{__name__}`)."
     namespace = {"__doc__": doc, "__module__": __name__, "forward": forward, "full_width": None, "local_width": None}
     return type(f"LocalWidth{cls.__name__}", (cls,), namespace)
