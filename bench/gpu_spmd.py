@@ -26,7 +26,7 @@ from gpu_env import scrub_paths
 from gpu_probe import GENERATE, llama_spec, logits_diff, prompts, unsplit
 
 import tpcore
-from tpcore.ranks.distributed import destroy_process_group
+from tpcore import destroy_process_group
 
 
 def save(directory: Path) -> None:

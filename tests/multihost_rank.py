@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 
 import tpcore
 from tpcore.parallel import shm
-from tpcore.ranks.distributed import destroy_process_group
+from tpcore import destroy_process_group
 from tpcore.testing import SCALE_FLOOR
 
 NEW_TOKENS = 8
