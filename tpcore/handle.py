@@ -80,18 +80,24 @@ class ParallelHandle:
 
     def attach(self) -> None:
         model = self.model
-        model._tpcore_handle = self
-        model.extra_repr = self._extra_repr
-        for name in _SERVED:
-            if name == "forward" or hasattr(type(model), name):
-                setattr(model, name, functools.partial(self.call, name))
-        for name in _MOVES:
-            setattr(model, name, functools.partial(self.move, name))
-        model.deparallelize = self.deparallelize
-        model.memory_allocated = functools.partial(self._memory, "allocated")
-        model.memory_reserved = functools.partial(self._memory, "reserved")
-        model.memory_cached = model.memory_reserved
-        model.memory_peak = functools.partial(self._memory, "peak")
+        memory_reserved = functools.partial(self._memory, "reserved")
+        added = {
+            "_tpcore_handle": self,
+            "extra_repr": self._extra_repr,
+            **{
+                name: functools.partial(self.call, name)
+                for name in _SERVED
+                if name == "forward" or hasattr(type(model), name)
+            },
+            **{name: functools.partial(self.move, name) for name in _MOVES},
+            "deparallelize": self.deparallelize,
+            "memory_allocated": functools.partial(self._memory, "allocated"),
+            "memory_reserved": memory_reserved,
+            "memory_cached": memory_reserved,
+            "memory_peak": functools.partial(self._memory, "peak"),
+        }
+        for name, value in added.items():  # instance attributes: the model's class is untouched
+            setattr(model, name, value)
 
     def call(self, method: str, *args, **kwargs):
         """Run ``model.<method>(*args, **kwargs)`` on the ranks; raise a rank's error as its own type.

@@ -124,7 +124,7 @@ class CheckpointSource:
     @functools.cached_property
     def model(self) -> nn.Module:
         """The checkpoint's model with its parameters on meta, and its generation config if one was saved."""
-        model = empty_model(self.config, self.model_class)
+        model: Any = empty_model(self.config, self.model_class)
         directory = self.checkpoint.directory
         if (directory / "generation_config.json").is_file() and hasattr(model, "generation_config"):
             from transformers import GenerationConfig

@@ -284,5 +284,5 @@ def _init(self: Layer, *args: Any, **fields: Any) -> None:
 
 Layer.__init__ = _init  # type: ignore[method-assign]
 # the predecessor's names read the new fields (the dataclass took them as init-only aliases)
-Layer.reversed = property(lambda self: self.transposed, doc="``transposed``, by its old name.")  # type: ignore[assignment]
-Layer.ignore_checker = property(lambda self: self.optional, doc="``optional``, by its old name.")  # type: ignore[assignment]
+setattr(Layer, "reversed", property(lambda self: self.transposed, doc="``transposed``, by its old name."))  # noqa: B010
+setattr(Layer, "ignore_checker", property(lambda self: self.optional, doc="``optional``, by its old name."))  # noqa: B010

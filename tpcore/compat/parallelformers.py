@@ -43,7 +43,7 @@ __all__ = [
 
 def make_megatron_layer(policy: type[Policy]) -> list[tuple[str, Layer]]:
     """The policy's tensors with their style, ``[(style, Layer)]`` (:meth:`tpcore.Policy.layers`)."""
-    return [(spec.style, spec) for spec in policy.layers()]
+    return [(str(spec.style), spec) for spec in policy.layers()]
 
 
 def check_divisible(size: int, world_size: int, n_fused: int = 1, heads: int | None = None) -> None:

@@ -12,8 +12,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from tpcore.authoring import NORM, ROW
+from tpcore.authoring import NORM, ROW, Style
 from tpcore.cut.shares import resolve
+from tpcore.errors import ShardingError
 from tpcore.load.skeleton import named_tensors
 from tpcore.parallel.layers import column_split_norm_class, make_vocab_parallel, row_parallel_class, set_layer_size
 from tpcore.plan.paths import set_path
@@ -21,14 +22,18 @@ from tpcore.plan.shard_plan import Replacement, ShardPlan
 
 __all__ = ["apply_plan", "class_for"]
 
+#: the module class each style that changes its module gives (the others change only its tensors)
+_STYLE_CLASSES = {ROW: row_parallel_class, NORM: column_split_norm_class}
+
 
 def class_for(module: nn.Module | None, rule: Replacement) -> type[nn.Module] | None:
     """The class ``rule`` gives ``module``: its style's parallel module (``ROW``, ``NORM``), the class it
-    names, or what a function of the module gives (``None``: leave the module as it is)."""
-    if rule is ROW:
-        return row_parallel_class(module)
-    if rule is NORM:
-        return column_split_norm_class(module)
+    names, or what a function of the module gives (``None``: leave the module as it is; a function is
+    given ``None`` where the layer has no such module)."""
+    if isinstance(rule, Style):
+        if module is None or rule not in _STYLE_CLASSES:
+            raise ShardingError(f"a {rule} style gives no module class to {module!r}")
+        return _STYLE_CLASSES[rule](module)
     if isinstance(rule, type):
         return rule
     return rule(module)

@@ -271,7 +271,7 @@ class _Builder:
 
     def _check_projection_heads(self, path: str, module: nn.Module, head_dim: int) -> set[int]:
         """Each cut projection of the attention ``module`` gives every rank whole heads; its head counts."""
-        plan, head_counts = self.plan, set()
+        plan, head_counts = self.plan, set[int]()
         for child_name, child in module.named_children():
             weight = getattr(child, "weight", None)
             split = plan.splits.get(self.first_name.get(id(weight), ""))

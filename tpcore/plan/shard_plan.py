@@ -36,7 +36,7 @@ from tpcore.errors import ShardingError
 __all__ = ["Replacement", "ShardPlan", "Whole"]
 
 #: what a module becomes: a style's parallel module (ROW, NORM), a policy's class, or a function of the module
-Replacement = Style | type[nn.Module] | Callable[[nn.Module], type[nn.Module]]
+Replacement = Style | type[nn.Module] | Callable[..., type[nn.Module] | None]
 
 
 class Whole(NamedTuple):

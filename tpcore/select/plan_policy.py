@@ -61,7 +61,7 @@ class PlanPolicy(Policy):
     @classmethod
     def replace_arguments(cls, config: Any, world_size: int) -> dict[str, Any]:
         """Per-rank head counts and experts sizes, read from the config of the block's sub-model."""
-        heads, kv_heads = _heads(config), _kv_heads(config)
+        heads = _heads(config)
         arguments = {
             f"{owner}.{name}": value
             for owner, size in cls.intermediates
@@ -69,6 +69,7 @@ class PlanPolicy(Policy):
         }
         if heads is None:
             return arguments
+        kv_heads = _kv_heads(config) or heads
         if cls.has_norms:
             _check_norms_see_equal_copies(cls.__name__, heads, kv_heads, world_size)
         local = share(heads, world_size, "num_attention_heads", groups=kv_heads)

@@ -168,7 +168,7 @@ def derive_policies(model: nn.Module) -> list[type[Policy]]:
         block = model.get_submodule(name)
         by_class.setdefault(type(block), []).append((name, block, _followed(paths)))
     configs = module_configs(model)
-    policies = [policy_for(instances, configs) for instances in by_class.values()]
+    policies: list[type[Policy]] = [policy_for(instances, configs) for instances in by_class.values()]
     policies = [policy for policy in policies if policy.layers()]
     if not policies:
         named = ", ".join(sorted({path for paths in rules.values() for path in paths}))
