@@ -108,3 +108,16 @@ def test_many_segments_in_one_message_all_arrive(pair):
     finally:
         wire._MAX_FDS_PER_MESSAGE = limit
     assert [tensor[0].item() for tensor in wire.recv(receiver)] == [0.0, 1.0, 2.0]
+
+
+def test_a_one_element_view_with_a_stride_travels(pair):
+    """A question-answering head splits its ``(batch, seq, 2)`` logits into two strided views; with one
+    token each is one element whose view keeps a stride of 2, which a byte view cannot take as it is."""
+    sender, receiver = pair
+    start, end = torch.randn(1, 1, 2).split(1, dim=-1)
+    message = {"start_logits": start.squeeze(-1), "end_logits": end.squeeze(-1)}
+    assert message["start_logits"].stride() == (2, 2)
+    with wire.encode(message) as encoded:
+        encoded.send(sender)
+    received = wire.recv(receiver)
+    assert all(torch.equal(received[name], tensor) for name, tensor in message.items())

@@ -212,7 +212,10 @@ def byte_view(tensor):
 
     if tensor.device.type != "cpu":
         raise ValueError(f"byte_view needs a CPU tensor, got one on {tensor.device}: send tensor.cpu()")
-    return tensor.reshape(-1).view(torch.uint8).numpy()
+    flat = tensor.reshape(-1)
+    if flat.numel() and flat.stride(0) != 1:  # one element may keep its view's stride (a column of a split)
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    return flat.view(torch.uint8).numpy()
 
 
 class _Pickler(cloudpickle.Pickler):
