@@ -18,8 +18,8 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 import tpcore
-from tpcore.parallel import shm
 from tpcore import destroy_process_group
+from tpcore.parallel import shm
 from tpcore.testing import SCALE_FLOOR
 
 NEW_TOKENS = 8

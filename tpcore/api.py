@@ -111,7 +111,8 @@ def parallelize(
         policies = choose_policies(source.model, custom_policies)
         plan = plan_for(source.model, policies, num_gpus, vocab_parallel=vocab_parallel)
         pool = launch.load(plan)
-    return attach(source.model, pool, plan, timeout, has_weights=source.has_weights, verbosity=verbosity)
+    has_weights, dtype = source.has_weights, options.dtype
+    return attach(source.model, pool, plan, timeout, has_weights=has_weights, verbosity=verbosity, dtype=dtype)
 
 
 def _verbosity(verbose) -> str | None:

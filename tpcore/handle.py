@@ -14,31 +14,41 @@ from __future__ import annotations
 import functools
 import threading
 
+import torch
 from torch import nn
 
 from tpcore.errors import WorkerDiedError, WorkerError
 from tpcore.plan import ShardPlan, bytes_summary
-from tpcore.rank_side import memory, memory_detail, serve
+from tpcore.rank_cache import CacheState, CallerCaches
+from tpcore.rank_side import Call, memory, memory_detail, mutate_cache, serve
 from tpcore.ranks.failures import reraise
 from tpcore.ranks.process import RankPool, ranks_text
 from tpcore.ranks.rng import CallerRandomState
 from tpcore.ranks.transfer import first_device, to_device
 from tpcore.select import describe_policies
+from tpcore.served_config import ConfigWatch
 
 __all__ = ["ParallelHandle", "attach"]
 
-_SERVED = ("forward", "generate")
+_SERVED = ("forward",)  # generate() is the model's own, run here: its forward steps are served
 #: moving the model ends the parallelization first, as in parallelformers
 _MOVES = ("to", "cpu", "cuda")
 _ADDED = ("deparallelize", "memory_allocated", "memory_reserved", "memory_cached", "memory_peak", "extra_repr")
 
 
 def attach(
-    model: nn.Module, pool: RankPool, plan: ShardPlan, timeout: float, *, has_weights: bool, verbosity: str | None
+    model: nn.Module,
+    pool: RankPool,
+    plan: ShardPlan,
+    timeout: float,
+    *,
+    has_weights: bool,
+    verbosity: str | None,
+    dtype: torch.dtype | None = None,
 ) -> nn.Module:
-    """Serve ``model`` from the ranks of ``pool`` (which hold its shards by ``plan``); print each rank's
-    memory first when ``verbosity`` asks. Returns ``model``."""
-    handle = ParallelHandle(model, pool, timeout, plan, has_weights=has_weights)
+    """Serve ``model`` from the ranks of ``pool`` (which hold its shards by ``plan``, in ``dtype`` where they
+    were cast); print each rank's memory first when ``verbosity`` asks. Returns ``model``."""
+    handle = ParallelHandle(model, pool, timeout, plan, has_weights=has_weights, dtype=dtype)
     if verbosity is not None:
         try:
             handle.print_memory(verbosity)
@@ -52,14 +62,28 @@ def attach(
 class ParallelHandle:
     """The ranks behind a parallelized model; reached as ``model._tpcore_handle``, its split as ``.plan``."""
 
-    def __init__(self, model: nn.Module, pool: RankPool, timeout: float, plan: ShardPlan, has_weights: bool = True):
+    def __init__(
+        self,
+        model: nn.Module,
+        pool: RankPool,
+        timeout: float,
+        plan: ShardPlan,
+        has_weights: bool = True,
+        dtype: torch.dtype | None = None,
+    ):
         self.model = model
         self.pool = pool
         self.timeout = timeout
         self.plan = plan
         #: the caller's model holds real weights (not the meta ones of a checkpoint start)
         self.has_weights = has_weights
+        #: what the ranks compute on and in, which the served model reports as its ``device`` and ``dtype``
+        self.device = torch.device(pool.devices[0] if pool.devices else pool.device)
+        self.dtype = dtype or next((t.dtype for t in model.parameters() if t.is_floating_point()), torch.float32)
+        self.model_class = type(model)
         self.random = CallerRandomState()
+        self.caches = CallerCaches(self.mutate_cache)
+        self.config = ConfigWatch(getattr(model, "config", None))
         self._lock = threading.Lock()
         self._policies = describe_policies(plan.policies)
 
@@ -84,11 +108,7 @@ class ParallelHandle:
         added = {
             "_tpcore_handle": self,
             "extra_repr": self._extra_repr,
-            **{
-                name: functools.partial(self.call, name)
-                for name in _SERVED
-                if name == "forward" or hasattr(type(model), name)
-            },
+            "forward": functools.wraps(type(model).forward)(functools.partial(self.call, "")),
             **{name: functools.partial(self.move, name) for name in _MOVES},
             "deparallelize": self.deparallelize,
             "memory_allocated": functools.partial(self._memory, "allocated"),
@@ -96,27 +116,57 @@ class ParallelHandle:
             "memory_cached": memory_reserved,
             "memory_peak": functools.partial(self._memory, "peak"),
         }
-        for name, value in added.items():  # instance attributes: the model's class is untouched
+        for name, value in added.items():
             setattr(model, name, value)
+        model.__class__ = served_class(type(model))
+        for path, module in self._served_submodules():
+            module.forward = functools.wraps(type(module).forward)(functools.partial(self.call, path))
 
-    def call(self, method: str, *args, **kwargs):
-        """Run ``model.<method>(*args, **kwargs)`` on the ranks; raise a rank's error as its own type.
+    def _served_submodules(self) -> list[tuple[str, nn.Module]]:
+        """The submodules that ``generate()`` calls itself (an encoder-decoder's encoder), by path."""
+        get_encoder = getattr(self.model, "get_encoder", None)
+        encoder = (
+            get_encoder() if callable(get_encoder) and getattr(self.model.config, "is_encoder_decoder", False) else None
+        )
+        if not isinstance(encoder, nn.Module) or encoder is self.model:
+            return []
+        return [(name, module) for name, module in self.model.named_modules() if module is encoder][:1]
+
+    def call(self, path: str, *args, **kwargs):
+        """Run the forward of the model (of its submodule at ``path``) on the ranks, with the caller's
+        random state and config; raise a rank's error as its own type.
 
         Tensors travel through the CPU; the output comes back on the device of the first input tensor.
+        A cache passed in names the ranks' cache (:mod:`tpcore.rank_cache`); a cache in the output is the
+        caller's stand-in for the ranks' one.
         """
         device = first_device((args, kwargs))
         args, kwargs = to_device((args, kwargs), "cpu")
         with self._lock:  # one call's random state at a time
-            try:
-                results = self.pool.run(serve, method, args, kwargs, self.random.outgoing(), timeout=self.timeout)
-            except WorkerError as error:
-                reraise(error)
-            except WorkerDiedError as error:
-                message = f"{error} (the ranks are gone: call model.deparallelize() and parallelize again)"
-                raise WorkerDiedError(message) from None
-            output, random_state = results[0]
+            sent: dict[int, object] = {}
+            args, kwargs = self.caches.outgoing((args, kwargs), sent)
+            request = Call(
+                path, args, kwargs, self.random.outgoing(), self.config.changes(), tuple(self.caches.take_freed())
+            )
+            output, random_state, states = self._run(serve, request)
             self.random.adopt(random_state)
+            output = self.caches.incoming(output, sent, states)
         return output if device is None or device.type == "cpu" else to_device(output, device)
+
+    def mutate_cache(self, cache_id: int, part: str | None, method: str, args: tuple) -> CacheState:
+        """Run a method of the ranks' cache ``cache_id`` that changes it; its state after."""
+        with self._lock:
+            return self._run(mutate_cache, cache_id, part, method, args)
+
+    def _run(self, function, *args):
+        """``function`` on every rank; rank 0's result, a rank's error raised as its own type."""
+        try:
+            return self.pool.run(function, *args, timeout=self.timeout)[0]
+        except WorkerError as error:
+            reraise(error)
+        except WorkerDiedError as error:
+            message = f"{error} (the ranks are gone: call model.deparallelize() and parallelize again)"
+            raise WorkerDiedError(message) from None
 
     def move(self, method: str, *args, **kwargs) -> nn.Module:
         """``model.to/cpu/cuda``: stop the ranks, then move the caller's (unsplit) model."""
@@ -148,6 +198,28 @@ class ParallelHandle:
         """Stop the ranks and give the model its own methods back; it runs unsplit again (a model
         started from a checkpoint has no weights in the caller: load it with ``from_pretrained``)."""
         self.pool.close()
+        self.model.__class__ = self.model_class
         for name in (*_SERVED, *_MOVES, *_ADDED, "_tpcore_handle"):
             self.model.__dict__.pop(name, None)
+        for _, module in self._served_submodules():
+            module.__dict__.pop("forward", None)
         return self.model
+
+
+_SERVED_CLASSES: dict[type, type] = {}
+
+
+def served_class(model_class: type) -> type:
+    """A subclass of ``model_class`` (its name, module and everything else its own) whose ``device`` and
+    ``dtype`` are those the ranks compute on and in: a model loaded from a checkpoint holds no weights here,
+    yet ``pipeline()``, ``inputs.to(model.device)`` and ``generate()`` need a device."""
+    if model_class not in _SERVED_CLASSES:
+        namespace = {
+            "__module__": model_class.__module__,
+            "__qualname__": model_class.__qualname__,
+            "__doc__": model_class.__doc__,
+            "device": property(lambda self: self._tpcore_handle.device),
+            "dtype": property(lambda self: self._tpcore_handle.dtype),
+        }
+        _SERVED_CLASSES[model_class] = type(model_class.__name__, (model_class,), namespace)
+    return _SERVED_CLASSES[model_class]

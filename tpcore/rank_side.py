@@ -11,8 +11,11 @@ import logging
 import resource
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from tpcore.load.checkpoint import Checkpoint, Read
@@ -22,11 +25,12 @@ from tpcore.parallel import memfd
 from tpcore.parallel.layers import bind_group
 from tpcore.plan import format_bytes
 from tpcore.progress import ByteCounter
+from tpcore.rank_cache import CacheRef, CacheState, RankCaches
 from tpcore.ranks.process import RankContext
 from tpcore.ranks.rng import RandomState, device_generator
 from tpcore.ranks.transfer import to_cpu, to_device
 
-__all__ = ["keep", "load_shard", "memory", "memory_detail", "read_shard", "serve"]
+__all__ = ["Call", "keep", "load_shard", "memory", "memory_detail", "mutate_cache", "read_shard", "serve"]
 
 logger = logging.getLogger("tpcore.parallelize")
 
@@ -65,17 +69,91 @@ def keep(context: RankContext, skeleton: nn.Module, dtype) -> int:
     return sum(t.numel() * t.element_size() for t in named_tensors(model).values())
 
 
-def serve(context: RankContext, method: str, args: tuple, kwargs: dict, random_state: RandomState):
-    """On a rank: run ``model.<method>`` with the caller's random state; rank 0 returns the result
-    (on the CPU) and its random state."""
+@dataclass(frozen=True)
+class Call:
+    """One served call: the forward of the model (or of its submodule at ``path``) on ``args`` and
+    ``kwargs`` (caches as :class:`~tpcore.rank_cache.CacheRef`), with the caller's random state, the
+    attributes of its config changed since the last call (``{sub-config path: {name: value}}``), and the
+    caches the caller dropped."""
+
+    path: str
+    args: tuple
+    kwargs: dict
+    random_state: RandomState
+    config_changes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    freed: tuple[int, ...] = ()
+
+
+def serve(context: RankContext, call: Call):
+    """On a rank: run the call with the caller's random state and its config; rank 0 returns the output
+    (on the CPU, each cache as its id and state), its random state, and the state of each cache sent."""
     model = context.store["model"]
+    caches = context.store.setdefault("caches", RankCaches())
+    caches.free(call.freed)
+    apply_config_changes(model, call.config_changes)
     generator = device_generator(context.device)
-    random_state.apply(generator)
+    call.random_state.apply(generator)
+    args, kwargs = caches.resolve(to_device((call.args, call.kwargs), context.device))
+    target = model.get_submodule(call.path) if call.path else model
     # Rank 0's forward gathers its outputs (the logits) into shared memory that the caller maps: no copy.
-    shared = memfd.gathered_outputs_shared() if context.rank == 0 and method == "forward" else nullcontext()
+    shared = memfd.gathered_outputs_shared() if context.rank == 0 else nullcontext()
     with torch.inference_mode(), shared:
-        output = getattr(model, method)(*to_device(args, context.device), **to_device(kwargs, context.device))
-    return (to_cpu(output), RandomState.of(generator)) if context.rank == 0 else None
+        output = caches.report(target(*args, **kwargs))
+        output = gather_attentions(output, context.group)
+    if context.rank != 0:
+        return None
+    sent = {ref.id for ref in _refs((call.args, call.kwargs))}
+    return to_cpu(output), RandomState.of(generator), caches.states(sent)
+
+
+def gather_attentions(output: Any, group: Any) -> Any:
+    """``output`` with every attention map (``attentions``, ``cross_attentions``, ... ``(batch, heads, q, k)``)
+    holding every head, in order: each rank's heads (a contiguous run, in rank order) gathered; a map every
+    rank holds whole (of a part left unsplit) is kept as it is. Only when the caller asked for attentions."""
+    if not isinstance(output, dict) or group is None or dist.get_world_size(group) == 1:
+        return output
+    for key in [key for key in output if key.endswith("attentions") and isinstance(output[key], tuple)]:
+        output[key] = tuple(_every_head(attention, group) for attention in output[key])
+    return output
+
+
+def _every_head(attention: Any, group: Any) -> Any:
+    if not isinstance(attention, torch.Tensor) or attention.dim() < 2:
+        return attention
+    pieces: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(pieces, attention.cpu(), group=group)
+    if all(piece.shape == attention.shape and torch.equal(piece, pieces[0]) for piece in pieces):
+        return attention  # every rank holds every head of it
+    return torch.cat(pieces, dim=1).to(attention.device)
+
+
+def mutate_cache(context: RankContext, cache_id: int, part: str | None, method: str, args: tuple) -> CacheState | None:
+    """On a rank: run ``method`` of the cache ``cache_id`` (its ``part``); rank 0 returns its state after."""
+    caches = context.store.setdefault("caches", RankCaches())
+    with torch.inference_mode():
+        state = caches.mutate(cache_id, part, method, to_device(args, context.device))
+    return state if context.rank == 0 else None
+
+
+def apply_config_changes(model: nn.Module, changes: dict[str, dict[str, Any]]) -> None:
+    """Set the caller's changed config attributes on this rank's model config (and its sub-configs, by path)."""
+    for path, attributes in changes.items():
+        config = model.config
+        for name in path.split(".") if path else []:
+            config = getattr(config, name)
+        for name, value in attributes.items():
+            setattr(config, name, value)
+
+
+def _refs(value: Any):
+    if isinstance(value, CacheRef):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _refs(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _refs(item)
 
 
 def memory(context: RankContext) -> dict[str, int]:

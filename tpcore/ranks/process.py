@@ -28,6 +28,7 @@ import atexit
 import datetime
 import logging
 import os
+import pickle
 import secrets
 import signal
 import subprocess
@@ -194,8 +195,9 @@ class RankPool:
         with self._lock:
             self._ready()
             what = getattr(fn, "__qualname__", repr(fn))
+            message = _encoded((fn, args, kwargs, log.caller_level()), what)  # large tensors: one segment for all
             try:
-                with encode((fn, args, kwargs, log.caller_level())) as message:  # large tensors: one segment for all
+                with message:
                     for rank, conn in enumerate(self._conns):
                         self._send(rank, what, message.send, conn)
                 return self._collect(timeout, what)
@@ -341,6 +343,15 @@ class RankPool:
 
 #: what a rank may send before its reply: a log record, a running count
 _EVENTS = ("log", "progress")
+
+
+def _encoded(message: Any, what: str):
+    """``message`` encoded for the ranks; one that cannot travel (a lock, a thread, an open file among the
+    arguments) raises ``TypeError`` here, before anything is sent, and the pool stays as it was."""
+    try:
+        return encode(message)
+    except (TypeError, AttributeError, pickle.PicklingError) as error:
+        raise TypeError(f"the arguments of {what} cannot be sent to the ranks: {error}") from error
 
 
 def ranks_text(world_size: int, backend: str, devices: Sequence[str]) -> str:

@@ -1,0 +1,235 @@
+"""The served model is the model: transformers' own ``generate()`` runs in the caller, with everything the user
+passes (streamers, stopping criteria, logits processors, the generation config as it is now), its forward
+steps served by the ranks, which keep the KV cache; the caller holds a ``Cache`` that names it.
+
+Every test goes through ``tpcore.parallelize`` (a model object, and a saved directory whose caller-side model
+holds no weights) and compares with the unsplit model: tokens identical, logits within the fp32 tolerance.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import pytest
+import torch
+import transformers
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import (
+    BartConfig,
+    BartForConditionalGeneration,
+    DynamicCache,
+    LlamaConfig,
+    LlamaForCausalLM,
+    LogitsProcessor,
+    StoppingCriteria,
+    TextIteratorStreamer,
+)
+
+import tpcore
+from tpcore.testing import compare_outputs
+
+VOCAB = 100
+WORDS = [f"w{index}" for index in range(VOCAB)]
+
+
+def llama(**overrides) -> LlamaForCausalLM:
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        pad_token_id=0,
+        eos_token_id=1,
+        attn_implementation="eager",
+        **overrides,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval()
+
+
+def bart() -> BartForConditionalGeneration:
+    config = BartConfig(
+        vocab_size=VOCAB,
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    return BartForConditionalGeneration(config).eval()
+
+
+def tokenizer() -> transformers.PreTrainedTokenizerFast:
+    """A word-level tokenizer of this vocabulary (``"w5 w7"`` -> ``[5, 7]``): real decoding, no download."""
+    model = models.WordLevel({word: index for index, word in enumerate(WORDS)}, unk_token="w2")
+    backend = Tokenizer(model)
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="w0", eos_token="w1")
+
+
+PROMPTS = torch.tensor([[5, 7, 9, 11, 3], [0, 0, 4, 8, 6]])
+MASK = (PROMPTS != 0).long()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return llama()
+
+
+@pytest.fixture(scope="module", params=["object", "directory"])
+def served(request, tmp_path_factory):
+    """A tiny Llama split over 2 ranks, from the model object or from its saved directory."""
+    if request.param == "object":
+        model = tpcore.parallelize(llama(), num_gpus=2)
+    else:
+        directory = tmp_path_factory.mktemp("llama")
+        llama().save_pretrained(directory)
+        model = tpcore.parallelize(str(directory), num_gpus=2)
+    yield model
+    model.deparallelize()
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [{}, {"num_beams": 3}, {"do_sample": True, "top_k": 20}, {"num_beams": 2, "num_return_sequences": 2}],
+    ids=["greedy", "beam", "sample", "beams-returned"],
+)
+def test_generate_is_the_model_s_own_and_gives_the_unsplit_tokens(served, reference, mode):
+    torch.manual_seed(3)
+    expected = reference.generate(PROMPTS, attention_mask=MASK, max_new_tokens=7, **mode)
+    torch.manual_seed(3)
+    assert torch.equal(served.generate(PROMPTS, attention_mask=MASK, max_new_tokens=7, **mode), expected)
+
+
+def test_assisted_decoding_with_prompt_lookup_crops_the_ranks_cache(served, reference):
+    prompt = torch.tensor([[5, 7, 9, 5, 7, 9, 5, 7]])
+    expected = reference.generate(prompt, max_new_tokens=8, prompt_lookup_num_tokens=3)
+    assert torch.equal(served.generate(prompt, max_new_tokens=8, prompt_lookup_num_tokens=3), expected)
+
+
+def test_streamers_stopping_criteria_and_logits_processors_run_in_the_caller(served, reference):
+    class Counting(StoppingCriteria):
+        def __init__(self):
+            self.calls = 0
+
+        def __call__(self, input_ids, scores, **kwargs):
+            self.calls += 1
+            return torch.full((input_ids.shape[0],), self.calls >= 4, dtype=torch.bool)
+
+    class Banning(LogitsProcessor):
+        def __init__(self):
+            self.seen = []
+
+        def __call__(self, input_ids, scores):
+            self.seen.append(input_ids.shape[1])
+            scores[:, 13] = -float("inf")
+            return scores
+
+    words = tokenizer()
+    streamer = TextIteratorStreamer(words, skip_prompt=True)
+    stop, ban = Counting(), Banning()
+    options = {"max_new_tokens": 10, "stopping_criteria": [stop], "logits_processor": [ban]}
+    thread = threading.Thread(target=lambda: served.generate(PROMPTS[:1], streamer=streamer, **options))
+    thread.start()
+    streamed = "".join(streamer)  # the consumer reads what the caller's generate puts, token by token
+    thread.join(60)
+    assert stop.calls == 4 and ban.seen == [5, 6, 7, 8]  # the caller's own instances, with their state
+    expected = reference.generate(PROMPTS[:1], stopping_criteria=[Counting()], logits_processor=[Banning()], **{
+        "max_new_tokens": 10
+    })  # fmt: skip
+    assert streamed.split() == words.convert_ids_to_tokens(expected[0, 5:].tolist())
+
+
+def test_what_the_user_sets_after_parallelize_is_what_the_next_call_uses(served, reference):
+    served.generation_config.max_new_tokens = 3
+    reference.generation_config.max_new_tokens = 3
+    try:
+        assert served.generate(PROMPTS[:1]).shape[1] == 5 + 3
+    finally:
+        served.generation_config.max_new_tokens = reference.generation_config.max_new_tokens = None
+    served.config.output_hidden_states = True
+    try:
+        hidden = served(PROMPTS, attention_mask=MASK).hidden_states
+        assert len(hidden) == 3
+    finally:
+        served.config.output_hidden_states = False
+    assert served(PROMPTS, attention_mask=MASK).hidden_states is None
+
+
+def test_output_attentions_gives_every_head_in_order(served, reference):
+    served.set_attn_implementation("eager")  # a directory's model loads with sdpa, which returns no attentions
+    expected = reference(PROMPTS, attention_mask=MASK, output_attentions=True)
+    got = served(PROMPTS, attention_mask=MASK, output_attentions=True)
+    assert [tuple(a.shape) for a in got.attentions] == [(2, 4, 5, 5)] * 2
+    compare_outputs(expected.attentions, got.attentions)
+
+
+def test_past_key_values_steps_and_a_cache_reused_across_calls_equal_the_unsplit_model(served, reference):
+    first, expected_first = (
+        served(PROMPTS, attention_mask=MASK, use_cache=True),
+        reference(PROMPTS, attention_mask=MASK),
+    )
+    cache = first.past_key_values
+    assert isinstance(cache, DynamicCache) and cache.get_seq_length() == 5  # the caller's stand-in
+    step = expected_first.logits[:, -1:].argmax(-1)
+    mask = torch.cat([MASK, torch.ones_like(step)], dim=1)
+    got = served(step, attention_mask=mask, past_key_values=cache)
+    expected = reference(step, attention_mask=mask, past_key_values=expected_first.past_key_values)
+    compare_outputs(expected.logits, got.logits)
+    assert got.past_key_values is cache and cache.get_seq_length() == 6
+
+    # a cache the user keeps across generate calls (a conversation): filled on the ranks, reused there
+    mine, theirs = DynamicCache(), DynamicCache()
+    turn = served.generate(PROMPTS[:1], past_key_values=mine, max_new_tokens=4)
+    assert torch.equal(turn, reference.generate(PROMPTS[:1], past_key_values=theirs, max_new_tokens=4))
+    assert mine.get_seq_length() == theirs.get_seq_length() == 8
+    follow = torch.cat([turn, torch.tensor([[17, 19]])], dim=1)
+    expected = reference.generate(follow, past_key_values=theirs, max_new_tokens=4)
+    assert torch.equal(served.generate(follow, past_key_values=mine, max_new_tokens=4), expected)
+
+
+def test_a_dropped_cache_is_freed_on_the_ranks_and_a_filled_one_is_refused(served, reference):
+    def held() -> int:
+        return served._tpcore_handle.pool.run(lambda context: len(context.store["caches"].caches))[0]
+
+    gc.collect()
+    served(PROMPTS[:1], use_cache=False)  # carries the ids of the caches earlier calls' outputs dropped
+    before = held()
+    cache = served(PROMPTS, attention_mask=MASK, use_cache=True).past_key_values
+    assert held() == before + 1
+    del cache
+    gc.collect()
+    served(PROMPTS[:1], use_cache=False)  # the next call carries the ids to free
+    assert held() == before
+    filled = reference(PROMPTS, attention_mask=MASK, use_cache=True).past_key_values
+    with pytest.raises(ValueError, match="holds tensors of this process cannot be used by the split model"):
+        served(PROMPTS[:1, :1], past_key_values=filled)
+
+
+def test_a_call_whose_arguments_cannot_travel_fails_alone(served):
+    with pytest.raises(TypeError, match="cannot be sent to the ranks: cannot pickle '_thread.lock'"):
+        served(PROMPTS, lock=threading.Lock())
+    assert served(PROMPTS, attention_mask=MASK).logits.shape == (2, 5, VOCAB)  # the ranks serve on
+
+
+@pytest.mark.parametrize("source", ["object", "directory"])
+def test_an_encoder_decoder_generates_with_its_encoder_served_by_the_ranks(source, tmp_path):
+    reference = bart()
+    if source == "object":
+        model = tpcore.parallelize(bart(), num_gpus=2)
+    else:
+        reference.save_pretrained(tmp_path)
+        model = tpcore.parallelize(str(tmp_path), num_gpus=2)  # the caller's encoder holds no weights
+    try:
+        for mode in ({}, {"num_beams": 3}):
+            expected = reference.generate(PROMPTS, attention_mask=MASK, max_new_tokens=6, **mode)
+            assert torch.equal(model.generate(PROMPTS, attention_mask=MASK, max_new_tokens=6, **mode), expected)
+    finally:
+        model.deparallelize()
