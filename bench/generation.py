@@ -1,0 +1,129 @@
+"""Decode ms/token of ``generate()`` on a split model: the loop in the caller against the loop on the ranks.
+
+A random-init Llama (SmolLM2-135M's widths: hidden 576, 9 query and 3 key/value heads, fewer layers by
+default) split over N=2 CPU ranks, greedy decoding of ``--new-tokens`` tokens at batch 1 and 8:
+
+- **ranks' loop**: ``model.generate()`` run on every rank of a ``RankPool`` (``ParallelEngine``), timed there:
+  the loop tpcore served before generation moved to the caller, without its one round trip;
+- **caller's loop**: ``tpcore.parallelize(model).generate()``, timed in this process: transformers' loop runs
+  here and each forward step is one round trip to the ranks, which keep the KV cache.
+
+ms/token is ``(time with T new tokens - time with 1 new token) / (T - 1)``: the prefill cancels out. The two
+ways run interleaved in rounds; medians. Both give the same tokens (checked). Writes ``bench/results/generation.md``.
+
+    python bench/generation.py            # about 3-4 minutes on 2 CPU cores
+    python bench/generation.py --quick    # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from _common import common_arguments, markdown_table, plain_table, write_result
+
+import tpcore
+from tpcore.ranks.process import RankPool
+from tpcore.testing import ModelSpec
+
+# --- run on the ranks (module-level, so cloudpickle sends them by value) -------------------------------
+
+
+def ranks_load(context, spec) -> None:
+    model = spec.build()
+    tpcore.ParallelEngine(context.world_size, context.backend, process_group=context.group).parallelize(model)
+    context.store["bench_model"] = model
+
+
+def ranks_generate(context, inputs: dict, new_tokens: int) -> tuple[float, torch.Tensor | None]:
+    model = context.store["bench_model"]
+    start = time.perf_counter()
+    with torch.inference_mode():
+        tokens = model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    return time.perf_counter() - start, (tokens if context.rank == 0 else None)
+
+
+# --- caller side -------------------------------------------------------------------------------------
+
+
+def spec_for(layers: int) -> ModelSpec:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=layers,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        vocab_size=49152,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
+    return ModelSpec(LlamaForCausalLM, config, seed=0)
+
+
+def prompts(batch: int, length: int = 16) -> dict:
+    ids = torch.randint(2, 49152, (batch, length), generator=torch.Generator().manual_seed(batch))
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def caller_generate(model, inputs: dict, new_tokens: int) -> tuple[float, torch.Tensor]:
+    start = time.perf_counter()
+    tokens = model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    return time.perf_counter() - start, tokens
+
+
+def per_token_ms(long: list[float], short: list[float], new_tokens: int) -> float:
+    return (statistics.median(long) - statistics.median(short)) / (new_tokens - 1) * 1e3
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    common_arguments(parser, "generation", "a few tokens, one round")
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args(argv)
+    new_tokens, rounds, layers = (6, 1, 2) if args.quick else (args.new_tokens, args.rounds, args.layers)
+    spec = spec_for(layers)
+    served = tpcore.parallelize(spec.build(), num_gpus=2)
+    rows = []
+    with RankPool(2, "gloo") as pool:
+        pool.run(ranks_load, spec)
+        for batch in (1, 8):
+            inputs = prompts(batch)
+            times: dict[str, dict[int, list[float]]] = {
+                "ranks": {1: [], new_tokens: []},
+                "caller": {1: [], new_tokens: []},
+            }
+            for _ in range(rounds + 1):  # the first round warms up
+                for count in (1, new_tokens):
+                    seconds, ranks_tokens = pool.run(ranks_generate, inputs, count)[0]
+                    times["ranks"][count].append(seconds)
+                    seconds, caller_tokens = caller_generate(served, inputs, count)
+                    times["caller"][count].append(seconds)
+                    assert torch.equal(ranks_tokens, caller_tokens), "the two loops gave different tokens"
+            ms = {way: per_token_ms(t[new_tokens][1:], t[1][1:], new_tokens) for way, t in times.items()}
+            rows.append([str(batch), f"{ms['ranks']:.1f}", f"{ms['caller']:.1f}", f"{ms['caller'] / ms['ranks']:.3f}"])
+    served.deparallelize()
+    header = ["batch", "ranks' loop ms/token", "caller's loop ms/token", "caller / ranks"]
+    print(plain_table(header, rows))
+    sections = [
+        f"Llama of SmolLM2-135M's widths, {layers} layers, N=2 gloo ranks, greedy, {new_tokens} new tokens after a "
+        f"16-token prompt, median of {rounds} rounds.",
+        markdown_table(header, rows),
+    ]
+    write_result(
+        "generation",
+        "Decode ms/token: the caller's loop against the ranks' loop",
+        sections,
+        "gloo",
+        args.note,
+        args.output,
+    )
+
+
+if __name__ == "__main__":
+    main()
