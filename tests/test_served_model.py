@@ -233,3 +233,26 @@ def test_an_encoder_decoder_generates_with_its_encoder_served_by_the_ranks(sourc
             assert torch.equal(model.generate(PROMPTS, attention_mask=MASK, max_new_tokens=6, **mode), expected)
     finally:
         model.deparallelize()
+
+
+def test_a_directory_s_model_reports_the_ranks_device_works_in_a_pipeline_saves_and_deparallelizes(tmp_path):
+    reference = llama()
+    reference.save_pretrained(tmp_path / "saved")
+    model = tpcore.parallelize(str(tmp_path / "saved"), num_gpus=2)
+    try:
+        assert model.device == torch.device("cpu") and model.dtype == torch.float32  # the ranks', not meta
+        assert next(model.parameters()).device.type == "meta"  # this process holds no weights
+        inputs = tokenizer()(["w5 w7 w9"], return_tensors="pt").to(model.device)
+        compare_outputs(reference(**inputs).logits, model(**inputs).logits)
+        words = tokenizer()
+        generate = transformers.pipeline("text-generation", model=model, tokenizer=words)
+        expected = transformers.pipeline("text-generation", model=reference, tokenizer=words)
+        options = {"max_new_tokens": 5, "do_sample": False}
+        assert generate("w5 w7 w9", **options) == expected("w5 w7 w9", **options)
+        model.save_pretrained(tmp_path / "again")  # the ranks' shards, gathered a file at a time
+        again = LlamaForCausalLM.from_pretrained(tmp_path / "again").eval()
+        compare_outputs(reference(**inputs).logits, again(**inputs).logits)  # (it loads with sdpa: fp32 order)
+    finally:
+        unsplit = model.deparallelize()  # gathers the weights: a usable model, no longer on meta
+    assert type(unsplit) is LlamaForCausalLM
+    compare_outputs(reference(**inputs).logits, unsplit(**inputs).logits)

@@ -12,15 +12,19 @@ travel through the CPU; the outputs come back on the device of the first input t
 from __future__ import annotations
 
 import functools
+import os
 import threading
+from collections.abc import Iterator
 
 import torch
 from torch import nn
 
 from tpcore.errors import WorkerDiedError, WorkerError
+from tpcore.load.saving import save_gathered
+from tpcore.load.skeleton import install_tensors
 from tpcore.plan import ShardPlan, bytes_summary
 from tpcore.rank_cache import CacheState, CallerCaches
-from tpcore.rank_side import Call, memory, memory_detail, mutate_cache, serve
+from tpcore.rank_side import Call, memory, memory_detail, mutate_cache, serve, shard_tensors
 from tpcore.ranks.failures import reraise
 from tpcore.ranks.process import RankPool, ranks_text
 from tpcore.ranks.rng import CallerRandomState
@@ -33,7 +37,17 @@ __all__ = ["ParallelHandle", "attach"]
 _SERVED = ("forward",)  # generate() is the model's own, run here: its forward steps are served
 #: moving the model ends the parallelization first, as in parallelformers
 _MOVES = ("to", "cpu", "cuda")
-_ADDED = ("deparallelize", "memory_allocated", "memory_reserved", "memory_cached", "memory_peak", "extra_repr")
+#: the most bytes of whole tensors gathered in the caller at once (``save_pretrained``, ``deparallelize``)
+GATHER_BYTES = 1 << 30
+_ADDED = (
+    "save_pretrained",
+    "deparallelize",
+    "memory_allocated",
+    "memory_reserved",
+    "memory_cached",
+    "memory_peak",
+    "extra_repr",
+)
 
 
 def attach(
@@ -111,6 +125,7 @@ class ParallelHandle:
             "forward": functools.wraps(type(model).forward)(functools.partial(self.call, "")),
             **{name: functools.partial(self.move, name) for name in _MOVES},
             "deparallelize": self.deparallelize,
+            "save_pretrained": self.save_pretrained,
             "memory_allocated": functools.partial(self._memory, "allocated"),
             "memory_reserved": memory_reserved,
             "memory_cached": memory_reserved,
@@ -194,9 +209,41 @@ class ParallelHandle:
             for device, detail in self._run_per_device(memory_detail).items():
                 print(f"tpcore {device}: {detail}")
 
+    def gathered(self, names: list[str]) -> Iterator[dict[str, torch.Tensor]]:
+        """The whole tensors ``names``, a group of about :data:`GATHER_BYTES` at a time, assembled from every
+        rank's parts: no process holds more than a group beside its own share."""
+        group: list[str] = []
+        for name in [*names, None]:
+            if name is not None:
+                group.append(name)
+            size = sum(self.plan.tensor_bytes(each) for each in group)
+            if group and (name is None or size >= GATHER_BYTES):
+                with self._lock:
+                    parts = self.pool.run(shard_tensors, group, timeout=self.timeout)
+                yield {each: self.plan.assemble(each, [part[each] for part in parts]) for each in group}
+                group = []
+
+    def save_pretrained(self, directory: str | os.PathLike, **options) -> None:
+        """``model.save_pretrained``: the caller's own where it holds the weights; else the ranks' shards
+        gathered and written a file at a time (:func:`tpcore.load.saving.save_gathered`)."""
+        if self.has_weights:
+            getattr(self.model_class, "save_pretrained")(self.model, directory, **options)  # noqa: B009  (a transformers model)
+            return
+        save_gathered(self.model, self.gathered(self._saved_names()), directory)
+
+    def _saved_names(self) -> list[str]:
+        """The tensors a checkpoint holds: the plan's (first names) that the state dict has (no buffer its
+        constructor computes)."""
+        saved = set(self.model.state_dict(keep_vars=True))
+        return [name for name in self.plan.shapes if name in saved]
+
     def deparallelize(self) -> nn.Module:
-        """Stop the ranks and give the model its own methods back; it runs unsplit again (a model
-        started from a checkpoint has no weights in the caller: load it with ``from_pretrained``)."""
+        """Stop the ranks and give the model its own methods back; it runs unsplit again. A model started
+        from a checkpoint first takes its weights, gathered from the ranks' shards."""
+        if not self.has_weights:
+            for tensors in self.gathered(self._saved_names()):
+                install_tensors(self.model, tensors)
+            self.has_weights = True
         self.pool.close()
         self.model.__class__ = self.model_class
         for name in (*_SERVED, *_MOVES, *_ADDED, "_tpcore_handle"):

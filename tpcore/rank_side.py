@@ -30,7 +30,17 @@ from tpcore.ranks.process import RankContext
 from tpcore.ranks.rng import RandomState, device_generator
 from tpcore.ranks.transfer import to_cpu, to_device
 
-__all__ = ["Call", "keep", "load_shard", "memory", "memory_detail", "mutate_cache", "read_shard", "serve"]
+__all__ = [
+    "Call",
+    "keep",
+    "load_shard",
+    "memory",
+    "memory_detail",
+    "mutate_cache",
+    "read_shard",
+    "serve",
+    "shard_tensors",
+]
 
 logger = logging.getLogger("tpcore.parallelize")
 
@@ -125,6 +135,12 @@ def _every_head(attention: Any, group: Any) -> Any:
     if all(piece.shape == attention.shape and torch.equal(piece, pieces[0]) for piece in pieces):
         return attention  # every rank holds every head of it
     return torch.cat(pieces, dim=1).to(attention.device)
+
+
+def shard_tensors(context: RankContext, names: list[str]) -> dict[str, torch.Tensor]:
+    """On a rank: its parts of the tensors ``names`` (first names), on the CPU."""
+    tensors = named_tensors(context.store["model"])
+    return {name: tensors[name].detach().cpu() for name in names}
 
 
 def mutate_cache(context: RankContext, cache_id: int, part: str | None, method: str, args: tuple) -> CacheState | None:

@@ -131,3 +131,20 @@ class ShardPlan:
     def replicated_bytes(self) -> int:
         """The bytes every rank holds whole (each rank holds all of them)."""
         return sum(self.tensor_bytes(name) for name in self.shapes if name not in self.splits)
+
+    def assemble(self, name: str, pieces: list[torch.Tensor]) -> torch.Tensor:
+        """The whole tensor ``name`` from every rank's part of it (``pieces[r]``: rank ``r``'s), the inverse of
+        :meth:`share`: each rank's ranges put back in place (a replicated unit written by each rank that holds it,
+        the same values), padding rows dropped."""
+        split = self.splits.get(name)
+        if split is None:
+            return pieces[0]
+        dim = split.dim % len(self.shapes[name])
+        whole = pieces[0].new_empty(self.shapes[name])
+        for rank, piece in enumerate(pieces):
+            ranges, _ = split.ranges(self.shapes[name][dim], rank, self.world_size)
+            offset = 0
+            for start, stop in ranges:
+                whole.narrow(dim, start, stop - start).copy_(piece.narrow(dim, offset, stop - start))
+                offset += stop - start
+        return whole
