@@ -102,3 +102,32 @@ def test_a_file_cut_short_after_its_header_was_read_is_named(tmp_path):
         handle.truncate(path.stat().st_size - 4096)
     with pytest.raises(ValueError, match="model.safetensors ended while reading it"):
         file.read("w")
+
+
+def test_a_header_nested_past_the_parser_s_depth_is_a_value_error_naming_the_file(tmp_path):
+    path = tmp_path / "nested.safetensors"
+    header = b"[" * 100_000 + b"]" * 100_000
+    path.write_bytes(len(header).to_bytes(8, "little") + header)
+    with pytest.raises(ValueError, match="nested.safetensors is not a safetensors file: its header is nested too deep"):
+        safetensors_file.read_header(path)
+
+
+def test_a_header_length_past_the_format_s_bound_is_refused_without_reading_it(tmp_path, monkeypatch):
+    """A sparse file whose length field claims 256 MiB: refused from the field alone (nothing past it is read)."""
+    path = tmp_path / "sparse.safetensors"
+    with open(path, "wb") as file:
+        file.write((256 << 20).to_bytes(8, "little"))
+        file.truncate(8 + (256 << 20) + 8)  # a hole: no disk, but reading it would fill memory
+    reads: list[int] = []
+    real_open = open
+
+    def watched_open(*args, **kwargs):
+        handle = real_open(*args, **kwargs)
+        real_read = handle.read
+        handle.read = lambda size=-1: (reads.append(size), real_read(size))[1]
+        return handle
+
+    monkeypatch.setattr("builtins.open", watched_open)
+    with pytest.raises(ValueError, match="sparse.safetensors is not a safetensors file: its header claims 268435456"):
+        safetensors_file.read_header(path)
+    assert reads == [8]

@@ -256,3 +256,29 @@ def test_a_directory_s_model_reports_the_ranks_device_works_in_a_pipeline_saves_
         unsplit = model.deparallelize()  # gathers the weights: a usable model, no longer on meta
     assert type(unsplit) is LlamaForCausalLM
     compare_outputs(reference(**inputs).logits, unsplit(**inputs).logits)
+
+
+@pytest.mark.parametrize("num_gpus", [0, -1, "2", 2.0, None])
+def test_num_gpus_that_is_no_count_of_ranks_is_refused_before_anything_starts(num_gpus, spawned):
+    with pytest.raises(ValueError, match="num_gpus is the number of ranks to split the model over, a positive int"):
+        tpcore.parallelize(llama(), num_gpus=num_gpus)
+    assert spawned == []
+
+
+def test_an_unmerged_lora_and_an_adapter_directory_are_refused_naming_the_layer_and_merged_ones_split(
+    tmp_path, spawned, reference
+):
+    peft = pytest.importorskip("peft")
+    lora = peft.get_peft_model(llama(), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    with pytest.raises(ValueError, match=r"unmerged adapter in .*layers\.0\.self_attn\.q_proj .*merge_and_unload"):
+        tpcore.parallelize(lora, num_gpus=2)
+    lora.save_pretrained(tmp_path)  # an adapter directory: adapter_config.json and the adapter's weights
+    with pytest.raises(ValueError, match="holds a PEFT adapter, not a model: merge the adapter"):
+        tpcore.parallelize(str(tmp_path), num_gpus=2)
+    assert spawned == []
+    merged = lora.merge_and_unload()  # LoRA's B starts at zero: merged, it is the base model
+    model = tpcore.parallelize(merged, num_gpus=2)
+    try:
+        compare_outputs(reference(PROMPTS, attention_mask=MASK).logits, model(PROMPTS, attention_mask=MASK).logits)
+    finally:
+        model.deparallelize()

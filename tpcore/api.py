@@ -23,7 +23,7 @@ from tpcore.launch import CheckpointSource, Launch, LaunchOptions, ModelSource
 from tpcore.load.checkpoint import is_checkpoint_path
 from tpcore.plan import plan_for
 from tpcore.ranks.process import CALL_TIMEOUT_S
-from tpcore.select import choose_policies
+from tpcore.select import choose_policies, refuse_unmerged_adapters
 
 __all__ = ["parallelize"]
 
@@ -95,6 +95,9 @@ def parallelize(
     """
     if isinstance(num_gpus, bool):  # parallelformers' positional order is (model, fp16, num_gpus)
         raise TypeError(f"num_gpus must be an int, got {num_gpus!r}: pass fp16= and num_gpus= by keyword")
+    if not isinstance(num_gpus, int) or num_gpus < 1:
+        raise ValueError(f"num_gpus is the number of ranks to split the model over, a positive int; got {num_gpus!r}")
+    refuse_unmerged_adapters(model)
     verbosity = _verbosity(verbose)
     if init_method not in _START_METHODS:
         raise ValueError(f"init_method is a multiprocessing start method {_START_METHODS[1:]}, got {init_method!r}")

@@ -40,6 +40,8 @@ TORCH_DTYPES = {
     }.items()
     if hasattr(torch, name)
 }  # fmt: skip
+#: the largest header the safetensors format reads (its ``MAX_HEADER_SIZE``: 100 MB)
+MAX_HEADER_BYTES = 100_000_000
 #: iovecs one ``preadv`` takes (Linux's ``IOV_MAX``)
 _IOV_MAX = 1024
 
@@ -148,13 +150,26 @@ def _parse(path: Path) -> tuple[dict[str, dict], int]:
                 f"{path.name} is truncated or not a safetensors file: its header ends at byte {data_start} "
                 f"but the file has {size} bytes"
             )
+        if length > MAX_HEADER_BYTES:  # refused from the length alone: a sparse file may claim any size
+            raise ValueError(
+                f"{path.name} is not a safetensors file: its header claims {length} bytes, more than the "
+                f"{MAX_HEADER_BYTES} the safetensors format allows"
+            )
         try:
             header = json.loads(file.read(length))
-        except ValueError as error:  # not JSON, or not text
-            raise ValueError(f"{path.name} is not a safetensors file: its header is not valid JSON ({error})") from None
+        except (ValueError, RecursionError) as error:  # not JSON, not text, or nested past the parser's depth
+            kind = "nested too deeply" if isinstance(error, RecursionError) else f"not valid JSON ({error})"
+            raise ValueError(f"{path.name} is not a safetensors file: its header is {kind}") from None
     if not isinstance(header, dict):
         raise ValueError(f"{path.name} is not a safetensors file: its header is not a JSON object")
     header.pop("__metadata__", None)
+    _check_layout(path, header, data_start, size)
+    return header, data_start
+
+
+def _check_layout(path: Path, header: dict, data_start: int, size: int) -> None:
+    """Every entry well formed, the tensors one after another without gaps, each of its dtype's size, the
+    last ending where the file does."""
     layout = []
     for key, entry in header.items():
         try:
@@ -190,4 +205,3 @@ def _parse(path: Path) -> tuple[dict[str, dict], int]:
             f"{path.name} is corrupt: its last tensor ends at byte {data_start + data_end} "
             f"but the file has {size} bytes"
         )
-    return header, data_start
