@@ -31,7 +31,7 @@ from torch import nn
 from tpcore.errors import WorkerError
 from tpcore.load.checkpoint import Checkpoint
 from tpcore.load.precision import resolve_dtype
-from tpcore.load.skeleton import drop_output_capturing_hooks, empty_model, named_tensors, weightless_copy
+from tpcore.load.skeleton import drop_output_capturing_hooks, empty_model, named_tensors, portable, weightless_copy
 from tpcore.plan import ShardPlan, apply_plan, log_plan
 from tpcore.progress import LoadBar
 from tpcore.rank_side import load_shard, read_shard
@@ -203,9 +203,9 @@ def _skeletons(plan: ShardPlan, skeleton: nn.Module) -> Callable[[int], nn.Modul
     """``skeleton_for(rank)``: the split meta skeleton rank ``rank`` fills. One serves every rank when the
     plan is uniform (each rank binds its own group and rows); uneven shares give each rank its own."""
     if plan.uniform:
-        apply_plan(plan, skeleton, 0)
+        apply_plan(plan, portable(skeleton), 0)
         return lambda rank: skeleton
-    return lambda rank: apply_plan(plan, copy.deepcopy(skeleton), rank)
+    return lambda rank: portable(apply_plan(plan, copy.deepcopy(skeleton), rank))
 
 
 def _modeling_modules(config: Any, model_class: type[nn.Module] | None) -> tuple[str, ...]:

@@ -152,3 +152,53 @@ def register_output_recording(model: nn.Module) -> None:
     for module in model.modules():
         if hasattr(module, "_can_record_outputs") and hasattr(module, "config"):
             _CAN_RECORD_REGISTRY[module] = module._can_record_outputs
+
+
+def portable(model: nn.Module) -> nn.Module:
+    """``model`` (a skeleton about to travel to the ranks), its parametrized modules (weight norm, as in
+    Wav2Vec2's positional convolution) made picklable in place: torch refuses to pickle them ("only through
+    state_dict()"), so each pickles as its plain class, its state and the names of its parametrized tensors,
+    and is parametrized again where it is unpickled (:func:`_parametrized_again`)."""
+    from torch.nn.utils import parametrize
+
+    for module in model.modules():
+        if parametrize.is_parametrized(module) and not isinstance(module, _Portable):
+            module.__class__ = _portable_class(type(module))
+    return model
+
+
+class _Portable:
+    """Mixed into a parametrized module's class: pickles as the plain class, state and parametrized names."""
+
+    def __reduce_ex__(self, protocol):
+        plain = parametrize_base(type(self))
+        return _parametrized_again, (plain, dict(self.__dict__), list(self.parametrizations))
+
+
+def parametrize_base(cls: type) -> type:
+    """The class a parametrized module had before torch gave it a subclass (``type_before_parametrizations``)."""
+    while issubclass(cls, _Portable) or cls.__name__.startswith("Parametrized"):
+        cls = cls.__bases__[-1] if issubclass(cls, _Portable) else cls.__bases__[0]
+    return cls
+
+
+_PORTABLE_CLASSES: dict[type, type] = {}
+
+
+def _portable_class(cls: type) -> type:
+    if cls not in _PORTABLE_CLASSES:
+        _PORTABLE_CLASSES[cls] = type(cls.__name__, (_Portable, cls), {"__module__": cls.__module__})
+    return _PORTABLE_CLASSES[cls]
+
+
+def _parametrized_again(plain: type, state: dict, names: list[str]) -> nn.Module:
+    """A module of class ``plain`` with ``state``, its tensors ``names`` parametrized again by the
+    parametrizations the state holds (``state["_modules"]["parametrizations"]``)."""
+    from torch.nn.utils import parametrize
+
+    module = plain.__new__(plain)
+    module.__dict__.update(state)
+    parametrize._inject_new_class(module)
+    for name in names:
+        parametrize._inject_property(module, name)
+    return module
