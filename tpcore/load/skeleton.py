@@ -191,7 +191,7 @@ def _portable_class(cls: type) -> type:
     return _PORTABLE_CLASSES[cls]
 
 
-def _parametrized_again(plain: type, state: dict, names: list[str]) -> nn.Module:
+def _parametrized_again(plain: type[nn.Module], state: dict, names: list[str]) -> nn.Module:
     """A module of class ``plain`` with ``state``, its tensors ``names`` parametrized again by the
     parametrizations the state holds (``state["_modules"]["parametrizations"]``)."""
     from torch.nn.utils import parametrize
