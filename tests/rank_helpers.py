@@ -106,8 +106,7 @@ def engine_logits_from_checkpoint(context, directory, policies, inputs):
 def shm_against_backend(context, tensors):
     """All-reduce and all-gather each tensor (scaled by rank + 1) through tpcore.comm and through the
     group's backend directly; returns both, and whether shared-memory collectives are attached."""
-    from tpcore.parallel import comm
-    from tpcore.parallel import shm
+    from tpcore.parallel import comm, shm
 
     results = []
     for tensor in tensors:
@@ -141,8 +140,7 @@ def change_on_rank_one_then_echo(context, tensor):
 def gather_rows_into_shared_memory(context, rows):
     """All-gather ``(rows, 64)`` of the rank's number as a served forward on rank 0 does; return the
     result and whether it lives in a shared-memory segment."""
-    from tpcore.parallel import comm
-    from tpcore.parallel import memfd
+    from tpcore.parallel import comm, memfd
 
     with memfd.gathered_outputs_shared():
         gathered = comm.all_gather(torch.full((rows, 64), float(context.rank)), context.group)
@@ -177,8 +175,7 @@ def collectives_of_a_forward(context, spec, input_ids, layer_path):
 def collective_routes(context):
     """Which tensors of tpcore's collectives reach torch.distributed (recorded by device type, not run),
     a meta tensor standing in for a CUDA one; and whether shared-memory collectives are attached."""
-    from tpcore.parallel import comm
-    from tpcore.parallel import shm
+    from tpcore.parallel import comm, shm
 
     routed = {"all_reduce": [], "all_gather": []}
     originals = dist.all_reduce, dist.all_gather

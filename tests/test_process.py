@@ -25,9 +25,7 @@ import torch
 from process_probes import children, gone, is_loopback, listening_of
 
 import tpcore
-from tpcore.ranks import process
-from tpcore.ranks import wire
-from tpcore.ranks import worker
+from tpcore.ranks import process, wire, worker
 from tpcore.ranks.distributed import free_port, interface_of
 from tpcore.ranks.process import RankPool, WorkerDiedError, WorkerError
 
@@ -242,8 +240,8 @@ def test_the_names_callers_import_from_tpcore_process_are_the_rank_side_s_own():
     from tpcore.ranks import failures
 
     assert process.RankContext is worker.RankContext
-    assert process.WorkerError is worker_errors.WorkerError and process.WorkerDiedError is worker_errors.WorkerDiedError
-    assert process.reraise is worker_errors.reraise
+    assert process.WorkerError is failures.WorkerError and process.WorkerDiedError is failures.WorkerDiedError
+    assert process.reraise is failures.reraise
     assert set(process.__all__) == {"RankContext", "RankPool", "WorkerDiedError", "WorkerError", "reraise"}
 
 

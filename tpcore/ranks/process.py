@@ -40,9 +40,9 @@ from multiprocessing.connection import wait
 from typing import Any
 
 from tpcore import log
+from tpcore.ranks.failures import WorkerDiedError, WorkerError, reraise
 from tpcore.ranks.wire import ControlListener, byte_view, encode, recv, send
 from tpcore.ranks.worker import AUTHKEY_ENV, PARENT_ENV, RankContext, worker_command
-from tpcore.ranks.failures import WorkerDiedError, WorkerError, reraise
 
 __all__ = ["RankContext", "RankPool", "WorkerDiedError", "WorkerError", "reraise"]
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tpcore import log
-from tpcore.ranks.wire import byte_view, connect, recv, send
 from tpcore.ranks.failures import describe
+from tpcore.ranks.wire import byte_view, connect, recv, send
 
 __all__ = ["AUTHKEY_ENV", "PARENT_ENV", "WORKER_CODE", "RankContext", "synchronize", "worker_command", "worker_entry"]
 
