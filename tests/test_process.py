@@ -6,6 +6,7 @@ is recorded for the summary (``time_to_error``).
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import hmac
 import json
@@ -17,6 +18,7 @@ import sys
 import textwrap
 import threading
 import time
+import weakref
 from multiprocessing.connection import Connection
 
 import pytest
@@ -100,6 +102,28 @@ def test_calls_from_threads_are_serialized_and_each_gets_its_own_result(pool):
     for thread in threads:
         thread.join(60)
     assert results == {value: [2.0 * value + 1] * 2 for value in range(8)}
+
+
+def test_neither_rank_0_nor_the_caller_keeps_a_finished_call_s_tensors(pool):
+    """200 calls of 4 MiB in and out, garbage collection off on both sides: once a call is done, its input (in
+    the caller and on each rank) and its output (on rank 0 and, once dropped, in the caller) are freed. Nothing
+    holds them in a reference cycle, such as a message pickler whose ``buffer_callback`` is its own method."""
+    nbytes, calls = 4 * 2**20, 200
+    pool.run(rank_helpers.garbage_collection, False)
+    gc.disable()
+    try:
+        watched: list[weakref.ref] = []
+        for call in range(calls):
+            inputs = torch.ones(nbytes, dtype=torch.uint8)
+            (alive_on_rank_0, output), (alive_on_rank_1, _) = pool.run(rank_helpers.watched_output, inputs, nbytes)
+            assert (alive_on_rank_0, alive_on_rank_1) == (0, 0), f"call {call}: earlier tensors alive on the ranks"
+            assert output.shape == (nbytes,)
+            watched += [weakref.ref(inputs), weakref.ref(output)]
+            del inputs, output
+            assert not [ref for ref in watched if ref() is not None], f"call {call}: tensors alive in the caller"
+    finally:
+        gc.enable()
+        pool.run(rank_helpers.garbage_collection, True)
 
 
 def test_close_leaves_no_process_and_frees_the_port():

@@ -215,20 +215,38 @@ def byte_view(tensor):
     return tensor.reshape(-1).view(torch.uint8).numpy()
 
 
+class _OutOfBand:
+    """The out-of-band buffers of one message, in order (:attr:`buffers`), and for each the
+    :class:`~tpcore.memfd.Segment` its tensor already lives in (it travels as that segment's descriptor,
+    with no copy at all) or ``None`` (:attr:`segments`).
+
+    Apart from the pickler, whose ``buffer_callback`` is :meth:`keep`: a callback bound to the pickler itself
+    would make a reference cycle, and the pickler's memo would keep every object of the message (a call's
+    inputs, a rank's outputs) alive until the next garbage collection."""
+
+    def __init__(self):
+        self.buffers: list[pickle.PickleBuffer] = []
+        self.segments: list[memfd.Segment | None] = []
+        #: the segment of each large tensor's buffer, from the pickler's reducer until ``keep`` files it
+        self.segment_of_buffer: dict[int, tuple[pickle.PickleBuffer, memfd.Segment | None]] = {}
+
+    def keep(self, buffer: pickle.PickleBuffer) -> bool:
+        """``buffer_callback``: ``True`` pickles ``buffer`` in band (a small tensor's bytes, a small array)."""
+        if buffer.raw().nbytes < RAW_TENSOR_BYTES:
+            return True
+        self.buffers.append(buffer)
+        self.segments.append(self.segment_of_buffer.pop(id(buffer), (None, None))[1])
+        return False
+
+
 class _Pickler(cloudpickle.Pickler):
     """cloudpickle, with plain CPU tensors sent as their bytes: inside the pickle below
-    :data:`RAW_TENSOR_BYTES`, out of band from there on (as raw frames or in shared memory).
-
-    ``buffers`` lists the out-of-band buffers in order and ``segments``, for each, the
-    :class:`~tpcore.memfd.Segment` its tensor already lives in (it travels as that segment's descriptor,
-    with no copy at all) or ``None``.
+    :data:`RAW_TENSOR_BYTES`, out of band from there on (as raw frames or in shared memory: :attr:`out_of_band`).
     """
 
     def __init__(self, file):
-        super().__init__(file, protocol=5, buffer_callback=self._keep_out_of_band)
-        self.buffers: list[pickle.PickleBuffer] = []
-        self.segments: list[memfd.Segment | None] = []
-        self._segment_of_buffer: dict[int, tuple[pickle.PickleBuffer, memfd.Segment | None]] = {}
+        self.out_of_band = _OutOfBand()
+        super().__init__(file, protocol=5, buffer_callback=self.out_of_band.keep)
 
     def reducer_override(self, obj):
         torch = sys.modules.get("torch")
@@ -236,18 +254,10 @@ class _Pickler(cloudpickle.Pickler):
             data = obj.detach().contiguous()
             buffer = pickle.PickleBuffer(byte_view(data))
             if data.numel() * data.element_size() >= RAW_TENSOR_BYTES:
-                self._segment_of_buffer[id(buffer)] = (buffer, memfd.segment_of(data))
+                self.out_of_band.segment_of_buffer[id(buffer)] = (buffer, memfd.segment_of(data))
             return _tensor_from_buffer, (buffer, data.dtype, tuple(data.shape))
         parent = getattr(super(), "reducer_override", None)  # plain pickle (no cloudpickle) has none
         return parent(obj) if parent is not None else NotImplemented
-
-    def _keep_out_of_band(self, buffer: pickle.PickleBuffer) -> bool:
-        """``buffer_callback``: ``True`` pickles ``buffer`` in band (a small tensor's bytes, a small array)."""
-        if buffer.raw().nbytes < RAW_TENSOR_BYTES:
-            return True
-        self.buffers.append(buffer)
-        self.segments.append(self._segment_of_buffer.pop(id(buffer), (None, None))[1])
-        return False
 
 
 def _bytes_sendable(tensor) -> bool:
@@ -312,10 +322,11 @@ def encode(message) -> Encoded:
     stream = io.BytesIO()
     pickler = _Pickler(stream)
     pickler.dump(message)
-    raws = [buffer.raw() for buffer in pickler.buffers]
+    out_of_band = pickler.out_of_band
+    raws = [buffer.raw() for buffer in out_of_band.buffers]
     places: list[tuple] = []
     frames, fds, copied = [], [], []
-    for raw, segment in zip(raws, pickler.segments, strict=True):
+    for raw, segment in zip(raws, out_of_band.segments, strict=True):
         if segment is not None:
             if segment.fd not in fds:
                 fds.append(segment.fd)
