@@ -442,3 +442,93 @@ def test_the_exceptions_a_user_catches_are_importable_from_tpcore():
     assert tpcore.PluginLoadWarning is plugins.PluginLoadWarning
     assert tpcore.PluginConflictError is plugins.PluginConflictError
     assert {"WorkerError", "WorkerDiedError", "ShardingError", "UnsupportedModelError"} <= set(tpcore.__all__)
+
+
+# -- the caller's side: a forked child, a kill during the start, the start method ------------------
+
+FORKING_CALLER = textwrap.dedent(
+    """
+    import io, json, multiprocessing, os, sys
+    import torch, transformers, tpcore
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    config = transformers.BertConfig(
+        hidden_size=16, num_attention_heads=2, num_hidden_layers=1, intermediate_size=32, vocab_size=32
+    )
+    model = transformers.BertModel(config).eval()
+    ids = torch.tensor([[5, 6, 7]])
+    with torch.no_grad():
+        expected = model(input_ids=ids).last_hidden_state
+    stderr, sys.stderr = sys.stderr, Terminal()  # the load bar is shown, as on a terminal
+    tpcore.parallelize(model, num_gpus=2, backend="gloo")
+    screen, sys.stderr = sys.stderr, stderr
+    report = {
+        "bar shown": "ranks loaded: 100%" in screen.getvalue(),
+        "start method": multiprocessing.get_start_method(allow_none=True),
+    }
+
+
+    def child(how):
+        if how == "os._exit":
+            os._exit(0)
+        if how == "calls the model, deparallelizes, exits":
+            refused = False
+            try:
+                model(input_ids=ids)
+            except tpcore.WorkerDiedError as error:
+                refused = "forked from" in str(error)
+            model.deparallelize()
+            sys.exit(0 if refused else 3)
+        sys.exit(0)  # the interpreter's exit: atexit hooks, then finalizers
+
+
+    for how in ("os._exit", "exits", "calls the model, deparallelizes, exits"):
+        pid = os.fork()
+        if pid == 0:
+            child(how)
+        code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        try:
+            same = torch.allclose(model(input_ids=ids).last_hidden_state, expected, atol=1e-5)
+            report[how] = [code, "the parent's call works" if same else "the parent's call differs"]
+        except Exception as error:
+            report[how] = [code, f"{type(error).__name__}: {error}"]
+    try:
+        multiprocessing.set_start_method("spawn")
+        report["set_start_method"] = "set"
+    except RuntimeError as error:
+        report["set_start_method"] = str(error)
+    model.deparallelize()
+    print(json.dumps(report))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def forking_caller(tmp_path_factory) -> dict:
+    """What a fresh caller saw: ``parallelize()`` with its bar shown, then a child forked from it three times."""
+    script = tmp_path_factory.mktemp("forking") / "caller.py"
+    script.write_text(FORKING_CALLER)
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+def test_a_forked_child_that_exits_leaves_its_parent_s_ranks_alone(forking_caller):
+    """A child of ``os.fork()`` (a preloading server's worker, a ``DataLoader`` worker) inherits the pool, its
+    connections and the exit hook: whether it exits at once, through the interpreter's exit (atexit hooks,
+    finalizers) or after calling the model (refused) and deparallelizing, the parent's next call works."""
+    works = "the parent's call works"
+    assert forking_caller["os._exit"] == [0, works]
+    assert forking_caller["exits"] == [0, works]
+    assert forking_caller["calls the model, deparallelizes, exits"] == [0, works]
+
+
+def test_parallelize_and_its_load_bar_leave_the_start_method_unset(forking_caller):
+    """tqdm's first bar made a process lock, which fixed the global start method; after ``parallelize()`` with
+    the bar shown, ``multiprocessing.set_start_method()`` is still the caller's to call."""
+    assert forking_caller["bar shown"]
+    assert forking_caller["start method"] is None
+    assert forking_caller["set_start_method"] == "set"

@@ -11,7 +11,11 @@ The caller never blocks without a bound: every wait watches the ranks' connectio
 closes its end at once) and a deadline. A rank that raises sends back the exception, its type,
 message and traceback. If every rank answered, the pool stays usable and the error is raised as
 :class:`WorkerError`; if some rank gave no answer (it may be stuck in a collective with the failed
-one), the pool is torn down first (:mod:`tpcore.worker_errors`).
+one), the pool is torn down first.
+
+Only the process that started the ranks stops them. A child forked from it (a preloading server's worker, a
+``DataLoader`` worker, a ``fork`` start method) inherits the pool, its connections and the exit hook; there
+they release the child's own copies and leave the ranks to the parent.
 
 While it waits for the replies of a call, the caller handles the events a rank sends before its reply
 (:mod:`tpcore.worker`): the rank's ``tpcore`` log records, re-emitted here with the rank (:mod:`tpcore.log`),
@@ -37,12 +41,15 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import wait
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tpcore import log
 from tpcore.ranks.failures import WorkerDiedError, WorkerError, reraise
 from tpcore.ranks.wire import ControlListener, byte_view, encode, recv, send
 from tpcore.ranks.worker import AUTHKEY_ENV, PARENT_ENV, RankContext, worker_command
+
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
 
 __all__ = ["RankContext", "RankPool", "WorkerDiedError", "WorkerError", "reraise"]
 
@@ -58,7 +65,8 @@ _live_pools: weakref.WeakSet = weakref.WeakSet()
 
 @atexit.register
 def _close_live_pools() -> None:
-    """On the caller's exit (normal, by exception or Ctrl-C), stop every rank it still has."""
+    """On the caller's exit (normal, by exception or Ctrl-C), stop every rank it still has (in a forked
+    child, which inherits this hook, :meth:`RankPool.close` leaves the parent's ranks alone)."""
     for pool in list(_live_pools):
         pool.close(timeout=3.0)
 
@@ -102,8 +110,8 @@ class RankPool:
         self.backend = backend or default_backend(world_size)
         #: ``"cuda"`` or ``"cpu"``: what the ranks compute on (refused here, before any rank starts, if impossible)
         self.device = check_placement(self.backend, world_size, device)
-        threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
         self._deadline = time.monotonic() + start_timeout
+        self._owner_pid = os.getpid()  # the one process that may stop the ranks (a forked child inherits the pool)
         self._lock = threading.Lock()
         self._conns: list = []
         self._procs: list[subprocess.Popen] = []
@@ -111,34 +119,41 @@ class RankPool:
         self.devices: list[str] = []
         self._listener: ControlListener | None = None
         # The ranks meet in a store served here, listening on master_addr alone (a busy port fails now).
-        self._store = listening_store(master_addr, master_port or 0, datetime.timedelta(seconds=start_timeout))
+        store = listening_store(master_addr, master_port or 0, datetime.timedelta(seconds=start_timeout))
+        self._store: TCPStore | None = store
         _live_pools.add(self)
         self._authkey = secrets.token_bytes(32)
-        env = _rank_environment(master_addr, self.backend)
-        env[AUTHKEY_ENV] = self._authkey.hex()
         try:
-            self._listener = ControlListener()
-            for rank in range(world_size):
-                command = worker_command(
-                    self._listener.address,
-                    rank,
-                    world_size,
-                    self.backend,
-                    self.device,
-                    master_addr,
-                    self._store.port,
-                    threads,
-                    preload,
-                )
-                # Own session: a terminal's Ctrl-C (sent to the foreground process group) spares the ranks.
-                process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
-                self._procs.append(process)
+            listener = self._listener = ControlListener()
+            threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
+            self._spawn(listener.address, master_addr, store.port, threads, preload)
         except BaseException:
             self.close(timeout=0.0)
             raise
         logger.info("starting %d %s ranks (pids %s)", world_size, self.backend, ", ".join(map(str, self.pids)))
         if wait:
             self.wait_started()
+
+    def _spawn(self, address: str, master_addr: str, master_port: int, threads: int, preload: Sequence[str]) -> None:
+        """Start every rank's interpreter, connecting back to ``address`` and meeting the others in the store at
+        ``master_addr:master_port``, each in its own session (a terminal's Ctrl-C, sent to the foreground process
+        group, spares the ranks)."""
+        env = _rank_environment(master_addr, self.backend)
+        env[AUTHKEY_ENV] = self._authkey.hex()
+        for rank in range(self.world_size):
+            command = worker_command(
+                address,
+                rank,
+                self.world_size,
+                self.backend,
+                self.device,
+                master_addr,
+                master_port,
+                threads,
+                preload,
+            )
+            process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+            self._procs.append(process)
 
     def wait_started(self) -> None:
         """Wait until every rank has connected and joined the group (at once if they have). If one fails to,
@@ -191,6 +206,7 @@ class RankPool:
         (the pool is closed unless every rank answered), :class:`WorkerDiedError` if a rank died
         and ``TimeoutError`` past ``timeout`` seconds (both close the pool).
         """
+        self._refuse_foreign_process()
         with self._lock:
             self._ready()
             what = getattr(fn, "__qualname__", repr(fn))
@@ -223,6 +239,7 @@ class RankPool:
         holds one rank's share of one tensor at a time, and a rank only its own tensors.
         ``on_progress(rank, count)`` gets each running count a rank reports (``context.report_progress``).
         """
+        self._refuse_foreign_process()
         with self._lock:
             self._ready()
             what = getattr(fn, "__qualname__", repr(fn))
@@ -237,6 +254,14 @@ class RankPool:
             except BaseException:
                 self.close(timeout=3.0)
                 raise
+
+    def _refuse_foreign_process(self) -> None:
+        """Refuse a call from a forked child: the ranks and their connections are its parent's."""
+        if os.getpid() != self._owner_pid:
+            raise WorkerDiedError(
+                f"this RankPool's ranks belong to process {self._owner_pid}, which this process was forked from; "
+                "parallelize again here to use a model in this process"
+            )
 
     def _ready(self) -> None:
         """Finish starting (a pool made with ``wait=False``); refuse a pool that is closed or lost a rank."""
@@ -299,8 +324,13 @@ class RankPool:
     def close(self, timeout: float = 10.0) -> None:
         """Stop every rank (politely, then by force) and release their connections. Idempotent.
 
-        Ranks that never connected (a failed start) cannot be asked and are killed at once.
+        Ranks that never connected (a failed start) cannot be asked and are killed at once. In a process forked
+        from the one that started the ranks, only this process's copies of the connections are closed: the
+        ranks serve their parent on.
         """
+        if os.getpid() != self._owner_pid:
+            self._release_inherited()
+            return
         for conn in self._conns:
             try:
                 send(conn, None)
@@ -321,6 +351,17 @@ class RankPool:
             logger.info("stopped %d %s ranks (exit codes %s)", len(self._procs), self.backend, codes)
         self._conns, self._procs = [], []
         self._store = None  # stop serving the rendezvous: the port is free again
+
+    def _release_inherited(self) -> None:
+        """In a forked child: close this process's copies of the connections and of the listener (its socket file
+        stays), and forget the ranks, which the parent still serves with and alone stops."""
+        for conn in self._conns:
+            conn.close()
+        self._close_listener()
+        if self._procs:
+            logger.debug("leaving the ranks of process %d (pids %s) to it", self._owner_pid, self.pids)
+        self._procs, self._conns, self._store = [], [], None
+        _live_pools.discard(self)
 
     def __repr__(self) -> str:
         placement = ranks_text(self.world_size, self.backend, self.devices or [self.device])
