@@ -43,6 +43,20 @@ def sleep(context, seconds):
     return context.rank
 
 
+def stopping_slowly_or_stuck(context, seconds):
+    """Rank 0 answers at once, then takes ``seconds`` to stop once told to; the other ranks are stuck in this call."""
+    if context.rank != 0:
+        time.sleep(600)
+    destroy = dist.destroy_process_group
+
+    def destroy_slowly(*args, **kwargs):
+        time.sleep(seconds)
+        destroy(*args, **kwargs)
+
+    dist.destroy_process_group = destroy_slowly  # what the rank calls once told to stop
+    return context.rank
+
+
 def garbage_collection(context, enabled):
     """Turn the rank's automatic garbage collection on or off (off: what a reference cycle holds stays until on)."""
     (gc.enable if enabled else gc.disable)()

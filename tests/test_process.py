@@ -64,8 +64,9 @@ def test_a_rank_that_fails_while_others_wait_in_a_collective_tears_the_pool_down
     with pytest.raises(WorkerError, match="bad input on one rank") as caught:
         pool.run(rank_helpers.raise_or_reduce, 0, timeout=300)  # waited out, it would be a TimeoutError
     time_to_error("one rank raises, the other waits in a collective", time.monotonic() - started)
-    assert not caught.value.pool_consistent
-    assert not pool.alive and all(gone(pid) for pid in pids)
+    assert not caught.value.pool_consistent and not pool.alive
+    pool.close()  # waits for the stop that began as the call failed
+    assert all(gone(pid) for pid in pids)
     with pytest.raises(WorkerDiedError, match="closed"):
         pool.run(rank_helpers.whoami)
 
@@ -87,6 +88,25 @@ def test_every_wait_has_a_timeout(pool, time_to_error):
     with pytest.raises(TimeoutError, match="no answer within 1 s"):
         pool.run(rank_helpers.sleep, 30, timeout=1)
     time_to_error("a call past its 1 s timeout", time.monotonic() - started)
+    pool.close()  # waits for the stop that began as the call failed
+    assert all(gone(pid) for pid in pids)
+
+
+def test_a_call_s_timeout_raises_at_its_deadline_and_the_ranks_stop_after(pool, time_to_error):
+    """``timeout=5`` on a stuck call: the ``TimeoutError`` comes at the deadline, before the pool's stop is done.
+    Rank 0 answered but takes 20 s to stop (it may have much to release); rank 1 is stuck, and is killed at once.
+    The pool reads as closed from the raise on; ``close()`` waits for the stop (``STOP_GRACE_S``, then a kill)."""
+    pids = pool.pids
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"ranks \[1\] gave no answer within 5 s"):
+        pool.run(rank_helpers.stopping_slowly_or_stuck, 20, timeout=5)
+    elapsed = time.monotonic() - started
+    time_to_error("a stuck call with timeout=5", elapsed)
+    assert not gone(pids[0]), "the error waited for the pool's stop"
+    assert elapsed < 5 + process.STOP_GRACE_S  # measured: 5.0 s (8.1 s when the stop came first)
+    with pytest.raises(WorkerDiedError, match="closed"):
+        pool.run(rank_helpers.whoami)
+    pool.close()
     assert all(gone(pid) for pid in pids)
 
 
