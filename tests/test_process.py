@@ -552,3 +552,37 @@ def test_parallelize_and_its_load_bar_leave_the_start_method_unset(forking_calle
     assert forking_caller["bar shown"]
     assert forking_caller["start method"] is None
     assert forking_caller["set_start_method"] == "set"
+
+
+KILLED_DURING_START = textwrap.dedent(
+    """
+    import json
+    from tpcore.ranks.process import RankPool
+
+    pool = RankPool(2, "gloo", wait=False)
+    print(json.dumps({"pids": pool.pids, "address": pool._listener.address}), flush=True)
+    pool.wait_started()
+    """
+)
+
+
+def test_a_caller_killed_while_its_ranks_start_leaves_no_rank_and_no_control_socket(time_to_error):
+    """SIGKILL 0.2 s after the ranks spawned, while they still import torch: each watches its caller from the first
+    line of its interpreter (``tests/test_worker.py``), so they end within a poll or two (measured: 0.4-0.6 s; they
+    lived 3-8 s when the watch began after the imports), and they remove the control socket and its directory,
+    which the killed caller cannot."""
+    caller = subprocess.Popen([sys.executable, "-c", KILLED_DURING_START], stdout=subprocess.PIPE, text=True)
+    try:
+        started = json.loads(caller.stdout.readline())
+        time.sleep(0.2)
+    finally:
+        caller.kill()
+        killed = time.monotonic()
+        caller.wait()
+    while not all(gone(pid) for pid in started["pids"]) and time.monotonic() - killed < 60:
+        time.sleep(0.01)
+    lifetime = time.monotonic() - killed
+    time_to_error("ranks outliving their caller, SIGKILLed 0.2 s into the start", lifetime)
+    assert all(gone(pid) for pid in started["pids"])
+    assert lifetime < 10  # a bound no loaded machine reaches; the mechanism is proven in tests/test_worker.py
+    assert not os.path.exists(os.path.dirname(started["address"]))
