@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
 import threading
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -39,6 +41,37 @@ def kill_on(context, rank):
 def sleep(context, seconds):
     time.sleep(seconds)
     return context.rank
+
+
+def stopping_slowly_or_stuck(context, seconds):
+    """Rank 0 answers at once, then takes ``seconds`` to stop once told to; the other ranks are stuck in this call."""
+    if context.rank != 0:
+        time.sleep(600)
+    destroy = dist.destroy_process_group
+
+    def destroy_slowly(*args, **kwargs):
+        time.sleep(seconds)
+        destroy(*args, **kwargs)
+
+    dist.destroy_process_group = destroy_slowly  # what the rank calls once told to stop
+    return context.rank
+
+
+def garbage_collection(context, enabled):
+    """Turn the rank's automatic garbage collection on or off (off: what a reference cycle holds stays until on)."""
+    (gc.enable if enabled else gc.disable)()
+
+
+def watched_output(context, inputs, nbytes):
+    """How many earlier inputs and outputs of this function are alive on this rank (it watches each through a weak
+    reference), and a fresh ``nbytes`` output from rank 0 (``None`` from the others)."""
+    watched = context.store.setdefault("watched", [])
+    alive = sum(ref() is not None for ref in watched)
+    watched.append(weakref.ref(inputs))
+    output = torch.zeros(nbytes, dtype=torch.uint8) if context.rank == 0 else None
+    if output is not None:
+        watched.append(weakref.ref(output))
+    return alive, output
 
 
 def raise_or_reduce(context, rank):

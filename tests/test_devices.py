@@ -246,13 +246,11 @@ def test_a_rank_binds_its_gpu_before_it_joins_the_group_and_names_it_to_nccl(fak
         calls.append(("join", backend, rank, device))
         raise Joined
 
-    monkeypatch.setattr(worker, "_exit_with_parent", lambda parent: None)
     monkeypatch.setattr(worker, "connect", lambda *args: "connection")
     monkeypatch.setattr(worker, "send", lambda conn, message: replies.append(message))
     monkeypatch.setattr(dist, "TCPStore", lambda *args, **kwargs: "store")
     monkeypatch.setattr(distributed, "bind_device", lambda device: calls.append(("bind", device)))
     monkeypatch.setattr(distributed, "init_process_group", join)
-    monkeypatch.setenv(worker.PARENT_ENV, "1")
     monkeypatch.setenv(worker.AUTHKEY_ENV, "00")
     threads = torch.get_num_threads()
     worker._worker_main("address", 1, 2, "nccl", "cuda", "127.0.0.1", 1, threads)

@@ -10,6 +10,7 @@ import gc
 import os
 import pickle
 import socket
+import weakref
 from multiprocessing.connection import Connection
 
 import pytest
@@ -97,6 +98,25 @@ def test_a_message_moves_big_tensors_through_shared_memory_and_small_ones_throug
     assert open_fds() == before  # the receiver keeps mappings, not descriptors
     received["logits"].add_(1)  # copy-on-write: the sender's tensor is untouched
     assert not torch.equal(received["logits"], in_segment)
+
+
+def test_a_sent_message_s_tensors_are_freed_with_it_without_a_garbage_collection(pair):
+    """Nothing of the sender's keeps a message's tensors once it is sent (its pickler in a reference cycle, through
+    a ``buffer_callback`` bound to itself, held each until the next collection): nor the receiver's once dropped."""
+    sender, receiver = pair
+    message = {"shared": torch.randn(512, 1024), "frame": torch.randn(100, 200), "small": torch.arange(3)}
+    watched = [weakref.ref(tensor) for tensor in message.values()]
+    gc.disable()
+    try:
+        wire.send(sender, message)
+        del message
+        assert [ref() for ref in watched] == [None, None, None]
+        received = wire.recv(receiver)
+        watched = [weakref.ref(tensor) for tensor in received.values()]
+        del received
+        assert [ref() for ref in watched] == [None, None, None]
+    finally:
+        gc.enable()
 
 
 def test_many_segments_in_one_message_all_arrive(pair):

@@ -6,6 +6,7 @@ is recorded for the summary (``time_to_error``).
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import hmac
 import json
@@ -17,6 +18,7 @@ import sys
 import textwrap
 import threading
 import time
+import weakref
 from multiprocessing.connection import Connection
 
 import pytest
@@ -25,7 +27,7 @@ import torch
 from process_probes import children, gone, is_loopback, listening_of
 
 import tpcore
-from tpcore.ranks import failures, process, wire, worker
+from tpcore.ranks import process, wire, worker
 from tpcore.ranks.distributed import free_port, interface_of
 from tpcore.ranks.process import RankPool, WorkerDiedError, WorkerError
 
@@ -62,8 +64,9 @@ def test_a_rank_that_fails_while_others_wait_in_a_collective_tears_the_pool_down
     with pytest.raises(WorkerError, match="bad input on one rank") as caught:
         pool.run(rank_helpers.raise_or_reduce, 0, timeout=300)  # waited out, it would be a TimeoutError
     time_to_error("one rank raises, the other waits in a collective", time.monotonic() - started)
-    assert not caught.value.pool_consistent
-    assert not pool.alive and all(gone(pid) for pid in pids)
+    assert not caught.value.pool_consistent and not pool.alive
+    pool.close()  # waits for the stop that began as the call failed
+    assert all(gone(pid) for pid in pids)
     with pytest.raises(WorkerDiedError, match="closed"):
         pool.run(rank_helpers.whoami)
 
@@ -85,6 +88,25 @@ def test_every_wait_has_a_timeout(pool, time_to_error):
     with pytest.raises(TimeoutError, match="no answer within 1 s"):
         pool.run(rank_helpers.sleep, 30, timeout=1)
     time_to_error("a call past its 1 s timeout", time.monotonic() - started)
+    pool.close()  # waits for the stop that began as the call failed
+    assert all(gone(pid) for pid in pids)
+
+
+def test_a_call_s_timeout_raises_at_its_deadline_and_the_ranks_stop_after(pool, time_to_error):
+    """``timeout=5`` on a stuck call: the ``TimeoutError`` comes at the deadline, before the pool's stop is done.
+    Rank 0 answered but takes 20 s to stop (it may have much to release); rank 1 is stuck, and is killed at once.
+    The pool reads as closed from the raise on; ``close()`` waits for the stop (``STOP_GRACE_S``, then a kill)."""
+    pids = pool.pids
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"ranks \[1\] gave no answer within 5 s"):
+        pool.run(rank_helpers.stopping_slowly_or_stuck, 20, timeout=5)
+    elapsed = time.monotonic() - started
+    time_to_error("a stuck call with timeout=5", elapsed)
+    assert not gone(pids[0]), "the error waited for the pool's stop"
+    assert elapsed < 5 + process.STOP_GRACE_S  # measured: 5.0 s (8.1 s when the stop came first)
+    with pytest.raises(WorkerDiedError, match="closed"):
+        pool.run(rank_helpers.whoami)
+    pool.close()
     assert all(gone(pid) for pid in pids)
 
 
@@ -100,6 +122,28 @@ def test_calls_from_threads_are_serialized_and_each_gets_its_own_result(pool):
     for thread in threads:
         thread.join(60)
     assert results == {value: [2.0 * value + 1] * 2 for value in range(8)}
+
+
+def test_neither_rank_0_nor_the_caller_keeps_a_finished_call_s_tensors(pool):
+    """200 calls of 4 MiB in and out, garbage collection off on both sides: once a call is done, its input (in
+    the caller and on each rank) and its output (on rank 0 and, once dropped, in the caller) are freed. Nothing
+    holds them in a reference cycle, such as a message pickler whose ``buffer_callback`` is its own method."""
+    nbytes, calls = 4 * 2**20, 200
+    pool.run(rank_helpers.garbage_collection, False)
+    gc.disable()
+    try:
+        watched: list[weakref.ref] = []
+        for call in range(calls):
+            inputs = torch.ones(nbytes, dtype=torch.uint8)
+            (alive_on_rank_0, output), (alive_on_rank_1, _) = pool.run(rank_helpers.watched_output, inputs, nbytes)
+            assert (alive_on_rank_0, alive_on_rank_1) == (0, 0), f"call {call}: earlier tensors alive on the ranks"
+            assert output.shape == (nbytes,)
+            watched += [weakref.ref(inputs), weakref.ref(output)]
+            del inputs, output
+            assert not [ref for ref in watched if ref() is not None], f"call {call}: tensors alive in the caller"
+    finally:
+        gc.enable()
+        pool.run(rank_helpers.garbage_collection, True)
 
 
 def test_close_leaves_no_process_and_frees_the_port():
@@ -237,6 +281,7 @@ def test_a_rank_s_context_calls_its_group_tp_group_and_keeps_the_earlier_name():
 
 
 def test_the_names_callers_import_from_tpcore_process_are_the_rank_side_s_own():
+    from tpcore.ranks import failures
 
     assert process.RankContext is worker.RankContext
     assert process.WorkerError is failures.WorkerError and process.WorkerDiedError is failures.WorkerDiedError
@@ -417,3 +462,127 @@ def test_the_exceptions_a_user_catches_are_importable_from_tpcore():
     assert tpcore.PluginLoadWarning is plugins.PluginLoadWarning
     assert tpcore.PluginConflictError is plugins.PluginConflictError
     assert {"WorkerError", "WorkerDiedError", "ShardingError", "UnsupportedModelError"} <= set(tpcore.__all__)
+
+
+# -- the caller's side: a forked child, a kill during the start, the start method ------------------
+
+FORKING_CALLER = textwrap.dedent(
+    """
+    import io, json, multiprocessing, os, sys
+    import torch, transformers, tpcore
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    config = transformers.BertConfig(
+        hidden_size=16, num_attention_heads=2, num_hidden_layers=1, intermediate_size=32, vocab_size=32
+    )
+    model = transformers.BertModel(config).eval()
+    ids = torch.tensor([[5, 6, 7]])
+    with torch.no_grad():
+        expected = model(input_ids=ids).last_hidden_state
+    stderr, sys.stderr = sys.stderr, Terminal()  # the load bar is shown, as on a terminal
+    tpcore.parallelize(model, num_gpus=2, backend="gloo")
+    screen, sys.stderr = sys.stderr, stderr
+    report = {
+        "bar shown": "ranks loaded: 100%" in screen.getvalue(),
+        "start method": multiprocessing.get_start_method(allow_none=True),
+    }
+
+
+    def child(how):
+        if how == "os._exit":
+            os._exit(0)
+        if how == "calls the model, deparallelizes, exits":
+            refused = False
+            try:
+                model(input_ids=ids)
+            except tpcore.WorkerDiedError as error:
+                refused = "forked from" in str(error)
+            model.deparallelize()
+            sys.exit(0 if refused else 3)
+        sys.exit(0)  # the interpreter's exit: atexit hooks, then finalizers
+
+
+    for how in ("os._exit", "exits", "calls the model, deparallelizes, exits"):
+        pid = os.fork()
+        if pid == 0:
+            child(how)
+        code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        try:
+            same = torch.allclose(model(input_ids=ids).last_hidden_state, expected, atol=1e-5)
+            report[how] = [code, "the parent's call works" if same else "the parent's call differs"]
+        except Exception as error:
+            report[how] = [code, f"{type(error).__name__}: {error}"]
+    try:
+        multiprocessing.set_start_method("spawn")
+        report["set_start_method"] = "set"
+    except RuntimeError as error:
+        report["set_start_method"] = str(error)
+    model.deparallelize()
+    print(json.dumps(report))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def forking_caller(tmp_path_factory) -> dict:
+    """What a fresh caller saw: ``parallelize()`` with its bar shown, then a child forked from it three times."""
+    script = tmp_path_factory.mktemp("forking") / "caller.py"
+    script.write_text(FORKING_CALLER)
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+def test_a_forked_child_that_exits_leaves_its_parent_s_ranks_alone(forking_caller):
+    """A child of ``os.fork()`` (a preloading server's worker, a ``DataLoader`` worker) inherits the pool, its
+    connections and the exit hook: whether it exits at once, through the interpreter's exit (atexit hooks,
+    finalizers) or after calling the model (refused) and deparallelizing, the parent's next call works."""
+    works = "the parent's call works"
+    assert forking_caller["os._exit"] == [0, works]
+    assert forking_caller["exits"] == [0, works]
+    assert forking_caller["calls the model, deparallelizes, exits"] == [0, works]
+
+
+def test_parallelize_and_its_load_bar_leave_the_start_method_unset(forking_caller):
+    """tqdm's first bar made a process lock, which fixed the global start method; after ``parallelize()`` with
+    the bar shown, ``multiprocessing.set_start_method()`` is still the caller's to call."""
+    assert forking_caller["bar shown"]
+    assert forking_caller["start method"] is None
+    assert forking_caller["set_start_method"] == "set"
+
+
+KILLED_DURING_START = textwrap.dedent(
+    """
+    import json
+    from tpcore.ranks.process import RankPool
+
+    pool = RankPool(2, "gloo", wait=False)
+    print(json.dumps({"pids": pool.pids, "address": pool._listener.address}), flush=True)
+    pool.wait_started()
+    """
+)
+
+
+def test_a_caller_killed_while_its_ranks_start_leaves_no_rank_and_no_control_socket(time_to_error):
+    """SIGKILL 0.2 s after the ranks spawned, while they still import torch: each watches its caller from the first
+    line of its interpreter (``tests/test_worker.py``), so they end within a poll or two (measured: 0.4-0.6 s; they
+    lived 3-8 s when the watch began after the imports), and they remove the control socket and its directory,
+    which the killed caller cannot."""
+    caller = subprocess.Popen([sys.executable, "-c", KILLED_DURING_START], stdout=subprocess.PIPE, text=True)
+    try:
+        started = json.loads(caller.stdout.readline())
+        time.sleep(0.2)
+    finally:
+        caller.kill()
+        killed = time.monotonic()
+        caller.wait()
+    while not all(gone(pid) for pid in started["pids"]) and time.monotonic() - killed < 60:
+        time.sleep(0.01)
+    lifetime = time.monotonic() - killed
+    time_to_error("ranks outliving their caller, SIGKILLed 0.2 s into the start", lifetime)
+    assert all(gone(pid) for pid in started["pids"])
+    assert lifetime < 10  # a bound no loaded machine reaches; the mechanism is proven in tests/test_worker.py
+    assert not os.path.exists(os.path.dirname(started["address"]))

@@ -79,3 +79,33 @@ def test_hf_hub_disable_progress_bars_turns_the_bar_off():
         assert result.returncode == 0, result.stderr
         shown[value] = result.stdout
     assert shown["1"] == "''" and "tpcore: 2 ranks loaded: 100%" in shown[None]
+
+
+def test_the_bar_and_tpcore_s_records_leave_the_multiprocessing_start_method_unset():
+    """tqdm's first bar (shown or not) or ``tqdm.write`` (how tpcore prints a record while tqdm is loaded) makes a
+    process lock, and ``multiprocessing.RLock()`` fixed the global start method: ``set_start_method()`` then raised
+    "context has already been set". In a fresh interpreter (nothing has set it yet), a warning printed as during
+    ``parallelize()`` and a bar shown on a terminal leave it unset, and tqdm keeps a process lock of the same kind."""
+    code = textwrap.dedent(
+        """
+        import io, multiprocessing, sys
+        class Terminal(io.StringIO):
+            def isatty(self):
+                return True
+        sys.stderr = screen = Terminal()
+        import logging, tqdm
+        from tpcore.progress import LoadBar
+        logging.getLogger("tpcore.plan").warning("most of the model stays whole")
+        with LoadBar(100, "tpcore: 2 ranks loading") as bar:
+            bar.done("tpcore: 2 ranks loaded")
+        from tqdm.std import TqdmDefaultWriteLock, tqdm
+        unset = multiprocessing.get_start_method(allow_none=True) is None
+        multiprocessing.set_start_method("spawn")
+        process_lock = TqdmDefaultWriteLock.mp_lock
+        in_use = process_lock in tqdm.get_lock().locks
+        print(unset, "tpcore: 2 ranks loaded: 100%" in screen.getvalue(), in_use and type(process_lock).__name__)
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["True", "True", "RLock"]

@@ -24,6 +24,8 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from tpcore.progress import tqdm_lock_leaving_the_start_method
+
 __all__ = ["LEVEL_ENV", "caller_level", "emit_rank_record", "records_forwarded", "set_rank_level"]
 
 #: the environment variable that sets the ``tpcore`` logger's level (a level name or number)
@@ -48,6 +50,7 @@ class _StderrUnlessHandled(logging.Handler):
         try:
             bars = sys.modules.get("tqdm")  # a load bar may be on screen: the line goes above it, the bar stays
             if bars is not None:
+                tqdm_lock_leaving_the_start_method()
                 bars.tqdm.write(self.format(record), file=sys.stderr)
             else:
                 sys.stderr.write(self.format(record) + "\n")

@@ -3,6 +3,7 @@
 transformers' own tqdm draws it (``transformers.utils.logging.tqdm``), so transformers' switches turn it
 off (``transformers.utils.logging.disable_progress_bar()``, ``HF_HUB_DISABLE_PROGRESS_BARS=1``), and
 tqdm's ``disable=None`` leaves it out where stderr is no terminal (CI logs); a notebook gets its widget.
+The bar leaves the global ``multiprocessing`` start method unset (:func:`tqdm_lock_leaving_the_start_method`).
 
 A rank counts the bytes it has read (:class:`ByteCounter`) and reports its running count at most every
 :data:`REPORT_INTERVAL_S` and once at the end; the caller's :class:`LoadBar` adds up the ranks' counts.
@@ -10,10 +11,11 @@ A rank counts the bytes it has read (:class:`ByteCounter`) and reports its runni
 
 from __future__ import annotations
 
+import multiprocessing
 import time
 from collections.abc import Callable
 
-__all__ = ["REPORT_INTERVAL_S", "ByteCounter", "LoadBar"]
+__all__ = ["REPORT_INTERVAL_S", "ByteCounter", "LoadBar", "tqdm_lock_leaving_the_start_method"]
 
 #: how often at most a rank reports its running count of bytes loaded
 REPORT_INTERVAL_S = 0.1
@@ -27,6 +29,7 @@ class LoadBar:
     def __init__(self, total: int, label: str):
         from transformers.utils import logging as transformers_logging
 
+        tqdm_lock_leaving_the_start_method()
         self.total = total
         self._bar = transformers_logging.tqdm(
             total=total, desc=label, unit="B", unit_scale=True, unit_divisor=1024, disable=None
@@ -61,6 +64,27 @@ class LoadBar:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def tqdm_lock_leaving_the_start_method() -> None:
+    """Make tqdm's process lock before tqdm does, of the same kind, but leaving the start method unset; call it
+    before tpcore's first use of tqdm (a bar, ``tqdm.write``).
+
+    tqdm's first bar (shown or not) or ``tqdm.write`` makes it with ``multiprocessing.RLock()``, which fixes the
+    default context: ``multiprocessing.set_start_method()`` would then raise ``RuntimeError: context has already
+    been set``. Here it comes from the context of the method set, or else of the default one, without fixing it.
+    """
+    try:
+        from tqdm.std import TqdmDefaultWriteLock  # type: ignore[import-untyped]
+    except ImportError:
+        return
+    if hasattr(TqdmDefaultWriteLock, "mp_lock"):
+        return  # made already, by an earlier bar or here
+    method = multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
+    try:
+        TqdmDefaultWriteLock.mp_lock = multiprocessing.get_context(method).RLock()
+    except (ImportError, OSError):  # as tqdm: no working semaphores here, a thread lock alone
+        TqdmDefaultWriteLock.mp_lock = None
 
 
 class ByteCounter:

@@ -11,12 +11,17 @@ The caller never blocks without a bound: every wait watches the ranks' connectio
 closes its end at once) and a deadline. A rank that raises sends back the exception, its type,
 message and traceback. If every rank answered, the pool stays usable and the error is raised as
 :class:`WorkerError`; if some rank gave no answer (it may be stuck in a collective with the failed
-one), the pool is torn down first (:mod:`tpcore.ranks.failures`).
+one), the pool is torn down: the error is raised at once, the ranks that owe an answer are killed, and the
+others are stopped in the background (:meth:`RankPool.close` and the interpreter's exit wait for that).
+
+Only the process that started the ranks stops them. A child forked from it (a preloading server's worker, a
+``DataLoader`` worker, a ``fork`` start method) inherits the pool, its connections and the exit hook; there
+they release the child's own copies and leave the ranks to the parent.
 
 While it waits for the replies of a call, the caller handles the events a rank sends before its reply
 (:mod:`tpcore.ranks.worker`): the rank's ``tpcore`` log records, re-emitted here with the rank (:mod:`tpcore.log`),
 and running counts, given to the call's ``on_progress``. Events do not move the deadline. The pool logs
-its ranks' start and stop, and a rank's death, to the logger ``tpcore.process``.
+its ranks' start and stop, and a rank's death, to ``tpcore.process``.
 
 This module is also the public place of the names a function sent to the ranks and its caller use:
 :class:`RankContext`, :class:`WorkerError`, :class:`WorkerDiedError` and :func:`reraise`.
@@ -25,6 +30,7 @@ This module is also the public place of the names a function sent to the ranks a
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import logging
 import os
@@ -38,12 +44,15 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import wait
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tpcore import log
 from tpcore.ranks.failures import WorkerDiedError, WorkerError, reraise
 from tpcore.ranks.wire import ControlListener, byte_view, encode, recv, send
 from tpcore.ranks.worker import AUTHKEY_ENV, PARENT_ENV, RankContext, worker_command
+
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
 
 __all__ = ["RankContext", "RankPool", "WorkerDiedError", "WorkerError", "reraise"]
 
@@ -51,6 +60,8 @@ START_TIMEOUT_S = 180.0
 CALL_TIMEOUT_S = 600.0
 #: after one rank fails, how long the others get to answer before the pool is presumed stuck
 ERROR_GRACE_S = 3.0
+#: how long the ranks a failed call leaves idle get to stop politely before they are killed
+STOP_GRACE_S = 3.0
 
 logger = logging.getLogger("tpcore.process")
 
@@ -59,9 +70,10 @@ _live_pools: weakref.WeakSet = weakref.WeakSet()
 
 @atexit.register
 def _close_live_pools() -> None:
-    """On the caller's exit (normal, by exception or Ctrl-C), stop every rank it still has."""
+    """On the caller's exit (normal, by exception or Ctrl-C), stop every rank it still has (in a forked
+    child, which inherits this hook, :meth:`RankPool.close` leaves the parent's ranks alone)."""
     for pool in list(_live_pools):
-        pool.close(timeout=3.0)
+        pool.close(timeout=STOP_GRACE_S)
 
 
 class RankPool:
@@ -103,43 +115,52 @@ class RankPool:
         self.backend = backend or default_backend(world_size)
         #: ``"cuda"`` or ``"cpu"``: what the ranks compute on (refused here, before any rank starts, if impossible)
         self.device = check_placement(self.backend, world_size, device)
-        threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
         self._deadline = time.monotonic() + start_timeout
+        self._owner_pid = os.getpid()  # the one process that may stop the ranks (a forked child inherits the pool)
         self._lock = threading.Lock()
         self._conns: list = []
         self._procs: list[subprocess.Popen] = []
+        self._answered: set[int] = set()  # the ranks that answered the current call
+        self._stopping: threading.Thread | None = None  # the ranks of a failed call, being stopped
         #: each rank's device (``"cpu"``, ``"cuda:0"``), as the rank names it once it has joined
         self.devices: list[str] = []
         self._listener: ControlListener | None = None
         # The ranks meet in a store served here, listening on master_addr alone (a busy port fails now).
-        self._store = listening_store(master_addr, master_port or 0, datetime.timedelta(seconds=start_timeout))
+        store = listening_store(master_addr, master_port or 0, datetime.timedelta(seconds=start_timeout))
+        self._store: TCPStore | None = store
         _live_pools.add(self)
         self._authkey = secrets.token_bytes(32)
-        env = _rank_environment(master_addr, self.backend)
-        env[AUTHKEY_ENV] = self._authkey.hex()
         try:
-            self._listener = ControlListener()
-            for rank in range(world_size):
-                command = worker_command(
-                    self._listener.address,
-                    rank,
-                    world_size,
-                    self.backend,
-                    self.device,
-                    master_addr,
-                    self._store.port,
-                    threads,
-                    preload,
-                )
-                # Own session: a terminal's Ctrl-C (sent to the foreground process group) spares the ranks.
-                process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
-                self._procs.append(process)
+            listener = self._listener = ControlListener()
+            threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
+            self._spawn(listener.address, master_addr, store.port, threads, preload)
         except BaseException:
             self.close(timeout=0.0)
             raise
         logger.info("starting %d %s ranks (pids %s)", world_size, self.backend, ", ".join(map(str, self.pids)))
         if wait:
             self.wait_started()
+
+    def _spawn(self, address: str, master_addr: str, master_port: int, threads: int, preload: Sequence[str]) -> None:
+        """Start every rank's interpreter, connecting back to ``address`` and meeting the others in the store at
+        ``master_addr:master_port``, each in its own session (a terminal's Ctrl-C, sent to the foreground process
+        group, spares the ranks)."""
+        env = _rank_environment(master_addr, self.backend)
+        env[AUTHKEY_ENV] = self._authkey.hex()
+        for rank in range(self.world_size):
+            command = worker_command(
+                address,
+                rank,
+                self.world_size,
+                self.backend,
+                self.device,
+                master_addr,
+                master_port,
+                threads,
+                preload,
+            )
+            process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+            self._procs.append(process)
 
     def wait_started(self) -> None:
         """Wait until every rank has connected and joined the group (at once if they have). If one fails to,
@@ -189,25 +210,19 @@ class RankPool:
         """Call ``fn(context, *args, **kwargs)`` on every rank; return the results in rank order.
 
         Calls from several threads are serialized. Raises :class:`WorkerError` if a rank raised
-        (the pool is closed unless every rank answered), :class:`WorkerDiedError` if a rank died
-        and ``TimeoutError`` past ``timeout`` seconds (both close the pool).
+        (the pool is torn down unless every rank answered), :class:`WorkerDiedError` if a rank died
+        and ``TimeoutError`` past ``timeout`` seconds (both tear the pool down: :meth:`_tear_down`).
         """
+        self._refuse_foreign_process()
         with self._lock:
             self._ready()
             what = getattr(fn, "__qualname__", repr(fn))
             message = _encoded((fn, args, kwargs, log.caller_level()), what)  # large tensors: one segment for all
-            try:
+            with self._torn_down_on_failure(keep_if_consistent=True):
                 with message:
                     for rank, conn in enumerate(self._conns):
                         self._send(rank, what, message.send, conn)
                 return self._collect(timeout, what)
-            except WorkerError as error:
-                if not error.pool_consistent:
-                    self.close(timeout=3.0)
-                raise
-            except BaseException:
-                self.close(timeout=3.0)  # a dead or stuck rank: the others may hang in a collective
-                raise
 
     def scatter(
         self,
@@ -224,11 +239,13 @@ class RankPool:
         message, as raw bytes; ``fn`` reads them with ``context.receive_tensors``. The caller thus
         holds one rank's share of one tensor at a time, and a rank only its own tensors.
         ``on_progress(rank, count)`` gets each running count a rank reports (``context.report_progress``).
+        Any failure tears the pool down.
         """
+        self._refuse_foreign_process()
         with self._lock:
             self._ready()
             what = getattr(fn, "__qualname__", repr(fn))
-            try:
+            with self._torn_down_on_failure(keep_if_consistent=False):
                 for rank, conn in enumerate(self._conns):
                     with encode((fn, args_for(rank), {}, log.caller_level())) as message:
                         self._send(rank, what, message.send, conn)
@@ -236,9 +253,46 @@ class RankPool:
                         frame = byte_view(tensor.detach().contiguous()) if tensor.numel() else b""
                         self._send(rank, what, conn.send_bytes, frame)
                 return self._collect(timeout, what, on_progress)
-            except BaseException:
-                self.close(timeout=3.0)
-                raise
+
+    def _refuse_foreign_process(self) -> None:
+        """Refuse a call from a forked child: the ranks and their connections are its parent's."""
+        if os.getpid() != self._owner_pid:
+            raise WorkerDiedError(
+                f"this RankPool's ranks belong to process {self._owner_pid}, which this process was forked from; "
+                "parallelize again here to use a model in this process"
+            )
+
+    @contextlib.contextmanager
+    def _torn_down_on_failure(self, keep_if_consistent: bool):
+        """A call: if it fails, the pool is torn down before the error goes on (unless ``keep_if_consistent``
+        and the error is a :class:`WorkerError` every rank answered)."""
+        self._answered = set()
+        try:
+            yield
+        except WorkerError as error:
+            if not (keep_if_consistent and error.pool_consistent):
+                self._tear_down()
+            raise
+        except BaseException:
+            self._tear_down()  # a dead or stuck rank: the others may hang in a collective
+            raise
+
+    def _tear_down(self) -> None:
+        """After a failed call, before its error is raised: the pool reads as closed from here on, the ranks that
+        owe an answer are killed now (stuck in the call, or in a collective with a failed rank, they would never
+        read a stop), and all of them are stopped and reaped by a thread that :meth:`close` and the interpreter's
+        exit wait for (reaping a killed rank that held much memory, or a GPU, can take seconds)."""
+        procs, conns, store = self._procs, self._conns, self._store
+        self._procs, self._conns, self._store = [], [], None
+        for rank, proc in enumerate(procs):
+            if rank not in self._answered:
+                proc.kill()
+        self._stopping = threading.Thread(
+            target=_stop_ranks,
+            args=(procs, conns, STOP_GRACE_S, self.backend, store),
+            name="tpcore-rank-stop",
+        )
+        self._stopping.start()
 
     def _ready(self) -> None:
         """Finish starting (a pool made with ``wait=False``); refuse a pool that is closed or lost a rank."""
@@ -279,9 +333,11 @@ class RankPool:
                     elif on_progress is not None:
                         on_progress(rank, payload)
                 elif status == "error":
+                    self._answered.add(rank)
                     errors.append(WorkerError(rank, *payload))
                     deadline = min(deadline, time.monotonic() + ERROR_GRACE_S)
                 else:
+                    self._answered.add(rank)
                     results[rank] = payload
         if errors:
             first = errors[0]
@@ -299,30 +355,34 @@ class RankPool:
         return WorkerDiedError(f"{what}: rank {rank} died (exit code {process.returncode}) without answering")
 
     def close(self, timeout: float = 10.0) -> None:
-        """Stop every rank (politely, then by force) and release their connections. Idempotent.
+        """Stop every rank (politely, then by force), release their connections and the rendezvous port, and wait
+        until the ranks of a failed call are stopped. Idempotent.
 
-        Ranks that never connected (a failed start) cannot be asked and are killed at once.
+        Ranks that never connected (a failed start) cannot be asked and are killed at once. In a process forked
+        from the one that started the ranks, only this process's copies of the connections are closed: the
+        ranks serve their parent on.
         """
-        for conn in self._conns:
-            try:
-                send(conn, None)
-            except (OSError, ValueError):
-                pass
-        deadline = time.monotonic() + (timeout if self._conns else 0.0)
-        for proc in self._procs:
-            try:
-                proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
+        if os.getpid() != self._owner_pid:
+            self._release_inherited()
+            return
+        procs, conns, store = self._procs, self._conns, self._store
+        self._procs, self._conns, self._store = [], [], None
+        self._close_listener()
+        _stop_ranks(procs, conns, timeout if conns else 0.0, self.backend, store)
+        if self._stopping is not None:
+            self._stopping.join()  # bounded: STOP_GRACE_S, then killed
+            self._stopping = None
+
+    def _release_inherited(self) -> None:
+        """In a forked child: close this process's copies of the connections and of the listener (its socket file
+        stays), and forget the ranks, which the parent still serves with and alone stops."""
         for conn in self._conns:
             conn.close()
         self._close_listener()
         if self._procs:
-            codes = ", ".join(str(proc.returncode) for proc in self._procs)
-            logger.info("stopped %d %s ranks (exit codes %s)", len(self._procs), self.backend, codes)
-        self._conns, self._procs = [], []
-        self._store = None  # stop serving the rendezvous: the port is free again
+            logger.debug("leaving the ranks of process %d (pids %s) to it", self._owner_pid, self.pids)
+        self._procs, self._conns, self._store, self._stopping = [], [], None, None
+        _live_pools.discard(self)
 
     def __repr__(self) -> str:
         placement = ranks_text(self.world_size, self.backend, self.devices or [self.device])
@@ -352,6 +412,31 @@ def _encoded(message: Any, what: str):
         return encode(message)
     except (TypeError, AttributeError, pickle.PicklingError) as error:
         raise TypeError(f"the arguments of {what} cannot be sent to the ranks: {error}") from error
+
+
+def _stop_ranks(procs: list[subprocess.Popen], conns: list, grace: float, backend: str, store: TCPStore | None) -> None:
+    """Ask each rank to stop, give them ``grace`` seconds, kill those left, reap every one and close the
+    connections; then ``store`` (the rendezvous, or ``None``) is released with the last reference to it."""
+    for conn in conns:
+        try:
+            send(conn, None)
+        except (OSError, ValueError):
+            pass
+    deadline = time.monotonic() + grace
+    for proc in procs:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                logger.error("rank pid %d did not end within 5 s of SIGKILL", proc.pid)
+    for conn in conns:
+        conn.close()
+    if procs:
+        codes = ", ".join(str(proc.returncode) for proc in procs)
+        logger.info("stopped %d %s ranks (exit codes %s)", len(procs), backend, codes)
 
 
 def ranks_text(world_size: int, backend: str, devices: Sequence[str]) -> str:

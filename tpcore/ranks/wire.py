@@ -77,10 +77,14 @@ class _Handshake:
 
 
 class ControlListener:
-    """A listening Unix socket in a fresh directory of mode 0700 (only this user can connect)."""
+    """A listening Unix socket in a fresh directory of mode 0700 (only this user can connect).
+
+    Only the process that made it removes the socket and its directory: a child forked meanwhile, closing its
+    copy, leaves them to the parent."""
 
     def __init__(self):
         self._directory = Path(tempfile.mkdtemp(prefix="tpcore-"))
+        self._owner_pid = os.getpid()
         self.address = str(self._directory / "control")
         self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -100,83 +104,118 @@ class ControlListener:
         ``check(connected_ranks)`` is called every tenth of a second and raises to give up (a rank
         that died before connecting). A connection with a wrong, late or duplicate answer is dropped.
         """
-        selector = selectors.DefaultSelector()
-        selector.register(self._socket, selectors.EVENT_READ)
-        pending: dict[socket.socket, _Handshake] = {}
-        accepted: dict[int, socket.socket] = {}
-
-        def drop(peer: socket.socket) -> None:
-            selector.unregister(peer)
-            pending.pop(peer)
-            peer.close()
-            self.dropped += 1
-
+        admission = _Admission(self._socket, key, world_size)
         try:
-            while len(accepted) < world_size:
+            while len(admission.accepted) < world_size:
                 now = time.monotonic()
                 if now >= deadline:
-                    raise TimeoutError(
-                        f"start: ranks {sorted(set(range(world_size)) - set(accepted))} did not connect in time"
-                    )
-                check(set(accepted))
-                for peer in [peer for peer, state in pending.items() if now > state.deadline]:
-                    drop(peer)
-                for selected, _ in selector.select(timeout=min(0.1, deadline - now)):
-                    if selected.fileobj is self._socket:
-                        peer, _ = self._socket.accept()
-                        peer.setblocking(False)
-                        challenge = secrets.token_bytes(CHALLENGE_BYTES)
-                        try:
-                            peer.send(challenge)  # a fresh socket's buffer always takes 32 bytes
-                        except OSError:
-                            peer.close()
-                            continue
-                        pending[peer] = _Handshake(challenge, now + HANDSHAKE_TIMEOUT_S)
-                        selector.register(peer, selectors.EVENT_READ)
-                        continue
-                    peer, state = selected.fileobj, pending[selected.fileobj]
-                    try:
-                        data = peer.recv(_REPLY_BYTES - len(state.reply))
-                    except BlockingIOError:
-                        continue
-                    except OSError:
-                        data = b""
-                    state.reply += data
-                    if not data:
-                        drop(peer)
-                    elif len(state.reply) == _REPLY_BYTES:
-                        rank = state.rank(key)
-                        if rank is None or rank in accepted or not 0 <= rank < world_size:
-                            drop(peer)
-                        else:
-                            selector.unregister(peer)
-                            del pending[peer]
-                            accepted[rank] = peer
+                    missing = sorted(set(range(world_size)) - set(admission.accepted))
+                    raise TimeoutError(f"start: ranks {missing} did not connect in time")
+                check(set(admission.accepted))
+                admission.handle(now, timeout=min(0.1, deadline - now))
         except BaseException:
-            for peer in accepted.values():
-                peer.close()
+            admission.close_accepted()
             raise
         finally:
-            for peer in list(pending):
-                drop(peer)
-            selector.close()
-        connections = []
-        for rank in range(world_size):
-            peer = accepted[rank]
-            peer.setblocking(True)
-            connections.append(Connection(peer.detach()))
-        return connections
+            self.dropped += admission.finish()
+        return admission.connections()
 
     def close(self) -> None:
-        """Stop listening and remove the socket and its directory. Idempotent."""
+        """Stop listening and remove the socket and its directory (in the process that made them). Idempotent."""
         self._socket.close()
-        shutil.rmtree(self._directory, ignore_errors=True)
+        if os.getpid() == self._owner_pid:
+            shutil.rmtree(self._directory, ignore_errors=True)
 
     def __enter__(self) -> ControlListener:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _Admission:
+    """The connections of one start: those that have their challenge and have not answered it yet
+    (:attr:`pending`), and the ranks proven so far (:attr:`accepted`)."""
+
+    def __init__(self, listening: socket.socket, key: bytes, world_size: int):
+        self._listening = listening
+        self._key = key
+        self._world_size = world_size
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(listening, selectors.EVENT_READ)
+        self.pending: dict[socket.socket, _Handshake] = {}
+        self.accepted: dict[int, socket.socket] = {}
+        self._dropped = 0
+
+    def handle(self, now: float, timeout: float) -> None:
+        """Drop the connections whose time to answer is up, then handle what arrives within ``timeout``
+        seconds: a new connection gets its challenge, an answer is read and checked."""
+        for peer in [peer for peer, state in self.pending.items() if now > state.deadline]:
+            self._drop(peer)
+        for selected, _ in self._selector.select(timeout=timeout):
+            if selected.fileobj is self._listening:
+                self._challenge(now)
+            else:
+                self._read_answer(selected.fileobj)
+
+    def _challenge(self, now: float) -> None:
+        peer, _ = self._listening.accept()
+        peer.setblocking(False)
+        challenge = secrets.token_bytes(CHALLENGE_BYTES)
+        try:
+            peer.send(challenge)  # a fresh socket's buffer always takes 32 bytes
+        except OSError:
+            peer.close()
+            return
+        self.pending[peer] = _Handshake(challenge, now + HANDSHAKE_TIMEOUT_S)
+        self._selector.register(peer, selectors.EVENT_READ)
+
+    def _read_answer(self, peer) -> None:
+        """Read what ``peer`` sent of its answer; once whole, accept its rank or drop it."""
+        state = self.pending[peer]
+        try:
+            data = peer.recv(_REPLY_BYTES - len(state.reply))
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        state.reply += data
+        if not data:
+            self._drop(peer)
+        elif len(state.reply) == _REPLY_BYTES:
+            rank = state.rank(self._key)
+            if rank is None or rank in self.accepted or not 0 <= rank < self._world_size:
+                self._drop(peer)
+            else:
+                self._selector.unregister(peer)
+                del self.pending[peer]
+                self.accepted[rank] = peer
+
+    def _drop(self, peer: socket.socket) -> None:
+        self._selector.unregister(peer)
+        self.pending.pop(peer)
+        peer.close()
+        self._dropped += 1
+
+    def close_accepted(self) -> None:
+        for peer in self.accepted.values():
+            peer.close()
+
+    def finish(self) -> int:
+        """Drop the connections still pending and stop selecting; the number dropped in all."""
+        for peer in list(self.pending):
+            self._drop(peer)
+        self._selector.close()
+        return self._dropped
+
+    def connections(self) -> list[Connection]:
+        """The accepted connections in rank order, blocking, as :class:`~multiprocessing.connection.Connection`."""
+        connections = []
+        for rank in range(self._world_size):
+            peer = self.accepted[rank]
+            peer.setblocking(True)
+            connections.append(Connection(peer.detach()))
+        return connections
 
 
 def connect(address: str, key: bytes, rank: int, timeout: float = HANDSHAKE_TIMEOUT_S) -> Connection:
@@ -218,20 +257,38 @@ def byte_view(tensor):
     return flat.view(torch.uint8).numpy()
 
 
+class _OutOfBand:
+    """The out-of-band buffers of one message, in order (:attr:`buffers`), and for each the
+    :class:`~tpcore.parallel.memfd.Segment` its tensor already lives in (it travels as that segment's descriptor,
+    with no copy at all) or ``None`` (:attr:`segments`).
+
+    Apart from the pickler, whose ``buffer_callback`` is :meth:`keep`: a callback bound to the pickler itself
+    would make a reference cycle, and the pickler's memo would keep every object of the message (a call's
+    inputs, a rank's outputs) alive until the next garbage collection."""
+
+    def __init__(self):
+        self.buffers: list[pickle.PickleBuffer] = []
+        self.segments: list[memfd.Segment | None] = []
+        #: the segment of each large tensor's buffer, from the pickler's reducer until ``keep`` files it
+        self.segment_of_buffer: dict[int, tuple[pickle.PickleBuffer, memfd.Segment | None]] = {}
+
+    def keep(self, buffer: pickle.PickleBuffer) -> bool:
+        """``buffer_callback``: ``True`` pickles ``buffer`` in band (a small tensor's bytes, a small array)."""
+        if buffer.raw().nbytes < RAW_TENSOR_BYTES:
+            return True
+        self.buffers.append(buffer)
+        self.segments.append(self.segment_of_buffer.pop(id(buffer), (None, None))[1])
+        return False
+
+
 class _Pickler(cloudpickle.Pickler):
     """cloudpickle, with plain CPU tensors sent as their bytes: inside the pickle below
-    :data:`RAW_TENSOR_BYTES`, out of band from there on (as raw frames or in shared memory).
-
-    ``buffers`` lists the out-of-band buffers in order and ``segments``, for each, the
-    :class:`~tpcore.parallel.memfd.Segment` its tensor already lives in (it travels as that segment's descriptor,
-    with no copy at all) or ``None``.
+    :data:`RAW_TENSOR_BYTES`, out of band from there on (as raw frames or in shared memory: :attr:`out_of_band`).
     """
 
     def __init__(self, file):
-        super().__init__(file, protocol=5, buffer_callback=self._keep_out_of_band)
-        self.buffers: list[pickle.PickleBuffer] = []
-        self.segments: list[memfd.Segment | None] = []
-        self._segment_of_buffer: dict[int, tuple[pickle.PickleBuffer, memfd.Segment | None]] = {}
+        self.out_of_band = _OutOfBand()
+        super().__init__(file, protocol=5, buffer_callback=self.out_of_band.keep)
 
     def reducer_override(self, obj):
         torch = sys.modules.get("torch")
@@ -239,18 +296,10 @@ class _Pickler(cloudpickle.Pickler):
             data = obj.detach().contiguous()
             buffer = pickle.PickleBuffer(byte_view(data))
             if data.numel() * data.element_size() >= RAW_TENSOR_BYTES:
-                self._segment_of_buffer[id(buffer)] = (buffer, memfd.segment_of(data))
+                self.out_of_band.segment_of_buffer[id(buffer)] = (buffer, memfd.segment_of(data))
             return _tensor_from_buffer, (buffer, data.dtype, tuple(data.shape))
         parent = getattr(super(), "reducer_override", None)  # plain pickle (no cloudpickle) has none
         return parent(obj) if parent is not None else NotImplemented
-
-    def _keep_out_of_band(self, buffer: pickle.PickleBuffer) -> bool:
-        """``buffer_callback``: ``True`` pickles ``buffer`` in band (a small tensor's bytes, a small array)."""
-        if buffer.raw().nbytes < RAW_TENSOR_BYTES:
-            return True
-        self.buffers.append(buffer)
-        self.segments.append(self._segment_of_buffer.pop(id(buffer), (None, None))[1])
-        return False
 
 
 def _bytes_sendable(tensor) -> bool:
@@ -315,10 +364,11 @@ def encode(message) -> Encoded:
     stream = io.BytesIO()
     pickler = _Pickler(stream)
     pickler.dump(message)
-    raws = [buffer.raw() for buffer in pickler.buffers]
+    out_of_band = pickler.out_of_band
+    raws = [buffer.raw() for buffer in out_of_band.buffers]
     places: list[tuple] = []
     frames, fds, copied = [], [], []
-    for raw, segment in zip(raws, pickler.segments, strict=True):
+    for raw, segment in zip(raws, out_of_band.segments, strict=True):
         if segment is not None:
             if segment.fd not in fds:
                 fds.append(segment.fd)

@@ -1,6 +1,7 @@
 """The rank side of a :class:`~tpcore.ranks.process.RankPool`: one rank's process, from its command line to its exit.
 
-A rank is a fresh interpreter (:func:`worker_command`). It watches its caller, connects back to it
+A rank is a fresh interpreter (:func:`worker_command`). It watches its caller from its first line
+(:data:`WORKER_CODE`), connects back to it
 (:mod:`tpcore.ranks.wire`), binds its device, joins the group, then serves calls until told to stop: each
 call is ``(fn, args, kwargs, log level)``, run as ``fn(context, *args, **kwargs)`` with a :class:`RankContext`
 and answered ``("ok", result)`` or ``("error", describe(exception))`` (:mod:`tpcore.ranks.failures`).
@@ -31,8 +32,30 @@ __all__ = ["AUTHKEY_ENV", "PARENT_ENV", "WORKER_CODE", "RankContext", "synchroni
 #: the environment variables a rank finds its caller's control-channel key and process id in (and removes)
 AUTHKEY_ENV = "TPCORE_WORKER_AUTHKEY"
 PARENT_ENV = "TPCORE_WORKER_PARENT"
-#: what ``python -c`` runs in a rank; :func:`worker_entry` reads the arguments :func:`worker_command` appends
-WORKER_CODE = "import sys; from tpcore.ranks.worker import worker_entry; worker_entry(sys.argv[1:])"
+#: how often a rank looks whether its caller is still there
+PARENT_WATCH_INTERVAL_S = 0.1
+#: what ``python -c`` runs in a rank. Its first lines, before the seconds that importing tpcore and torch take,
+#: start the watch that ends the rank once its caller is gone (re-parented: killed, even while the rank sits in a
+#: collective); a rank that ends so removes the caller's control socket and its directory, which a caller killed
+#: during the start leaves behind. Then :func:`worker_entry` reads the arguments :func:`worker_command` appends.
+WORKER_CODE = f"""\
+import os, sys, threading, time
+
+def _watch_parent(parent, control_socket):
+    while os.getppid() == parent:
+        time.sleep({PARENT_WATCH_INTERVAL_S})
+    for remove, path in ((os.unlink, control_socket), (os.rmdir, os.path.dirname(control_socket))):
+        try:
+            remove(path)
+        except OSError:
+            pass
+    os._exit(1)
+
+_parent = int(os.environ.pop("{PARENT_ENV}"))
+threading.Thread(target=_watch_parent, args=(_parent, sys.argv[1]), name="tpcore-parent-watch", daemon=True).start()
+from tpcore.ranks.worker import worker_entry
+worker_entry(sys.argv[1:])
+"""
 
 logger = logging.getLogger("tpcore.worker")
 
@@ -109,17 +132,6 @@ class Channel:
                 self._sender = None
 
 
-def _exit_with_parent(parent_pid: int, interval: float = 0.5) -> None:
-    """End this rank soon after the caller dies, even while it is stuck in a collective."""
-
-    def watch():
-        while os.getppid() == parent_pid:
-            time.sleep(interval)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="tpcore-parent-watch", daemon=True).start()
-
-
 def synchronize(device) -> None:
     """Wait for the kernels queued on a CUDA ``device``, so that a kernel's error is raised by the call
     that queued it (and a rank replies only once its work is done); nothing to wait for on the CPU."""
@@ -135,7 +147,6 @@ def _worker_main(
     """A rank: connect to the caller, import what it will need, bind its device, join the group, then serve
     calls until told to stop."""
     started = time.monotonic()
-    _exit_with_parent(int(os.environ.pop(PARENT_ENV)))
     conn = connect(address, bytes.fromhex(os.environ.pop(AUTHKEY_ENV)), rank)
     channel = Channel(conn)
     # every tpcore record goes to the caller; restored should this function return (a failed start)
