@@ -70,7 +70,9 @@ from tpcore import (
     ShardingError,
     all_gather,
     keeping_local_attributes,
+    linear,
     local_config,
+    local_heads,
     reduce_partial_sums,
     share,
     subclassing,
@@ -83,27 +85,16 @@ _HEADS = "num_attention_heads"
 
 
 def _qkv(prefix: str, optional: bool = False) -> list[Layer]:
-    return [_linear(f"{prefix}.self.{name}", optional=optional, heads=_HEADS) for name in ("query", "key", "value")]
+    return [linear(f"{prefix}.self.{name}", optional=optional, heads=_HEADS) for name in ("query", "key", "value")]
 
 
 def _out(prefix: str, optional: bool = False) -> list[Layer]:
-    return [_linear(f"{prefix}.output.dense", optional=optional, heads=_HEADS)]
-
-
-def _linear(path: str, n_fused: int = 1, optional: bool = False, **layout) -> Layer:
-    """The weight and bias of the ``nn.Linear`` at ``path`` (a missing bias module attribute is ``None``);
-    ``layout``: the head words of :class:`~tpcore.Layer` (``heads``, ``groups``)."""
-    return Layer(weight=f"{path}.weight", bias=f"{path}.bias", n_fused=n_fused, optional=optional, **layout)
-
-
-def _local_heads(config, world_size: int, name: str = _HEADS, groups: str | None = None):
-    """Each rank's share of the heads ``config.<name>`` (an int, or per rank where they do not divide)."""
-    return share(getattr(config, name), world_size, name, groups=groups and getattr(config, groups))
+    return [linear(f"{prefix}.output.dense", optional=optional, heads=_HEADS)]
 
 
 def _head_arguments(owner: str, config, world_size: int) -> dict:
     """Per-rank ``num_attention_heads`` and ``all_head_size`` of the attention module at ``owner``."""
-    heads = _local_heads(config, world_size)
+    heads = local_heads(config, world_size, _HEADS)
     head_size = config.hidden_size // config.num_attention_heads
     return {f"{owner}.num_attention_heads": heads, f"{owner}.all_head_size": heads * head_size}
 
@@ -134,11 +125,11 @@ class BertPolicy(Policy):
 
     @staticmethod
     def mlp_in():
-        return [_linear("intermediate.dense")]
+        return [linear("intermediate.dense")]
 
     @staticmethod
     def mlp_out():
-        return [_linear("output.dense")]
+        return [linear("output.dense")]
 
 
 class RobertaPolicy(BertPolicy):
@@ -306,7 +297,7 @@ class ConvBertPolicy(Policy):
         for attention, optional in _CONVBERT_ATTENTIONS:
             path, heads = f"{attention}.self", {"optional": optional, "heads": _convbert_heads}
             names = ("query", "key", "value", "conv_out_layer")
-            layers += [_linear(f"{path}.{name}", **heads) for name in names]
+            layers += [linear(f"{path}.{name}", **heads) for name in names]
             for name in ("key_conv_attn_layer.pointwise.weight", "key_conv_attn_layer.bias"):  # [features, ...]
                 layers.append(Layer(weight=f"{path}.{name}", dim=0, heads=_convbert_heads, optional=optional))
         return layers
@@ -316,17 +307,17 @@ class ConvBertPolicy(Policy):
         layers = []
         for attention, optional in _CONVBERT_ATTENTIONS:
             heads = {"optional": optional, "heads": _convbert_heads}
-            layers.append(_linear(f"{attention}.self.conv_kernel_layer", replace=LocalHeadsKernels, **heads))
-            layers.append(_linear(f"{attention}.output.dense", n_fused=2, **heads))  # [attention heads | conv heads]
+            layers.append(linear(f"{attention}.self.conv_kernel_layer", replace=LocalHeadsKernels, **heads))
+            layers.append(linear(f"{attention}.output.dense", n_fused=2, **heads))  # [attention heads | conv heads]
         return layers
 
     @staticmethod
     def mlp_in():
-        return [_linear("intermediate.dense")]
+        return [linear("intermediate.dense")]
 
     @staticmethod
     def mlp_out():
-        return [_linear("output.dense")]
+        return [linear("output.dense")]
 
 
 class AlbertPolicy(BlockPolicy):
@@ -375,7 +366,7 @@ class DebertaPolicy(BertPolicy):
     def attn_qkv():
         packed = Layer(weight="attention.self.in_proj.weight", n_fused=3, interleaved=True, heads=_HEADS)
         biases = [Layer(weight=f"attention.self.{name}", dim=0, heads=_HEADS) for name in ("q_bias", "v_bias")]
-        positions = [_linear(f"attention.self.{name}", optional=True, heads=_HEADS) for name in _DEBERTA_POSITIONS]
+        positions = [linear(f"attention.self.{name}", optional=True, heads=_HEADS) for name in _DEBERTA_POSITIONS]
         return [packed, *biases, *positions]
 
     @staticmethod
@@ -392,8 +383,8 @@ class DebertaV2Policy(BertPolicy):
 
     @staticmethod
     def attn_qkv():
-        content = [_linear(f"attention.self.{name}_proj", heads=_HEADS) for name in ("query", "key", "value")]
-        positions = [_linear(f"attention.self.{name}", optional=True, heads=_HEADS) for name in _DEBERTA_V2_POSITIONS]
+        content = [linear(f"attention.self.{name}_proj", heads=_HEADS) for name in ("query", "key", "value")]
+        positions = [linear(f"attention.self.{name}", optional=True, heads=_HEADS) for name in _DEBERTA_V2_POSITIONS]
         return content + positions
 
     @staticmethod
@@ -464,7 +455,7 @@ class MobileBertPolicy(BertPolicy):
 
     @staticmethod
     def replace_arguments(config, world_size):
-        heads = _local_heads(config, world_size)
+        heads = local_heads(config, world_size, _HEADS)
         width = heads * (config.true_hidden_size // config.num_attention_heads)
         return {"attention.self.num_attention_heads": heads, "attention.self.all_head_size": width}
 
@@ -521,11 +512,11 @@ class FunnelLayerPolicy(Policy):
 
     @staticmethod
     def replace_arguments(config, world_size):
-        return {"attention.config": local_config(config, world_size, n_head=_local_heads(config, world_size, "n_head"))}
+        return {"attention.config": local_config(config, world_size, n_head=local_heads(config, world_size, "n_head"))}
 
     @staticmethod
     def attn_qkv():
-        projections = [_linear(f"attention.{name}_head", heads="n_head") for name in "qkv"]
+        projections = [linear(f"attention.{name}_head", heads="n_head") for name in "qkv"]
         per_head = [
             Layer(weight=f"attention.{name}", dim=0, heads="n_head") for name in ("r_w_bias", "r_r_bias", "r_s_bias")
         ]
@@ -534,15 +525,15 @@ class FunnelLayerPolicy(Policy):
 
     @staticmethod
     def attn_out():
-        return [_linear("attention.post_proj", heads="n_head")]
+        return [linear("attention.post_proj", heads="n_head")]
 
     @staticmethod
     def mlp_in():
-        return [_linear("ffn.linear_1")]
+        return [linear("ffn.linear_1")]
 
     @staticmethod
     def mlp_out():
-        return [_linear("ffn.linear_2")]
+        return [linear("ffn.linear_2")]
 
 
 class XLMAttentionPolicy(BlockPolicy):
@@ -586,7 +577,7 @@ class XLNetPolicy(Policy):
 
     @staticmethod
     def replace_arguments(config, world_size):
-        return {"rel_attn.n_head": _local_heads(config, world_size, "n_head")}
+        return {"rel_attn.n_head": local_heads(config, world_size, "n_head")}
 
     @staticmethod
     def replace_modules():
@@ -600,11 +591,11 @@ class XLNetPolicy(Policy):
 
     @staticmethod
     def mlp_in():
-        return [_linear("ff.layer_1")]
+        return [linear("ff.layer_1")]
 
     @staticmethod
     def mlp_out():
-        return [_linear("ff.layer_2")]
+        return [linear("ff.layer_2")]
 
 
 @subclassing("RowParallel")
@@ -646,8 +637,8 @@ def _quant_linear(path: str, style: str, **heads) -> list[Layer]:
     beside them (recomputed by each integer-mode forward), cut alike."""
     if style == "column":
         kept = [Layer(weight=f"{path}.{name}", dim=0, **heads) for name in ("weight_integer", "bias_integer")]
-        return [_linear(path, **heads), *kept, Layer(weight=f"{path}.fc_scaling_factor", dim=0, **heads)]
-    return [_linear(path, replace=row_parallel_quant_linear, **heads)]
+        return [linear(path, **heads), *kept, Layer(weight=f"{path}.fc_scaling_factor", dim=0, **heads)]
+    return [linear(path, replace=row_parallel_quant_linear, **heads)]
 
 
 class IBertPolicy(BertPolicy):
@@ -727,7 +718,7 @@ class ReformerPolicy(Policy):
 
     @staticmethod
     def replace_arguments(config, world_size):
-        heads = _local_heads(config, world_size)
+        heads = local_heads(config, world_size, _HEADS)
         attention, lsh = "attention.self_attention", "attention.self_attention.query_key"
         arguments = {f"{attention}.num_attention_heads": heads}
         arguments[f"{attention}.all_head_size"] = heads * config.attention_head_size
@@ -744,19 +735,19 @@ class ReformerPolicy(Policy):
     @staticmethod
     def attn_qkv():
         names = ("query_key", "value", "query", "key")  # LSH: query_key, value; local: query, key, value
-        return [_linear(f"attention.self_attention.{name}", optional=True, heads=_HEADS) for name in names]
+        return [linear(f"attention.self_attention.{name}", optional=True, heads=_HEADS) for name in names]
 
     @staticmethod
     def attn_out():
-        return [_linear("attention.output.dense", heads=_HEADS)]
+        return [linear("attention.output.dense", heads=_HEADS)]
 
     @staticmethod
     def mlp_in():
-        return [_linear("feed_forward.dense.dense")]
+        return [linear("feed_forward.dense.dense")]
 
     @staticmethod
     def mlp_out():
-        return [_linear("feed_forward.output.dense")]
+        return [linear("feed_forward.output.dense")]
 
 
 class LukePolicy(BertPolicy):
@@ -768,7 +759,7 @@ class LukePolicy(BertPolicy):
     @staticmethod
     def attn_qkv():
         entity_queries = ("w2e_query", "e2w_query", "e2e_query")
-        entity = [_linear(f"attention.self.{name}", optional=True, heads=_HEADS) for name in entity_queries]
+        entity = [linear(f"attention.self.{name}", optional=True, heads=_HEADS) for name in entity_queries]
         return _qkv("attention") + entity
 
 
@@ -779,24 +770,24 @@ class DistilBertPolicy(Policy):
 
     @staticmethod
     def replace_arguments(config, world_size):
-        heads = _local_heads(config, world_size, "n_heads")
+        heads = local_heads(config, world_size, "n_heads")
         return {"attention.n_heads": heads, "attention.dim": heads * (config.dim // config.n_heads)}
 
     @staticmethod
     def attn_qkv():
-        return [_linear(f"attention.{name}_lin", heads="n_heads") for name in "qkv"]
+        return [linear(f"attention.{name}_lin", heads="n_heads") for name in "qkv"]
 
     @staticmethod
     def attn_out():
-        return [_linear("attention.out_lin", heads="n_heads")]
+        return [linear("attention.out_lin", heads="n_heads")]
 
     @staticmethod
     def mlp_in():
-        return [_linear("ffn.lin1")]
+        return [linear("ffn.lin1")]
 
     @staticmethod
     def mlp_out():
-        return [_linear("ffn.lin2")]
+        return [linear("ffn.lin2")]
 
 
 class MPNetPolicy(BertPolicy):
@@ -810,11 +801,11 @@ class MPNetPolicy(BertPolicy):
 
     @staticmethod
     def attn_qkv():
-        return [_linear(f"attention.attn.{name}", heads=_HEADS) for name in "qkv"]
+        return [linear(f"attention.attn.{name}", heads=_HEADS) for name in "qkv"]
 
     @staticmethod
     def attn_out():
-        return [_linear("attention.attn.o", heads=_HEADS)]
+        return [linear("attention.attn.o", heads=_HEADS)]
 
 
 class MPNetEncoderPolicy(Policy):
@@ -825,7 +816,7 @@ class MPNetEncoderPolicy(Policy):
 
     @staticmethod
     def replace_arguments(config, world_size):
-        return {"n_heads": _local_heads(config, world_size)}
+        return {"n_heads": local_heads(config, world_size, _HEADS)}
 
     @staticmethod
     def attn_qkv():
@@ -838,24 +829,24 @@ class _LlamaLayoutPolicy(Policy):
 
     @staticmethod
     def replace_arguments(config, world_size):
-        _local_heads(config, world_size)
+        local_heads(config, world_size, _HEADS)
         return {}
 
     @staticmethod
     def attn_qkv():
-        return [_linear(f"self_attn.{name}_proj", heads=_HEADS) for name in "qkv"]
+        return [linear(f"self_attn.{name}_proj", heads=_HEADS) for name in "qkv"]
 
     @staticmethod
     def attn_out():
-        return [_linear("self_attn.o_proj", heads=_HEADS)]
+        return [linear("self_attn.o_proj", heads=_HEADS)]
 
     @staticmethod
     def mlp_in():
-        return [_linear("mlp.gate_proj"), _linear("mlp.up_proj")]
+        return [linear("mlp.gate_proj"), linear("mlp.up_proj")]
 
     @staticmethod
     def mlp_out():
-        return [_linear("mlp.down_proj")]
+        return [linear("mlp.down_proj")]
 
 
 class NomicBertPolicy(_LlamaLayoutPolicy):
@@ -870,22 +861,22 @@ class EuroBertPolicy(_LlamaLayoutPolicy):
 
     @staticmethod
     def replace_arguments(config, world_size):
-        heads = _local_heads(config, world_size, groups="num_key_value_heads")
-        return {"self_attn.num_key_value_groups": heads // _local_heads(config, world_size, "num_key_value_heads")}
+        heads = local_heads(config, world_size, _HEADS, groups="num_key_value_heads")
+        return {"self_attn.num_key_value_groups": heads // local_heads(config, world_size, "num_key_value_heads")}
 
     @staticmethod
     def attn_qkv():
         grouped = {"heads": _HEADS, "groups": "num_key_value_heads"}
         kv = {"heads": "num_key_value_heads"}
         return [
-            _linear("self_attn.q_proj", **grouped),
-            _linear("self_attn.k_proj", **kv),
-            _linear("self_attn.v_proj", **kv),
+            linear("self_attn.q_proj", **grouped),
+            linear("self_attn.k_proj", **kv),
+            linear("self_attn.v_proj", **kv),
         ]
 
     @staticmethod
     def attn_out():
-        return [_linear("self_attn.o_proj", heads=_HEADS, groups="num_key_value_heads")]
+        return [linear("self_attn.o_proj", heads=_HEADS, groups="num_key_value_heads")]
 
 
 class ModernBertPolicy(Policy):
@@ -895,24 +886,24 @@ class ModernBertPolicy(Policy):
 
     @staticmethod
     def replace_arguments(config, world_size):
-        _local_heads(config, world_size)
+        local_heads(config, world_size, _HEADS)
         return {}
 
     @staticmethod
     def attn_qkv():
-        return [_linear("attn.Wqkv", n_fused=3, heads=_HEADS)]
+        return [linear("attn.Wqkv", n_fused=3, heads=_HEADS)]
 
     @staticmethod
     def attn_out():
-        return [_linear("attn.Wo", heads=_HEADS)]
+        return [linear("attn.Wo", heads=_HEADS)]
 
     @staticmethod
     def mlp_in():
-        return [_linear("mlp.Wi", n_fused=2)]
+        return [linear("mlp.Wi", n_fused=2)]
 
     @staticmethod
     def mlp_out():
-        return [_linear("mlp.Wo")]
+        return [linear("mlp.Wo")]
 
 
 POLICIES = (
