@@ -35,9 +35,13 @@ _EXPORTS = {
     "share": "tpcore.authoring",
     "Attention": "tpcore.authoring.blocks",
     "BlockPolicy": "tpcore.authoring.blocks",
+    "DecoderBlockPolicy": "tpcore.authoring.blocks",
+    "EncoderBlockPolicy": "tpcore.authoring.blocks",
     "keeping_local_attributes": "tpcore.authoring.blocks",
     "linear": "tpcore.authoring.blocks",
+    "local_heads": "tpcore.authoring.blocks",
     "subclassing": "tpcore.authoring.blocks",
+    "transformers_class": "tpcore.authoring.blocks",
     "ParallelEngine": "tpcore.engine",
     "destroy_process_group": "tpcore.ranks.distributed",
     "PluginConflictError": "tpcore.errors",
@@ -65,6 +69,8 @@ __all__ = [
     "BlockPolicy",
     "COLUMN",
     "ColumnSplitRMSNorm",
+    "DecoderBlockPolicy",
+    "EncoderBlockPolicy",
     "IfHeld",
     "Layer",
     "NORM",
@@ -92,11 +98,13 @@ __all__ = [
     "keeping_local_attributes",
     "linear",
     "local_config",
+    "local_heads",
     "local_width_class",
     "parallelize",
     "reduce_partial_sums",
     "share",
     "subclassing",
+    "transformers_class",
 ]  # the names of _EXPORTS (tests/test_architecture.py)
 
 moved.install()
@@ -134,7 +142,17 @@ if TYPE_CHECKING:
         local_config,
         share,
     )
-    from tpcore.authoring.blocks import Attention, BlockPolicy, keeping_local_attributes, linear, subclassing
+    from tpcore.authoring.blocks import (
+        Attention,
+        BlockPolicy,
+        DecoderBlockPolicy,
+        EncoderBlockPolicy,
+        keeping_local_attributes,
+        linear,
+        local_heads,
+        subclassing,
+        transformers_class,
+    )
     from tpcore.compat.parallelformers import TensorReplacer
     from tpcore.engine import ParallelEngine
     from tpcore.errors import (

@@ -28,7 +28,25 @@ from tpcore.authoring.layer import Layer
 from tpcore.authoring.policy import IfHeld, Policy
 from tpcore.parallel.reshapes import local_width_class
 
-__all__ = ["Attention", "BlockPolicy", "keeping_local_attributes", "linear", "subclassing"]
+__all__ = [
+    "Attention",
+    "BlockPolicy",
+    "DecoderBlockPolicy",
+    "EncoderBlockPolicy",
+    "keeping_local_attributes",
+    "linear",
+    "local_heads",
+    "subclassing",
+    "transformers_class",
+]
+
+_MODELS = "transformers.models"
+
+
+def transformers_class(module: str, name: str, file: str | None = None) -> str:
+    """The dotted path of the class ``name`` in ``transformers.models.<module>.modeling_<file>``
+    (``file`` defaults to ``module``), for a policy's ``layer_class``."""
+    return f"{_MODELS}.{module}.modeling_{file or module}.{name}"
 
 
 class Attention(NamedTuple):
@@ -56,6 +74,14 @@ def linear(path: str, *, optional: bool = False, **layout) -> Layer:
     """The :class:`~tpcore.Layer` of the ``nn.Linear`` at ``path``: its weight and bias (a Linear
     without bias is fine)."""
     return Layer(weight=f"{path}.weight", bias=f"{path}.bias", optional=optional, **layout)
+
+
+def local_heads(config, world_size: int, name: str, groups: str | None = None, first: bool = False):
+    """Each rank's share of the heads ``config.<name>`` (:func:`~tpcore.share`: an int, or per rank
+    where they do not divide), query heads kept with their groups ``config.<groups>``; ``first``:
+    each rank's first head instead."""
+    count = getattr(config, name)
+    return share(count, world_size, name, groups=groups and getattr(config, groups), first=first)
 
 
 class BlockPolicy(Policy):
@@ -113,6 +139,21 @@ class BlockPolicy(Policy):
     @classmethod
     def mlp_out(cls):
         return [linear(path) for path in cls.mlp_outputs]
+
+
+class EncoderBlockPolicy(BlockPolicy):
+    """An encoder block of an encoder-decoder model: self-attention of the encoder's heads
+    (``encoder_attention_heads``)."""
+
+    heads = "encoder_attention_heads"
+
+
+class DecoderBlockPolicy(BlockPolicy):
+    """A decoder block of an encoder-decoder model: self-attention and cross-attention
+    (``encoder_attn``) of the decoder's heads (``decoder_attention_heads``)."""
+
+    heads = "decoder_attention_heads"
+    attentions = (Attention("self_attn"), Attention("encoder_attn"))
 
 
 def subclassing(prefix: str) -> Callable[[Callable[[type], dict[str, Any]]], Callable[[nn.Module | None], Any]]:

@@ -19,11 +19,11 @@ task heads (CTC, classifiers, x-vector TDNNs) stay whole. What differs:
   ``(heads, head_dim)`` split by heads; rotary embeddings rotate the block's input in all heads
   (:func:`whole_rotary_attention`). The convolution module stays whole. Wav2Vec2-BERT's blocks are
   Conformer blocks.
-- SEW-D: DeBERTa-v2's blocks (tp-bert's :class:`~tp_bert.policies.DebertaV2Policy`): disentangled
+- SEW-D: DeBERTa-v2's blocks (as tp-bert's ``DebertaV2Policy`` splits them): disentangled
   attention, ``attention.self.{query,key,value}_proj`` and, when not shared, ``pos_{key,query}_proj``
   over the encoder's relative embeddings, which stay whole.
-- Whisper and Speech2Text: BART's encoder and decoder blocks (tp-bart's
-  :class:`~tp_bart.policies.EncoderBlockPolicy`, :class:`~tp_bart.policies.DecoderBlockPolicy`);
+- Whisper and Speech2Text: BART's encoder and decoder blocks (:class:`tpcore.EncoderBlockPolicy`,
+  :class:`tpcore.DecoderBlockPolicy`);
   the decoder's token embedding and the LM head tied to it are split over the vocabulary by
   tpcore's core.
 """
@@ -32,16 +32,18 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from tp_bart.policies import DecoderBlockPolicy, EncoderBlockPolicy
-from tp_bert.policies import DebertaV2Policy
 
-from tpcore import Attention, BlockPolicy, Layer, linear, share, subclassing
-
-_MODELS = "transformers.models"
-
-
-def _block(module: str, name: str, file: str | None = None) -> str:
-    return f"{_MODELS}.{module}.modeling_{file or module}.{name}"
+from tpcore import (
+    Attention,
+    BlockPolicy,
+    DecoderBlockPolicy,
+    EncoderBlockPolicy,
+    Layer,
+    linear,
+    share,
+    subclassing,
+    transformers_class,
+)
 
 
 class SpeechEncoderLayerPolicy(BlockPolicy):
@@ -53,43 +55,43 @@ class SpeechEncoderLayerPolicy(BlockPolicy):
 
 
 class Wav2Vec2EncoderLayerPolicy(SpeechEncoderLayerPolicy):
-    layer_class = _block("wav2vec2", "Wav2Vec2EncoderLayer")
+    layer_class = transformers_class("wav2vec2", "Wav2Vec2EncoderLayer")
 
 
 class Wav2Vec2EncoderLayerStableLayerNormPolicy(SpeechEncoderLayerPolicy):
-    layer_class = _block("wav2vec2", "Wav2Vec2EncoderLayerStableLayerNorm")
+    layer_class = transformers_class("wav2vec2", "Wav2Vec2EncoderLayerStableLayerNorm")
 
 
 class HubertEncoderLayerPolicy(SpeechEncoderLayerPolicy):
-    layer_class = _block("hubert", "HubertEncoderLayer")
+    layer_class = transformers_class("hubert", "HubertEncoderLayer")
 
 
 class HubertEncoderLayerStableLayerNormPolicy(SpeechEncoderLayerPolicy):
-    layer_class = _block("hubert", "HubertEncoderLayerStableLayerNorm")
+    layer_class = transformers_class("hubert", "HubertEncoderLayerStableLayerNorm")
 
 
 class Data2VecAudioEncoderLayerPolicy(SpeechEncoderLayerPolicy):
-    layer_class = _block("data2vec", "Data2VecAudioEncoderLayer", "data2vec_audio")
+    layer_class = transformers_class("data2vec", "Data2VecAudioEncoderLayer", "data2vec_audio")
 
 
 class UniSpeechEncoderLayerPolicy(SpeechEncoderLayerPolicy):
-    layer_class = _block("unispeech", "UniSpeechEncoderLayer")
+    layer_class = transformers_class("unispeech", "UniSpeechEncoderLayer")
 
 
 class UniSpeechEncoderLayerStableLayerNormPolicy(SpeechEncoderLayerPolicy):
-    layer_class = _block("unispeech", "UniSpeechEncoderLayerStableLayerNorm")
+    layer_class = transformers_class("unispeech", "UniSpeechEncoderLayerStableLayerNorm")
 
 
 class UniSpeechSatEncoderLayerPolicy(SpeechEncoderLayerPolicy):
-    layer_class = _block("unispeech_sat", "UniSpeechSatEncoderLayer")
+    layer_class = transformers_class("unispeech_sat", "UniSpeechSatEncoderLayer")
 
 
 class UniSpeechSatEncoderLayerStableLayerNormPolicy(SpeechEncoderLayerPolicy):
-    layer_class = _block("unispeech_sat", "UniSpeechSatEncoderLayerStableLayerNorm")
+    layer_class = transformers_class("unispeech_sat", "UniSpeechSatEncoderLayerStableLayerNorm")
 
 
 class SEWEncoderLayerPolicy(SpeechEncoderLayerPolicy):
-    layer_class = _block("sew", "SEWEncoderLayer")
+    layer_class = transformers_class("sew", "SEWEncoderLayer")
 
 
 # -- WavLM: a gated relative position bias per head ------------------------------------------------------
@@ -141,7 +143,7 @@ def local_heads_wavlm_attention(base: type) -> dict:
 class WavLMEncoderLayerPolicy(SpeechEncoderLayerPolicy):
     """The first block holds the bucket embedding; every block gates it by its own heads."""
 
-    layer_class = _block("wavlm", "WavLMEncoderLayer")
+    layer_class = transformers_class("wavlm", "WavLMEncoderLayer")
 
     @classmethod
     def replace_arguments(cls, config, world_size):
@@ -166,7 +168,7 @@ class WavLMEncoderLayerPolicy(SpeechEncoderLayerPolicy):
 
 
 class WavLMEncoderLayerStableLayerNormPolicy(WavLMEncoderLayerPolicy):
-    layer_class = _block("wavlm", "WavLMEncoderLayerStableLayerNorm")
+    layer_class = transformers_class("wavlm", "WavLMEncoderLayerStableLayerNorm")
 
 
 # -- Conformer ----------------------------------------------------------------------------------------------
@@ -192,7 +194,7 @@ class Wav2Vec2ConformerEncoderLayerPolicy(BlockPolicy):
     """A Conformer block: half-step feed-forwards ``ffn1`` and ``ffn2`` around the self-attention
     and the convolution module (whole)."""
 
-    layer_class = _block("wav2vec2_conformer", "Wav2Vec2ConformerEncoderLayer")
+    layer_class = transformers_class("wav2vec2_conformer", "Wav2Vec2ConformerEncoderLayer")
     attentions = (Attention("self_attn", projections=("linear_q", "linear_k", "linear_v"), output="linear_out"),)
     mlp_inputs = ("ffn1.intermediate_dense", "ffn2.intermediate_dense")
     mlp_outputs = ("ffn1.output_dense", "ffn2.output_dense")
@@ -219,35 +221,53 @@ class Wav2Vec2BertEncoderLayerPolicy(Wav2Vec2ConformerEncoderLayerPolicy):
     """w2v-BERT 2.0's Conformer block over log-mel features; its default relative-key position
     embedding (``distance_embedding``, ``(distances, head_dim)``) is shared by the heads and stays whole."""
 
-    layer_class = _block("wav2vec2_bert", "Wav2Vec2BertEncoderLayer")
+    layer_class = transformers_class("wav2vec2_bert", "Wav2Vec2BertEncoderLayer")
 
 
 # -- SEW-D: disentangled attention ----------------------------------------------------------------------------
 
 
-class SEWDLayerPolicy(DebertaV2Policy):
-    """DeBERTa-v2's block (tp-bert's :class:`~tp_bert.policies.DebertaV2Policy`)."""
+class SEWDLayerPolicy(BlockPolicy):
+    """DeBERTa-v2's block: ``attention.self.{query,key,value}_proj`` and, unless ``share_att_key``,
+    the relative position projections ``pos_key_proj``/``pos_query_proj``, all by heads;
+    ``attention.output.dense`` row parallel; ``intermediate.dense``, ``output.dense`` the MLP."""
 
-    layer_class = _block("sew_d", "SEWDLayer")
+    layer_class = transformers_class("sew_d", "SEWDLayer")
+    attentions = (
+        Attention(
+            "attention",
+            projections=("self.query_proj", "self.key_proj", "self.value_proj"),
+            output="output.dense",
+            counts=("self.num_attention_heads",),
+            widths=("self.all_head_size",),
+        ),
+    )
+    mlp_inputs = ("intermediate.dense",)
+    mlp_outputs = ("output.dense",)
+
+    @classmethod
+    def attn_qkv(cls):
+        positions = ("attention.self.pos_key_proj", "attention.self.pos_query_proj")  # not with share_att_key
+        return [*super().attn_qkv(), *(linear(path, optional=True, heads=cls.heads) for path in positions)]
 
 
 # -- speech to text: BART's blocks ------------------------------------------------------------------------------
 
 
 class WhisperEncoderLayerPolicy(EncoderBlockPolicy):
-    layer_class = _block("whisper", "WhisperEncoderLayer")
+    layer_class = transformers_class("whisper", "WhisperEncoderLayer")
 
 
 class WhisperDecoderLayerPolicy(DecoderBlockPolicy):
-    layer_class = _block("whisper", "WhisperDecoderLayer")
+    layer_class = transformers_class("whisper", "WhisperDecoderLayer")
 
 
 class Speech2TextEncoderLayerPolicy(EncoderBlockPolicy):
-    layer_class = _block("speech_to_text", "Speech2TextEncoderLayer")
+    layer_class = transformers_class("speech_to_text", "Speech2TextEncoderLayer")
 
 
 class Speech2TextDecoderLayerPolicy(DecoderBlockPolicy):
-    layer_class = _block("speech_to_text", "Speech2TextDecoderLayer")
+    layer_class = transformers_class("speech_to_text", "Speech2TextDecoderLayer")
 
 
 POLICIES = (

@@ -2,7 +2,8 @@
 
 Every model here has encoder blocks (self-attention, MLP) and decoder blocks (self-attention,
 cross-attention, MLP); a policy applies to each block class and names its attentions
-(:class:`tpcore.blocks.Attention`) and its MLP (:class:`tpcore.blocks.BlockPolicy`):
+(:class:`tpcore.Attention`) and its MLP (:class:`tpcore.EncoderBlockPolicy`,
+:class:`tpcore.DecoderBlockPolicy`):
 
 - each attention's query, key and value projections column parallel, its output projection row
   parallel, heads dealt whole (:func:`tpcore.share`: 6 heads over 4 ranks as 2, 2, 1, 1), the
@@ -39,93 +40,83 @@ import functools
 
 from torch import nn
 
-from tpcore import Attention, BlockPolicy, Policy, keeping_local_attributes, local_config, local_width_class, share
-
-_MODELS = "transformers.models"
-
-
-class EncoderBlockPolicy(BlockPolicy):
-    """An encoder block: self-attention of the encoder's heads."""
-
-    heads = "encoder_attention_heads"
-
-
-class DecoderBlockPolicy(BlockPolicy):
-    """A decoder block: self-attention and cross-attention of the decoder's heads."""
-
-    heads = "decoder_attention_heads"
-    attentions = (Attention("self_attn"), Attention("encoder_attn"))
-
-
-def _block(module: str, name: str) -> str:
-    return f"{_MODELS}.{module}.modeling_{module}.{name}"
-
+from tpcore import (
+    Attention,
+    DecoderBlockPolicy,
+    EncoderBlockPolicy,
+    Policy,
+    keeping_local_attributes,
+    local_config,
+    local_width_class,
+    share,
+    transformers_class,
+)
 
 # -- BART's own layout ------------------------------------------------------------------------------
 
 
 class BartEncoderLayerPolicy(EncoderBlockPolicy):
-    layer_class = _block("bart", "BartEncoderLayer")
+    layer_class = transformers_class("bart", "BartEncoderLayer")
 
 
 class BartDecoderLayerPolicy(DecoderBlockPolicy):
-    layer_class = _block("bart", "BartDecoderLayer")
+    layer_class = transformers_class("bart", "BartDecoderLayer")
 
 
 class MBartEncoderLayerPolicy(EncoderBlockPolicy):
-    layer_class = _block("mbart", "MBartEncoderLayer")
+    layer_class = transformers_class("mbart", "MBartEncoderLayer")
 
 
 class MBartDecoderLayerPolicy(DecoderBlockPolicy):
-    layer_class = _block("mbart", "MBartDecoderLayer")
+    layer_class = transformers_class("mbart", "MBartDecoderLayer")
 
 
 class MarianEncoderLayerPolicy(EncoderBlockPolicy):
-    layer_class = _block("marian", "MarianEncoderLayer")
+    layer_class = transformers_class("marian", "MarianEncoderLayer")
 
 
 class MarianDecoderLayerPolicy(DecoderBlockPolicy):
-    layer_class = _block("marian", "MarianDecoderLayer")
+    layer_class = transformers_class("marian", "MarianDecoderLayer")
 
 
 class PegasusEncoderLayerPolicy(EncoderBlockPolicy):
-    layer_class = _block("pegasus", "PegasusEncoderLayer")
+    layer_class = transformers_class("pegasus", "PegasusEncoderLayer")
 
 
 class PegasusDecoderLayerPolicy(DecoderBlockPolicy):
-    layer_class = _block("pegasus", "PegasusDecoderLayer")
+    layer_class = transformers_class("pegasus", "PegasusDecoderLayer")
 
 
 class BlenderbotEncoderLayerPolicy(EncoderBlockPolicy):
-    layer_class = _block("blenderbot", "BlenderbotEncoderLayer")
+    layer_class = transformers_class("blenderbot", "BlenderbotEncoderLayer")
 
 
 class BlenderbotDecoderLayerPolicy(DecoderBlockPolicy):
-    layer_class = _block("blenderbot", "BlenderbotDecoderLayer")
+    layer_class = transformers_class("blenderbot", "BlenderbotDecoderLayer")
 
 
 class BlenderbotSmallEncoderLayerPolicy(EncoderBlockPolicy):
-    layer_class = _block("blenderbot_small", "BlenderbotSmallEncoderLayer")
+    layer_class = transformers_class("blenderbot_small", "BlenderbotSmallEncoderLayer")
 
 
 class BlenderbotSmallDecoderLayerPolicy(DecoderBlockPolicy):
-    layer_class = _block("blenderbot_small", "BlenderbotSmallDecoderLayer")
+    layer_class = transformers_class("blenderbot_small", "BlenderbotSmallDecoderLayer")
 
 
 class M2M100EncoderLayerPolicy(EncoderBlockPolicy):
-    layer_class = _block("m2m_100", "M2M100EncoderLayer")
+    layer_class = transformers_class("m2m_100", "M2M100EncoderLayer")
 
 
 class M2M100DecoderLayerPolicy(DecoderBlockPolicy):
-    layer_class = _block("m2m_100", "M2M100DecoderLayer")
+    layer_class = transformers_class("m2m_100", "M2M100DecoderLayer")
 
 
 class PLBartEncoderLayerPolicy(EncoderBlockPolicy):
-    layer_class = _block("plbart", "PLBartEncoderLayer")
+    layer_class = transformers_class("plbart", "PLBartEncoderLayer")
 
 
 class PLBartDecoderLayerPolicy(DecoderBlockPolicy):
-    layer_class = _block("plbart", "PLBartDecoderLayer")
+    layer_class = transformers_class("plbart", "PLBartDecoderLayer")
 
 
 # -- attentions that merge heads into their input's width -------------------------------------------
@@ -134,21 +125,21 @@ class PLBartDecoderLayerPolicy(DecoderBlockPolicy):
 class PegasusXEncoderLayerPolicy(EncoderBlockPolicy):
     """Global-local self-attention over the tokens and the global tokens, one set of projections."""
 
-    layer_class = _block("pegasus_x", "PegasusXEncoderLayer")
+    layer_class = transformers_class("pegasus_x", "PegasusXEncoderLayer")
     attentions = (Attention("self_attn", reshaping=""),)
 
 
 class PegasusXDecoderLayerPolicy(DecoderBlockPolicy):
-    layer_class = _block("pegasus_x", "PegasusXDecoderLayer")
+    layer_class = transformers_class("pegasus_x", "PegasusXDecoderLayer")
 
 
 class FSMTEncoderLayerPolicy(EncoderBlockPolicy):
-    layer_class = _block("fsmt", "EncoderLayer")
+    layer_class = transformers_class("fsmt", "EncoderLayer")
     attentions = (Attention("self_attn", reshaping=""),)
 
 
 class FSMTDecoderLayerPolicy(DecoderBlockPolicy):
-    layer_class = _block("fsmt", "DecoderLayer")
+    layer_class = transformers_class("fsmt", "DecoderLayer")
     attentions = (Attention("self_attn", reshaping=""), Attention("encoder_attn", reshaping=""))
 
 
@@ -159,7 +150,7 @@ class LEDEncoderLayerPolicy(EncoderBlockPolicy):
     """Longformer self-attention: sliding-window ``query``/``key``/``value`` and the global tokens'
     ``*_global`` projections, one ``output``."""
 
-    layer_class = _block("led", "LEDEncoderLayer")
+    layer_class = transformers_class("led", "LEDEncoderLayer")
     attentions = (
         Attention(
             "self_attn",
@@ -172,7 +163,7 @@ class LEDEncoderLayerPolicy(EncoderBlockPolicy):
 
 
 class LEDDecoderLayerPolicy(DecoderBlockPolicy):
-    layer_class = _block("led", "LEDDecoderLayer")
+    layer_class = transformers_class("led", "LEDDecoderLayer")
     attentions = (Attention("self_attn", reshaping=""), Attention("encoder_attn", reshaping=""))
 
 
@@ -184,7 +175,7 @@ keeps_local_heads = keeping_local_attributes("set_attention_type", "self", ("num
 
 
 class BigBirdPegasusEncoderLayerPolicy(EncoderBlockPolicy):
-    layer_class = _block("bigbird_pegasus", "BigBirdPegasusEncoderLayer")
+    layer_class = transformers_class("bigbird_pegasus", "BigBirdPegasusEncoderLayer")
     attentions = (
         Attention(
             "self_attn",
@@ -201,7 +192,7 @@ class BigBirdPegasusEncoderLayerPolicy(EncoderBlockPolicy):
 
 
 class BigBirdPegasusDecoderLayerPolicy(DecoderBlockPolicy):
-    layer_class = _block("bigbird_pegasus", "BigBirdPegasusDecoderLayer")
+    layer_class = transformers_class("bigbird_pegasus", "BigBirdPegasusDecoderLayer")
 
 
 # -- ProphetNet ---------------------------------------------------------------------------------------
@@ -262,7 +253,7 @@ def _whole_lookup_subclass(cls: type[nn.Module]) -> type[nn.Module]:
 
 
 class ProphetNetEncoderLayerPolicy(EncoderBlockPolicy):
-    layer_class = _block("prophetnet", "ProphetNetEncoderLayer")
+    layer_class = transformers_class("prophetnet", "ProphetNetEncoderLayer")
     heads = "num_encoder_attention_heads"
     attentions = (_prophetnet_attention("self_attn"),)
     mlp_inputs = ("feed_forward.intermediate",)
@@ -273,7 +264,7 @@ class ProphetNetDecoderLayerPolicy(ProphetNetEncoderLayerPolicy):
     """N-gram self-attention (main and predict streams; see :func:`ngram_attention_class`), and
     cross-attention where the decoder has an encoder."""
 
-    layer_class = _block("prophetnet", "ProphetNetDecoderLayer")
+    layer_class = transformers_class("prophetnet", "ProphetNetDecoderLayer")
     heads = "num_decoder_attention_heads"
     attentions = (_prophetnet_attention("self_attn"), _prophetnet_attention("cross_attn", optional=True))
 
@@ -292,7 +283,7 @@ class ProphetNetEncoderPolicy(Policy):
     """The encoder stack expands its attention mask to ``config.num_encoder_attention_heads``: it
     reads a config copy holding the rank's count."""
 
-    layer_class = _block("prophetnet", "ProphetNetEncoder")
+    layer_class = transformers_class("prophetnet", "ProphetNetEncoder")
     heads = "num_encoder_attention_heads"
 
     @classmethod
@@ -308,7 +299,7 @@ class ProphetNetDecoderPolicy(ProphetNetEncoderPolicy):
     """The decoder stack builds its causal, n-gram and cross-attention masks for
     ``config.num_decoder_attention_heads``."""
 
-    layer_class = _block("prophetnet", "ProphetNetDecoder")
+    layer_class = transformers_class("prophetnet", "ProphetNetDecoder")
     heads = "num_decoder_attention_heads"
 
 

@@ -24,8 +24,8 @@ uses one MLP class for its dense layers and its shared experts.
 
 from __future__ import annotations
 
-from tp_gpt.policies import _GROUPED_QUERIES, _MODELS, _linear, _local_heads
-from tpcore import Layer, Policy, experts_arguments
+from tp_gpt.policies import _GROUPED_QUERIES, _MODELS
+from tpcore import Layer, Policy, experts_arguments, linear, local_heads
 
 
 class _FusedExperts(Policy):
@@ -51,11 +51,11 @@ class _GatedMLP(Policy):
 
     @staticmethod
     def mlp_in():
-        return [_linear("gate_proj"), _linear("up_proj")]
+        return [linear("gate_proj"), linear("up_proj")]
 
     @staticmethod
     def mlp_out():
-        return [_linear("down_proj")]
+        return [linear("down_proj")]
 
 
 class Qwen2MoeAttentionPolicy(Policy):
@@ -65,18 +65,18 @@ class Qwen2MoeAttentionPolicy(Policy):
 
     @staticmethod
     def replace_arguments(config, world_size):
-        heads = _local_heads(config, world_size, "num_attention_heads", groups="num_key_value_heads")
-        kv_heads = _local_heads(config, world_size, "num_key_value_heads")
+        heads = local_heads(config, world_size, "num_attention_heads", groups="num_key_value_heads")
+        kv_heads = local_heads(config, world_size, "num_key_value_heads")
         return {"num_key_value_groups": heads // kv_heads}
 
     @staticmethod
     def attn_qkv():
         kv = "num_key_value_heads"
-        return [_linear("q_proj", **_GROUPED_QUERIES), _linear("k_proj", heads=kv), _linear("v_proj", heads=kv)]
+        return [linear("q_proj", **_GROUPED_QUERIES), linear("k_proj", heads=kv), linear("v_proj", heads=kv)]
 
     @staticmethod
     def attn_out():
-        return [_linear("o_proj", **_GROUPED_QUERIES)]
+        return [linear("o_proj", **_GROUPED_QUERIES)]
 
 
 class Qwen2MoeExpertsPolicy(_FusedExperts):
@@ -96,20 +96,20 @@ class DeepseekV3AttentionPolicy(Policy):
 
     @staticmethod
     def replace_arguments(config, world_size):
-        return {"num_heads": _local_heads(config, world_size, "num_attention_heads")}
+        return {"num_heads": local_heads(config, world_size, "num_attention_heads")}
 
     @staticmethod
     def attn_qkv():
         heads = "num_attention_heads"
         return [
-            _linear("q_proj", heads=heads, optional=True),  # without a query latent (q_lora_rank None)
-            _linear("q_b_proj", heads=heads, optional=True),
-            _linear("kv_b_proj", heads=heads),
+            linear("q_proj", heads=heads, optional=True),  # without a query latent (q_lora_rank None)
+            linear("q_b_proj", heads=heads, optional=True),
+            linear("kv_b_proj", heads=heads),
         ]
 
     @staticmethod
     def attn_out():
-        return [_linear("o_proj", heads="num_attention_heads")]
+        return [linear("o_proj", heads="num_attention_heads")]
 
 
 class DeepseekV3ExpertsPolicy(_FusedExperts):

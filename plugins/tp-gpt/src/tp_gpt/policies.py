@@ -30,24 +30,14 @@ and 3 + 1. Every attention projection names its head count (``Layer(heads=...)``
 
 from __future__ import annotations
 
-from tpcore import Layer, Policy, RowParallelLinear, share
+from tpcore import Layer, Policy, RowParallelLinear, linear, local_heads, share
 
 _MODELS = "transformers.models"
-
-
-def _linear(path: str, **options) -> Layer:
-    return Layer(weight=f"{path}.weight", bias=f"{path}.bias", **options)
 
 
 def _conv1d(path: str, n_fused: int = 1, **layout) -> Layer:
     """An HF ``Conv1D`` (weight stored ``(in, out)``)."""
     return Layer(weight=f"{path}.weight", bias=f"{path}.bias", n_fused=n_fused, transposed=True, **layout)
-
-
-def _local_heads(config, world_size: int, name: str, groups: str | None = None, first: bool = False):
-    """Each rank's share of the heads ``config.<name>`` (an int, or per rank where they do not divide)."""
-    count = getattr(config, name)
-    return share(count, world_size, name, groups=groups and getattr(config, groups), first=first)
 
 
 class GPT2Policy(Policy):
@@ -57,7 +47,7 @@ class GPT2Policy(Policy):
 
     @staticmethod
     def replace_arguments(config, world_size):
-        heads = _local_heads(config, world_size, "n_head")
+        heads = local_heads(config, world_size, "n_head")
         width = heads * (config.n_embd // config.n_head)
         return {"attn.num_heads": heads, "attn.split_size": width, "attn.embed_dim": width}
 
@@ -85,25 +75,25 @@ class GPTNeoPolicy(Policy):
 
     @staticmethod
     def replace_arguments(config, world_size):
-        heads = _local_heads(config, world_size, "num_heads")
+        heads = local_heads(config, world_size, "num_heads")
         width = heads * (config.hidden_size // config.num_heads)
         return {"attn.attention.num_heads": heads, "attn.attention.embed_dim": width}
 
     @staticmethod
     def attn_qkv():
-        return [_linear(f"attn.attention.{name}_proj", heads="num_heads") for name in "qkv"]
+        return [linear(f"attn.attention.{name}_proj", heads="num_heads") for name in "qkv"]
 
     @staticmethod
     def attn_out():
-        return [_linear("attn.attention.out_proj", heads="num_heads")]
+        return [linear("attn.attention.out_proj", heads="num_heads")]
 
     @staticmethod
     def mlp_in():
-        return [_linear("mlp.c_fc")]
+        return [linear("mlp.c_fc")]
 
     @staticmethod
     def mlp_out():
-        return [_linear("mlp.c_proj")]
+        return [linear("mlp.c_proj")]
 
 
 class GPTJPolicy(Policy):
@@ -113,24 +103,24 @@ class GPTJPolicy(Policy):
 
     @staticmethod
     def replace_arguments(config, world_size):
-        heads = _local_heads(config, world_size, "n_head")
+        heads = local_heads(config, world_size, "n_head")
         return {"attn.num_attention_heads": heads, "attn.embed_dim": heads * (config.n_embd // config.n_head)}
 
     @staticmethod
     def attn_qkv():
-        return [_linear(f"attn.{name}_proj", heads="n_head") for name in "qkv"]
+        return [linear(f"attn.{name}_proj", heads="n_head") for name in "qkv"]
 
     @staticmethod
     def attn_out():
-        return [_linear("attn.out_proj", heads="n_head")]
+        return [linear("attn.out_proj", heads="n_head")]
 
     @staticmethod
     def mlp_in():
-        return [_linear("mlp.fc_in")]
+        return [linear("mlp.fc_in")]
 
     @staticmethod
     def mlp_out():
-        return [_linear("mlp.fc_out")]
+        return [linear("mlp.fc_out")]
 
 
 class GPTNeoXPolicy(Policy):
@@ -140,24 +130,24 @@ class GPTNeoXPolicy(Policy):
 
     @staticmethod
     def replace_arguments(config, world_size):
-        _local_heads(config, world_size, "num_attention_heads")
+        local_heads(config, world_size, "num_attention_heads")
         return {}
 
     @staticmethod
     def attn_qkv():
-        return [_linear("attention.query_key_value", n_fused=3, interleaved=True, heads="num_attention_heads")]
+        return [linear("attention.query_key_value", n_fused=3, interleaved=True, heads="num_attention_heads")]
 
     @staticmethod
     def attn_out():
-        return [_linear("attention.dense", heads="num_attention_heads")]
+        return [linear("attention.dense", heads="num_attention_heads")]
 
     @staticmethod
     def mlp_in():
-        return [_linear("mlp.dense_h_to_4h")]
+        return [linear("mlp.dense_h_to_4h")]
 
     @staticmethod
     def mlp_out():
-        return [_linear("mlp.dense_4h_to_h")]
+        return [linear("mlp.dense_4h_to_h")]
 
 
 class OPTPolicy(Policy):
@@ -167,25 +157,25 @@ class OPTPolicy(Policy):
 
     @staticmethod
     def replace_arguments(config, world_size):
-        heads = _local_heads(config, world_size, "num_attention_heads")
+        heads = local_heads(config, world_size, "num_attention_heads")
         width = heads * (config.hidden_size // config.num_attention_heads)
         return {"self_attn.num_heads": heads, "self_attn.embed_dim": width}
 
     @staticmethod
     def attn_qkv():
-        return [_linear(f"self_attn.{name}_proj", heads="num_attention_heads") for name in "qkv"]
+        return [linear(f"self_attn.{name}_proj", heads="num_attention_heads") for name in "qkv"]
 
     @staticmethod
     def attn_out():
-        return [_linear("self_attn.out_proj", heads="num_attention_heads")]
+        return [linear("self_attn.out_proj", heads="num_attention_heads")]
 
     @staticmethod
     def mlp_in():
-        return [_linear("fc1")]
+        return [linear("fc1")]
 
     @staticmethod
     def mlp_out():
-        return [_linear("fc2")]
+        return [linear("fc2")]
 
 
 class BloomPolicy(Policy):
@@ -195,11 +185,11 @@ class BloomPolicy(Policy):
 
     @staticmethod
     def replace_arguments(config, world_size):
-        heads = _local_heads(config, world_size, "n_head")
+        heads = local_heads(config, world_size, "n_head")
         width = heads * (config.hidden_size // config.n_head)
         return {
             "self_attention.num_heads": heads,
-            "self_attention.first_head": _local_heads(config, world_size, "n_head", first=True),
+            "self_attention.first_head": local_heads(config, world_size, "n_head", first=True),
             "self_attention.hidden_size": width,
             "self_attention.split_size": width,
         }
@@ -212,19 +202,19 @@ class BloomPolicy(Policy):
 
     @staticmethod
     def attn_qkv():
-        return [_linear("self_attention.query_key_value", n_fused=3, interleaved=True, heads="n_head")]
+        return [linear("self_attention.query_key_value", n_fused=3, interleaved=True, heads="n_head")]
 
     @staticmethod
     def attn_out():
-        return [_linear("self_attention.dense", heads="n_head")]
+        return [linear("self_attention.dense", heads="n_head")]
 
     @staticmethod
     def mlp_in():
-        return [_linear("mlp.dense_h_to_4h")]
+        return [linear("mlp.dense_h_to_4h")]
 
     @staticmethod
     def mlp_out():
-        return [_linear("mlp.dense_4h_to_h")]
+        return [linear("mlp.dense_4h_to_h")]
 
 
 #: query heads (and the output projection's inputs) dealt with their key/value heads
@@ -238,29 +228,29 @@ class LlamaPolicy(Policy):
 
     @staticmethod
     def replace_arguments(config, world_size):
-        heads = _local_heads(config, world_size, "num_attention_heads", groups="num_key_value_heads")
-        kv_heads = _local_heads(config, world_size, "num_key_value_heads")  # one, replicated, when fewer than ranks
+        heads = local_heads(config, world_size, "num_attention_heads", groups="num_key_value_heads")
+        kv_heads = local_heads(config, world_size, "num_key_value_heads")  # one, replicated, when fewer than ranks
         return {"self_attn.num_key_value_groups": heads // kv_heads}
 
     @staticmethod
     def attn_qkv():
         return [
-            _linear("self_attn.q_proj", **_GROUPED_QUERIES),
-            _linear("self_attn.k_proj", heads="num_key_value_heads"),
-            _linear("self_attn.v_proj", heads="num_key_value_heads"),
+            linear("self_attn.q_proj", **_GROUPED_QUERIES),
+            linear("self_attn.k_proj", heads="num_key_value_heads"),
+            linear("self_attn.v_proj", heads="num_key_value_heads"),
         ]
 
     @staticmethod
     def attn_out():
-        return [_linear("self_attn.o_proj", **_GROUPED_QUERIES)]
+        return [linear("self_attn.o_proj", **_GROUPED_QUERIES)]
 
     @staticmethod
     def mlp_in():
-        return [_linear("mlp.gate_proj"), _linear("mlp.up_proj")]
+        return [linear("mlp.gate_proj"), linear("mlp.up_proj")]
 
     @staticmethod
     def mlp_out():
-        return [_linear("mlp.down_proj")]
+        return [linear("mlp.down_proj")]
 
 
 class MistralPolicy(LlamaPolicy):
@@ -307,20 +297,20 @@ class FalconPolicy(Policy):
     @staticmethod
     def attn_qkv():
         parts = ("num_attention_heads", _falcon_key_value_heads, _falcon_key_value_heads)
-        return [_linear("self_attention.query_key_value", parts=parts, interleaved=True)]
+        return [linear("self_attention.query_key_value", parts=parts, interleaved=True)]
 
     @staticmethod
     def attn_out():
         grouped = {"heads": "num_attention_heads", "groups": _falcon_key_value_heads}
-        return [_linear("self_attention.dense", **grouped, replace=RowParallelLinear)]
+        return [linear("self_attention.dense", **grouped, replace=RowParallelLinear)]
 
     @staticmethod
     def mlp_in():
-        return [_linear("mlp.dense_h_to_4h")]
+        return [linear("mlp.dense_h_to_4h")]
 
     @staticmethod
     def mlp_out():
-        return [_linear("mlp.dense_4h_to_h", replace=RowParallelLinear)]
+        return [linear("mlp.dense_4h_to_h", replace=RowParallelLinear)]
 
 
 def _bigcode_key_value_heads(config) -> int:
@@ -335,7 +325,7 @@ class GPTBigCodePolicy(Policy):
 
     @staticmethod
     def replace_arguments(config, world_size):
-        heads = _local_heads(config, world_size, "n_head")
+        heads = local_heads(config, world_size, "n_head")
         head_dim = config.n_embd // config.n_head
         kv_heads = share(_bigcode_key_value_heads(config), world_size, "key/value heads")
         return {
@@ -349,19 +339,19 @@ class GPTBigCodePolicy(Policy):
     @staticmethod
     def attn_qkv():
         parts = ("n_head", _bigcode_key_value_heads, _bigcode_key_value_heads)
-        return [_linear("attn.c_attn", parts=parts, interleaved=True)]
+        return [linear("attn.c_attn", parts=parts, interleaved=True)]
 
     @staticmethod
     def attn_out():
-        return [_linear("attn.c_proj", heads="n_head")]
+        return [linear("attn.c_proj", heads="n_head")]
 
     @staticmethod
     def mlp_in():
-        return [_linear("mlp.c_fc")]
+        return [linear("mlp.c_fc")]
 
     @staticmethod
     def mlp_out():
-        return [_linear("mlp.c_proj")]
+        return [linear("mlp.c_proj")]
 
 
 class StableLmPolicy(LlamaPolicy):
@@ -373,16 +363,16 @@ class StableLmPolicy(LlamaPolicy):
 
     @staticmethod
     def replace_arguments(config, world_size):
-        heads = _local_heads(config, world_size, "num_attention_heads", groups="num_key_value_heads")
-        kv_heads = _local_heads(config, world_size, "num_key_value_heads")
+        heads = local_heads(config, world_size, "num_attention_heads", groups="num_key_value_heads")
+        kv_heads = local_heads(config, world_size, "num_key_value_heads")
         arguments = {
             "self_attn.num_heads": heads,
             "self_attn.num_key_value_heads": kv_heads,
             "self_attn.num_key_value_groups": heads // kv_heads,
         }
         if config.qk_layernorm:
-            first = _local_heads(config, world_size, "num_attention_heads", groups="num_key_value_heads", first=True)
-            first_kv = _local_heads(config, world_size, "num_key_value_heads", first=True)
+            first = local_heads(config, world_size, "num_attention_heads", groups="num_key_value_heads", first=True)
+            first_kv = local_heads(config, world_size, "num_key_value_heads", first=True)
             for norm, count, start in (("q_layernorm", heads, first), ("k_layernorm", kv_heads, first_kv)):
                 arguments[f"self_attn.{norm}.num_heads"] = count
                 arguments[f"self_attn.{norm}.first_head"] = start
@@ -402,7 +392,7 @@ class OpenAIGPTPolicy(GPT2Policy):
 
     @staticmethod
     def replace_arguments(config, world_size):
-        heads = _local_heads(config, world_size, "n_head")
+        heads = local_heads(config, world_size, "n_head")
         return {"attn.n_head": heads, "attn.split_size": heads * (config.n_embd // config.n_head)}
 
 
@@ -413,25 +403,25 @@ class CTRLPolicy(Policy):
 
     @staticmethod
     def replace_arguments(config, world_size):
-        heads = _local_heads(config, world_size, "n_head")
+        heads = local_heads(config, world_size, "n_head")
         width = heads * (config.n_embd // config.n_head)
         return {"multi_head_attention.num_heads": heads, "multi_head_attention.d_model_size": width}
 
     @staticmethod
     def attn_qkv():
-        return [_linear(f"multi_head_attention.W{name}", heads="n_head") for name in "qkv"]
+        return [linear(f"multi_head_attention.W{name}", heads="n_head") for name in "qkv"]
 
     @staticmethod
     def attn_out():
-        return [_linear("multi_head_attention.dense", heads="n_head")]
+        return [linear("multi_head_attention.dense", heads="n_head")]
 
     @staticmethod
     def mlp_in():
-        return [_linear("ffn.0")]
+        return [linear("ffn.0")]
 
     @staticmethod
     def mlp_out():
-        return [_linear("ffn.2")]
+        return [linear("ffn.2")]
 
 
 POLICIES = (

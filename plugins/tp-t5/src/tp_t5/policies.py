@@ -17,13 +17,9 @@ policy per module class, wherever they sit:
 
 from __future__ import annotations
 
-from tpcore import Layer, Policy, share
+from tpcore import Layer, Policy, linear, share
 
 _MODELS = "transformers.models"
-
-
-def _linear(path: str, **layout) -> Layer:
-    return Layer(weight=f"{path}.weight", bias=f"{path}.bias", **layout)
 
 
 class T5AttentionPolicy(Policy):
@@ -40,15 +36,15 @@ class T5AttentionPolicy(Policy):
     def attn_qkv():
         bias_table = Layer(weight="relative_attention_bias.weight", transposed=True, optional=True, heads="num_heads")
         return [
-            _linear("q", heads="num_heads"),
-            _linear("k", heads="num_heads"),
-            _linear("v", heads="num_heads"),
+            linear("q", heads="num_heads"),
+            linear("k", heads="num_heads"),
+            linear("v", heads="num_heads"),
             bias_table,
         ]
 
     @staticmethod
     def attn_out():
-        return [_linear("o", heads="num_heads")]
+        return [linear("o", heads="num_heads")]
 
 
 class T5DenseActDensePolicy(Policy):
@@ -58,11 +54,11 @@ class T5DenseActDensePolicy(Policy):
 
     @staticmethod
     def mlp_in():
-        return [_linear("wi")]
+        return [linear("wi")]
 
     @staticmethod
     def mlp_out():
-        return [_linear("wo")]
+        return [linear("wo")]
 
 
 class T5DenseGatedActDensePolicy(T5DenseActDensePolicy):
@@ -72,7 +68,7 @@ class T5DenseGatedActDensePolicy(T5DenseActDensePolicy):
 
     @staticmethod
     def mlp_in():
-        return [_linear("wi_0"), _linear("wi_1")]
+        return [linear("wi_0"), linear("wi_1")]
 
 
 class MT5AttentionPolicy(T5AttentionPolicy):

@@ -34,13 +34,7 @@ import functools
 import torch
 from torch import nn
 
-from tpcore import Attention, BlockPolicy, Layer, Policy, linear
-
-_MODELS = "transformers.models"
-
-
-def _block(module: str, name: str) -> str:
-    return f"{_MODELS}.{module}.modeling_{module}.{name}"
+from tpcore import Attention, BlockPolicy, Layer, Policy, linear, transformers_class
 
 
 class ViTStyleLayerPolicy(BlockPolicy):
@@ -52,15 +46,15 @@ class ViTStyleLayerPolicy(BlockPolicy):
 
 
 class ViTLayerPolicy(ViTStyleLayerPolicy):
-    layer_class = _block("vit", "ViTLayer")
+    layer_class = transformers_class("vit", "ViTLayer")
 
 
 class DeiTLayerPolicy(ViTStyleLayerPolicy):
-    layer_class = _block("deit", "DeiTLayer")
+    layer_class = transformers_class("deit", "DeiTLayer")
 
 
 class BeitLayerPolicy(ViTStyleLayerPolicy):
-    layer_class = _block("beit", "BeitLayer")
+    layer_class = transformers_class("beit", "BeitLayer")
 
 
 class BeitRelativePositionBiasPolicy(Policy):
@@ -68,7 +62,7 @@ class BeitRelativePositionBiasPolicy(Policy):
     the encoder gives every block (``use_shared_relative_position_bias``); a rank keeps its heads'
     columns."""
 
-    layer_class = _block("beit", "BeitRelativePositionBias")
+    layer_class = transformers_class("beit", "BeitRelativePositionBias")
 
     @staticmethod
     def attn_qkv():
@@ -79,7 +73,7 @@ class Dinov2LayerPolicy(BlockPolicy):
     """DINOv2's block, in the layout of recent transformers or of 5.17 (``attention.attention``,
     ``attention.output.dense``), with either MLP (``fc1``/``fc2`` or SwiGLU)."""
 
-    layer_class = _block("dinov2", "Dinov2Layer")
+    layer_class = transformers_class("dinov2", "Dinov2Layer")
     attentions = (
         Attention("attention", output="o_proj", counts=("num_attention_heads",), optional=True),
         Attention(
@@ -106,7 +100,7 @@ class SwinLayerPolicy(ViTStyleLayerPolicy):
     """A Swin block: the ViT layout at its stage's width and head count, and the relative position
     bias table of its window, ``(entries, heads)``, split by heads."""
 
-    layer_class = _block("swin", "SwinLayer")
+    layer_class = transformers_class("swin", "SwinLayer")
 
     @classmethod
     def layer_config(cls, config, layer):
@@ -129,13 +123,13 @@ class SwinLayerPolicy(ViTStyleLayerPolicy):
 class CLIPEncoderLayerPolicy(BlockPolicy):
     """A block of CLIP's text or vision tower (each tower's own config) and of LLaVA's CLIP tower."""
 
-    layer_class = _block("clip", "CLIPEncoderLayer")
+    layer_class = transformers_class("clip", "CLIPEncoderLayer")
     mlp_inputs = ("mlp.fc1",)
     mlp_outputs = ("mlp.fc2",)
 
 
 class SiglipEncoderLayerPolicy(CLIPEncoderLayerPolicy):
-    layer_class = _block("siglip", "SiglipEncoderLayer")
+    layer_class = transformers_class("siglip", "SiglipEncoderLayer")
 
 
 # -- BLIP ------------------------------------------------------------------------------------------------
@@ -166,7 +160,7 @@ def _local_heads_subclass(cls: type[nn.Module]) -> type[nn.Module]:
 class BlipEncoderLayerPolicy(CLIPEncoderLayerPolicy):
     """A block of BLIP's vision encoder: packed ``qkv``, output ``projection``."""
 
-    layer_class = _block("blip", "BlipEncoderLayer")
+    layer_class = transformers_class("blip", "BlipEncoderLayer")
     attentions = (Attention("self_attn", projections=("qkv",), output="projection", widths=("embed_dim",), packed=3),)
 
     @staticmethod
@@ -188,7 +182,7 @@ def _bert_attention(path: str, optional: bool = False) -> Attention:
 class BlipTextLayerPolicy(BlockPolicy):
     """A block of BLIP's BERT-like text model; the decoder's blocks cross-attend to the image."""
 
-    layer_class = "transformers.models.blip.modeling_blip_text.BlipTextLayer"
+    layer_class = transformers_class("blip", "BlipTextLayer", "blip_text")
     attentions = (_bert_attention("attention"), _bert_attention("crossattention", optional=True))
     mlp_inputs = ("intermediate.dense",)
     mlp_outputs = ("output.dense",)
@@ -198,7 +192,7 @@ class BlipTextLayerPolicy(BlockPolicy):
 
 
 class DetrEncoderLayerPolicy(BlockPolicy):
-    layer_class = _block("detr", "DetrEncoderLayer")
+    layer_class = transformers_class("detr", "DetrEncoderLayer")
     heads = "encoder_attention_heads"
     attentions = (Attention("self_attn", output="o_proj", counts=()),)
     mlp_inputs = ("mlp.fc1",)
@@ -208,7 +202,7 @@ class DetrEncoderLayerPolicy(BlockPolicy):
 class DetrDecoderLayerPolicy(DetrEncoderLayerPolicy):
     """Self-attention over the object queries, cross-attention to the encoded image."""
 
-    layer_class = _block("detr", "DetrDecoderLayer")
+    layer_class = transformers_class("detr", "DetrDecoderLayer")
     heads = "decoder_attention_heads"
     attentions = (
         Attention("self_attn", output="o_proj", counts=()),
