@@ -81,7 +81,7 @@ def local_heads(config, world_size: int, name: str, groups: str | None = None, f
     where they do not divide), query heads kept with their groups ``config.<groups>``; ``first``:
     each rank's first head instead."""
     count = getattr(config, name)
-    return share(count, world_size, name, groups=groups and getattr(config, groups), first=first)
+    return share(count, world_size, name, groups=getattr(config, groups) if groups else None, first=first)
 
 
 class BlockPolicy(Policy):
