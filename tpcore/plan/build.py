@@ -291,8 +291,13 @@ class _Builder:
         return head_counts
 
     def _check_per_head_parameters(self, path: str, module: nn.Module, head_dim: int, head_counts: set[int]) -> None:
-        """A parameter of shape ``(heads, ..., head_dim)`` beside cut heads is cut with them."""
+        """A parameter of shape ``(heads, ..., head_dim)`` beside cut heads is cut with them. A linear map's weight
+        is no such table, whatever its shape (WavLM's ``gru_rel_pos_linear`` maps each head's ``head_dim`` to 8
+        features, every head alike: ``(8, head_dim)`` with 8 heads is a coincidence)."""
+        linear_weights = {id(child.weight) for child in module.modules() if isinstance(child, nn.Linear)}
         for name, tensor in module.named_parameters():
+            if id(tensor) in linear_weights:
+                continue
             whole = self.first_name.get(id(tensor), "") not in self.plan.splits
             if whole and tensor.dim() >= 2 and tensor.shape[0] in head_counts and tensor.shape[-1] == head_dim:
                 raise self.plan.error(
