@@ -811,8 +811,8 @@ REPL = textwrap.dedent(
     tpcore.parallelize(model, num_gpus=2, backend="gloo")
     pids = model._tpcore_handle.pool.pids
     print(json.dumps(pids), flush=True)
-    print("READY", flush=True)
-    try:
+    try:  # READY inside: the Ctrl-C the test sends once it reads it may land before print returns
+        print("READY", flush=True)
         time.sleep(120)  # idle at the prompt
     except KeyboardInterrupt:
         print("KeyboardInterrupt at the prompt", flush=True)
