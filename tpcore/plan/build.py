@@ -27,6 +27,7 @@ from tpcore.load.skeleton import named_tensors
 from tpcore.plan.apply import class_for
 from tpcore.plan.paths import MISSING, get_path, join
 from tpcore.plan.shard_plan import Replacement, ShardPlan, Whole
+from tpcore.plan.trial import check_by_trial
 from tpcore.plan.vocabulary import vocabulary_choices
 
 __all__ = ["add_note", "plan_for", "resolve_layer"]
@@ -42,13 +43,16 @@ def plan_for(
     *,
     vocab_parallel: bool = True,
     rewrites: bool = True,
+    trial: bool = True,
 ) -> ShardPlan:
     """Resolve and check how ``policies`` split ``model`` (real weights or meta) over ``world_size`` ranks.
 
     ``vocab_parallel`` also splits the input and output embeddings over the vocabulary;
     ``rewrites=False`` leaves out the policies' attribute rewrites and ``replace_modules`` (what the
-    predecessor's ``replace_orig_to_megatron_modules`` did). Raises :class:`~tpcore.ShardingError`
-    naming the model, the world size, the layer and the tensor.
+    predecessor's ``replace_orig_to_megatron_modules`` did). ``trial``: where a policy asks for it, run the
+    split on a tiny copy of the config (:func:`~tpcore.plan.trial.check_by_trial`). Raises
+    :class:`~tpcore.ShardingError` naming the model, the world size, the layer and the tensor (or the rank
+    whose trial failed).
     """
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
@@ -61,6 +65,12 @@ def plan_for(
         builder.add_vocabulary(vocabulary)
     builder.check_whole_heads()
     builder.explain_whole(targets, vocabulary)
+    if trial and rewrites:
+
+        def plan_tiny(tiny: nn.Module) -> ShardPlan:
+            return plan_for(tiny, policies, world_size, vocab_parallel=vocab_parallel, trial=False)
+
+        check_by_trial(model, policies, world_size, plan_tiny, key=vocab_parallel)
     return builder.plan
 
 

@@ -47,12 +47,14 @@ class PlanPolicy(Policy):
     head_attributes: ClassVar[tuple[tuple[str, str, str], ...]] = ()
     #: attentions whose forward reads its head counts from ``self.config``: they get a per-rank copy
     config_readers: ClassVar[tuple[str, ...]] = ()
-    #: ``(experts module, intermediate size)`` of fused experts cut along it
-    intermediates: ClassVar[tuple[tuple[str, int], ...]] = ()
+    #: ``(experts module, intermediate size, held by some blocks only)`` of fused experts cut along it
+    intermediates: ClassVar[tuple[tuple[str, int, bool], ...]] = ()
     #: attention -> a split linear that some blocks of the class lack (hybrid stacks): set only where held
     held_by_some: ClassVar[dict[str, str]] = {}
     #: some norm sums its square over the ranks (a ``NORM`` tensor)
     has_norms: ClassVar[bool] = False
+    #: the forward is transformers' own, read by no policy author: ``plan_for`` tries the split on a tiny copy
+    verify_by_trial: ClassVar[bool] = True
 
     @classmethod
     def layers(cls) -> list[Layer]:
@@ -63,8 +65,8 @@ class PlanPolicy(Policy):
         """Per-rank head counts and experts sizes, read from the config of the block's sub-model."""
         heads = _heads(config)
         arguments = {
-            f"{owner}.{name}": value
-            for owner, size in cls.intermediates
+            f"{owner}.{name}": IfHeld(value, owner) if optional else value
+            for owner, size, optional in cls.intermediates
             for name, value in experts_arguments(config, size, world_size).items()
         }
         if heads is None:
@@ -100,7 +102,7 @@ class _Resolved:
     layers: list[Layer] = field(default_factory=list)
     attention_paths: set[str] = field(default_factory=set)
     full_width: set[str] = field(default_factory=set)
-    intermediates: dict[str, int] = field(default_factory=dict)
+    intermediates: dict[str, tuple[int, bool]] = field(default_factory=dict)
     held_by_some: dict[str, str] = field(default_factory=dict)
 
 
@@ -135,7 +137,7 @@ def policy_for(instances: list[Instance], configs: dict[str, Any]) -> type[PlanP
         "tensors": (*found.layers, *norms),
         "head_attributes": _head_attributes(block, attentions),
         "config_readers": tuple(owner for owner in sorted(attentions) if _reads_config_heads(_module(block, owner))),
-        "intermediates": tuple(found.intermediates.items()),
+        "intermediates": tuple((owner, *size) for owner, size in found.intermediates.items()),
         "held_by_some": found.held_by_some,
         "has_norms": bool(norms),
     }
@@ -178,8 +180,8 @@ def _add_parameter(found: _Resolved, holder: nn.Module, path: str, rule: tuple, 
     found.layers.append(Layer(weight=path, style=style, dim=tensor_dim, n_fused=n_fused, optional=optional))
     owner_path = path.rpartition(".")[0]
     size = getattr(holder.get_submodule(owner_path), "intermediate_dim", None)
-    if isinstance(size, int) and not optional:  # hybrid stacks: left as built (their forward reads no size)
-        found.intermediates[f"{owner_path}"] = size
+    if isinstance(size, int):  # set where held (MoE stacks with dense first blocks: DeepSeek's)
+        found.intermediates[owner_path] = (size, optional)
 
 
 def _add_linear(
@@ -289,10 +291,14 @@ def _head_layout(
     owner = block.get_submodule(owner_path) if owner_path else block
     heads, kv_heads = _heads(config), _kv_heads(config)
     head_dim = getattr(owner, "head_dim", None)
+    features = linear.out_features if kind == "column" else linear.in_features
+    if isinstance(heads, int) and head_dim is None and n_fused == 1 and not grouped_kv and features % heads == 0:
+        # multi-head latent attention (DeepSeek-V2/V3): no one head width, each split projection is
+        # heads x its own width (q: nope + rope, kv_b: nope + v, o: v), viewed per head by its forward
+        return _query_heads(grouped_kv)
     if not isinstance(heads, int) or not isinstance(head_dim, int) or n_fused != 1:
         return {}
     kv_heads = kv_heads or heads
-    features = linear.out_features if kind == "column" else linear.in_features
     if kind == "column" and features == (heads + 2 * kv_heads) * head_dim:
         kv = "num_key_value_heads" if grouped_kv else "num_attention_heads"
         return {"parts": ("num_attention_heads", kv, kv), **({"groups": kv} if grouped_kv else {})}

@@ -33,7 +33,10 @@ linear layer inside the repeated blocks at ``<prefix>``; this module turns those
 Any other style (``moe_identity_expert``) means the plan cannot be followed, and the model needs a
 plugin. Attention projections are dealt in whole heads, so world sizes that do not divide the head
 counts work too. Key/value projections narrower than the query projection carry grouped KV heads,
-which keep their query heads with them and are replicated when the ranks outnumber them.
+which keep their query heads with them and are replicated when the ranks outnumber them. Multi-head
+latent attention (DeepSeek-V2/V3: no one head width; ``q_b_proj`` heads of ``nope + rope`` features,
+``kv_b_proj`` of ``nope + v``, ``o_proj`` of ``v``) is dealt in whole heads of each projection's own width.
+What the plan accepts is also tried on a tiny copy of the config (:mod:`tpcore.plan.trial`).
 Per-head parameters the plan leaves out but that must follow the heads (Cohere's
 ``q_norm``/``k_norm`` weights of shape ``(heads, head_dim)``) are cut with them. An attention whose
 forward reads its head counts from ``self.config`` (Phi-3) gets a per-rank copy of its config.
