@@ -20,6 +20,7 @@ use the default one there.
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import logging
 from collections.abc import Callable
@@ -83,7 +84,8 @@ def check_by_trial(
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return
     try:
-        cache_key: tuple | None = (type(model), tuple(policies), world_size, key, model.config.to_json_string())
+        config: Any = model.config
+        cache_key: tuple | None = (type(model), tuple(policies), world_size, key, config.to_json_string())
     except (TypeError, ValueError):  # a config value JSON does not take
         cache_key = None
     if cache_key in _outcomes:
@@ -158,7 +160,7 @@ def tiny_config(config: Any, world_size: int) -> Any:
     _set_ints(values, _INTERMEDIATE, lambda size: min(size, 2 * modulus + size % modulus))
     _set_ints(values, _LAYERS, lambda layers: min(layers, MAX_LAYERS))
     for name, small in _SMALL.items():
-        _set_ints(values, (name,), lambda size, small=small: min(size, small))
+        _set_ints(values, (name,), functools.partial(min, small))
     _set_ints(values, ("vocab_size",), lambda size: min(size, VOCAB))
     _move_special_ids(values)
     return type(config)(**values)
