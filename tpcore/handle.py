@@ -136,6 +136,18 @@ class ParallelHandle:
         model.__class__ = served_class(type(model))
         for path, module in self._served_submodules():
             module.forward = functools.wraps(type(module).forward)(functools.partial(self.call, path))
+        for path, module, name in self._served_feature_methods():
+            served = functools.partial(self.call, path, _method=name)
+            setattr(module, name, functools.wraps(getattr(type(module), name))(served))
+
+    def _served_feature_methods(self) -> list[tuple[str, nn.Module, str]]:
+        """The multimodal encoders ``generate()`` calls itself (``base_model.get_image_features``), by path."""
+        base = getattr(self.model, "base_model", None)
+        if not isinstance(base, nn.Module):
+            return []
+        path = next((name for name, module in self.model.named_modules() if module is base), None)
+        names = ("get_image_features", "get_video_features")
+        return [(path, base, name) for name in names if path is not None and callable(getattr(type(base), name, None))]
 
     def _served_submodules(self) -> list[tuple[str, nn.Module]]:
         """The submodules that ``generate()`` calls itself (an encoder-decoder's encoder), by path."""
@@ -147,7 +159,7 @@ class ParallelHandle:
             return []
         return [(name, module) for name, module in self.model.named_modules() if module is encoder][:1]
 
-    def call(self, path: str, *args, **kwargs):
+    def call(self, path: str, *args, _method: str = "", **kwargs):
         """Run the forward of the model (of its submodule at ``path``) on the ranks, with the caller's
         random state and config; raise a rank's error as its own type.
 
@@ -161,7 +173,13 @@ class ParallelHandle:
             sent: dict[int, object] = {}
             args, kwargs = self.caches.outgoing((args, kwargs), sent)
             request = Call(
-                path, args, kwargs, self.random.outgoing(), self.config.changes(), tuple(self.caches.take_freed())
+                path,
+                args,
+                kwargs,
+                self.random.outgoing(),
+                self.config.changes(),
+                tuple(self.caches.take_freed()),
+                _method,
             )
             output, random_state, states = self._run(serve, request)
             self.random.adopt(random_state)
@@ -250,6 +268,8 @@ class ParallelHandle:
             self.model.__dict__.pop(name, None)
         for _, module in self._served_submodules():
             module.__dict__.pop("forward", None)
+        for _, module, name in self._served_feature_methods():
+            module.__dict__.pop(name, None)
         return self.model
 
 

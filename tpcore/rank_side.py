@@ -92,6 +92,7 @@ class Call:
     random_state: RandomState
     config_changes: dict[str, dict[str, Any]] = field(default_factory=dict)
     freed: tuple[int, ...] = ()
+    method: str = ""  # a method of that module instead of its forward (a multimodal encoder's get_image_features)
 
 
 def serve(context: RankContext, call: Call):
@@ -105,6 +106,8 @@ def serve(context: RankContext, call: Call):
     call.random_state.apply(generator)
     args, kwargs = caches.resolve(to_device((call.args, call.kwargs), context.device))
     target = model.get_submodule(call.path) if call.path else model
+    if call.method:
+        target = getattr(target, call.method)
     # Rank 0's forward gathers its outputs (the logits) into shared memory that the caller maps: no copy.
     shared = memfd.gathered_outputs_shared() if context.rank == 0 else nullcontext()
     with torch.inference_mode(), shared:
