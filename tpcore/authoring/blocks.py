@@ -196,9 +196,12 @@ class BertLayoutPolicy(BlockPolicy):
     """A block of BERT's layout: ``attention`` (:func:`bert_attention`), a decoder's ``crossattention``
     of the same shape (where the config adds it), then ``intermediate.dense`` and ``output.dense``."""
 
-    attentions = (bert_attention("attention"), bert_attention("crossattention", optional=True))
-    mlp_inputs = ("intermediate.dense",)
-    mlp_outputs = ("output.dense",)
+    attentions: ClassVar[tuple[Attention, ...]] = (
+        bert_attention("attention"),
+        bert_attention("crossattention", optional=True),
+    )
+    mlp_inputs: ClassVar[tuple[str, ...]] = ("intermediate.dense",)
+    mlp_outputs: ClassVar[tuple[str, ...]] = ("output.dense",)
 
 
 def subclassing(prefix: str) -> Callable[[Callable[[type], dict[str, Any]]], Callable[[nn.Module | None], Any]]:

@@ -48,11 +48,13 @@ class T5DenseActDensePolicy(BlockPolicy):
     mlp_outputs = ("wo",)
 
 
-class T5DenseGatedActDensePolicy(T5DenseActDensePolicy):
+class T5DenseGatedActDensePolicy(BlockPolicy):
     """``T5DenseGatedActDense`` (T5 v1.1, FLAN-T5): ``act(wi_0 x) * wi_1 x``, then ``wo``."""
 
     layer_class = transformers_class("t5", "T5DenseGatedActDense")
+    attentions = ()
     mlp_inputs = ("wi_0", "wi_1")
+    mlp_outputs = ("wo",)
 
 
 class MT5AttentionPolicy(T5AttentionPolicy):
