@@ -38,6 +38,8 @@ from tpcore import (
     Attention,
     BertLayoutPolicy,
     BlockPolicy,
+    DecoderBlockPolicy,
+    EncoderBlockPolicy,
     Layer,
     Policy,
     linear,
@@ -182,23 +184,23 @@ class BlipTextLayerPolicy(BertLayoutPolicy):
 # -- DETR --------------------------------------------------------------------------------------------------
 
 
-class DetrEncoderLayerPolicy(BlockPolicy):
+class DetrEncoderLayerPolicy(EncoderBlockPolicy):
     layer_class = transformers_class("detr", "DetrEncoderLayer")
-    heads = "encoder_attention_heads"
     attentions = (Attention("self_attn", output="o_proj", counts=()),)
     mlp_inputs = ("mlp.fc1",)
     mlp_outputs = ("mlp.fc2",)
 
 
-class DetrDecoderLayerPolicy(DetrEncoderLayerPolicy):
+class DetrDecoderLayerPolicy(DecoderBlockPolicy):
     """Self-attention over the object queries, cross-attention to the encoded image."""
 
     layer_class = transformers_class("detr", "DetrDecoderLayer")
-    heads = "decoder_attention_heads"
     attentions = (
         Attention("self_attn", output="o_proj", counts=()),
         Attention("encoder_attn", output="o_proj", counts=()),
     )
+    mlp_inputs = ("mlp.fc1",)
+    mlp_outputs = ("mlp.fc2",)
 
 
 POLICIES = (
