@@ -12,7 +12,9 @@ and names its :class:`Attention` s and its MLP; it derives the policy methods fr
 
 The block's heads are the config attribute ``heads`` and its head dim ``hidden_size // heads`` of
 the config the policy is given (:meth:`tpcore.Policy.layer_config` gives a block its own, where
-blocks of one class differ). Families subclass it in their plugins; the core names no family.
+blocks of one class differ). Families subclass it in their plugins; here are only the shapes several
+plugins share: an encoder-decoder's blocks (:class:`EncoderBlockPolicy`, :class:`DecoderBlockPolicy`)
+and BERT's layout, which most encoders keep (:class:`BertLayoutPolicy`, :func:`bert_attention`).
 """
 
 from __future__ import annotations
@@ -30,9 +32,11 @@ from tpcore.parallel.reshapes import local_width_class
 
 __all__ = [
     "Attention",
+    "BertLayoutPolicy",
     "BlockPolicy",
     "DecoderBlockPolicy",
     "EncoderBlockPolicy",
+    "bert_attention",
     "keeping_local_attributes",
     "linear",
     "local_heads",
@@ -64,6 +68,11 @@ class Attention(NamedTuple):
     optional: bool = False
     #: how many tensors each projection packs (3: one ``qkv`` of ``[q | k | v]``)
     packed: int = 1
+    #: the packed projection holds whole heads one after another, each its q, k and v (``[q0 k0 v0 | q1 ...]``)
+    interleaved: bool = False
+    #: projections by the same heads that some blocks of the class lack (relative position projections
+    #: a config shares with the content ones, the projections of one attention kind or another)
+    optional_projections: tuple[str, ...] = ()
 
     def at(self, *names: str) -> str:
         """The path of ``names`` (``""`` parts left out) from the block."""
@@ -122,11 +131,16 @@ class BlockPolicy(Policy):
 
     @classmethod
     def attn_qkv(cls):
-        return [
-            linear(attention.at(name), optional=attention.optional, heads=cls.heads, n_fused=attention.packed)
-            for attention in cls.attentions
-            for name in attention.projections
-        ]
+        layers = []
+        for attention in cls.attentions:
+            packs = {"heads": cls.heads, "n_fused": attention.packed, "interleaved": attention.interleaved}
+            layers += [
+                linear(attention.at(name), optional=attention.optional, **packs) for name in attention.projections
+            ]
+            layers += [
+                linear(attention.at(name), optional=True, heads=cls.heads) for name in attention.optional_projections
+            ]
+        return layers
 
     @classmethod
     def attn_out(cls):
@@ -154,6 +168,40 @@ class DecoderBlockPolicy(BlockPolicy):
 
     heads = "decoder_attention_heads"
     attentions = (Attention("self_attn"), Attention("encoder_attn"))
+
+
+def bert_attention(
+    path: str, projections: tuple[str, ...] = ("query", "key", "value"), *, inner: str = "self", **fields: Any
+) -> Attention:
+    """BERT's attention at ``path``: its ``inner`` module (``""``: the attention itself) holding the
+    ``projections`` and the attributes ``num_attention_heads`` and ``all_head_size``, then
+    ``output.dense``. ``fields``: other :class:`Attention` fields (``optional``, ``output``;
+    ``optional_projections`` of ``inner``; ``counts``, ``widths`` by their paths from ``path``)."""
+
+    def of_inner(*names: str) -> tuple[str, ...]:
+        return tuple(f"{inner}.{name}" if inner else name for name in names)
+
+    attention = Attention(
+        path,
+        projections=of_inner(*projections),
+        output="output.dense",
+        counts=of_inner("num_attention_heads"),
+        widths=of_inner("all_head_size"),
+    )
+    optional = of_inner(*fields.pop("optional_projections", ()))
+    return attention._replace(optional_projections=optional, **fields)
+
+
+class BertLayoutPolicy(BlockPolicy):
+    """A block of BERT's layout: ``attention`` (:func:`bert_attention`), a decoder's ``crossattention``
+    of the same shape (where the config adds it), then ``intermediate.dense`` and ``output.dense``."""
+
+    attentions: ClassVar[tuple[Attention, ...]] = (
+        bert_attention("attention"),
+        bert_attention("crossattention", optional=True),
+    )
+    mlp_inputs: ClassVar[tuple[str, ...]] = ("intermediate.dense",)
+    mlp_outputs: ClassVar[tuple[str, ...]] = ("output.dense",)
 
 
 def subclassing(prefix: str) -> Callable[[Callable[[type], dict[str, Any]]], Callable[[nn.Module | None], Any]]:

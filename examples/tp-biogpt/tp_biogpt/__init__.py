@@ -1,36 +1,19 @@
 """A third-party tpcore plugin: tensor parallelism for BioGPT, which tpcore's own plugins do not cover."""
 
 import tpcore
-from tpcore import Layer, Policy, share
+from tpcore import Attention, BlockPolicy
 
 
-class BioGptPolicy(Policy):
+class BioGptPolicy(BlockPolicy):
+    """A BioGPT decoder layer: one attention split by heads, then its MLP."""
+
     layer_class = "transformers.models.biogpt.modeling_biogpt.BioGptDecoderLayer"
-
-    @staticmethod
-    def replace_arguments(config, world_size):
-        heads = share(config.num_attention_heads, world_size, "num_attention_heads")  # whole heads, even or not
-        return {
-            "self_attn.num_heads": heads,
-            "self_attn.embed_dim": heads * (config.hidden_size // config.num_attention_heads),
-        }
-
-    @staticmethod
-    def attn_qkv():
-        heads = "num_attention_heads"
-        return [Layer(weight=f"self_attn.{n}_proj.weight", bias=f"self_attn.{n}_proj.bias", heads=heads) for n in "qkv"]
-
-    @staticmethod
-    def attn_out():
-        return [Layer(weight="self_attn.out_proj.weight", bias="self_attn.out_proj.bias", heads="num_attention_heads")]
-
-    @staticmethod
-    def mlp_in():
-        return [Layer(weight="fc1.weight", bias="fc1.bias")]
-
-    @staticmethod
-    def mlp_out():
-        return [Layer(weight="fc2.weight", bias="fc2.bias")]
+    heads = "num_attention_heads"  # the config attribute of the head count
+    # self_attn.{q,k,v}_proj column parallel, self_attn.out_proj row parallel, whole heads per rank;
+    # the attention's num_heads and embed_dim hold the rank's heads and their width
+    attentions = (Attention("self_attn", counts=("num_heads",), widths=("embed_dim",)),)
+    mlp_inputs = ("fc1",)  # column parallel
+    mlp_outputs = ("fc2",)  # row parallel: its partial sums all-reduced
 
 
 @tpcore.hookimpl

@@ -2,7 +2,7 @@
 
 Every model here is a convolutional front end (waveform feature encoder, or convolutions over
 log-mel features), whole, before a stack of transformer blocks split as
-:class:`tpcore.blocks.BlockPolicy` splits them: each attention's query, key and value projections
+:class:`tpcore.BlockPolicy` splits them: each attention's query, key and value projections
 column parallel and its output projection row parallel, heads dealt whole (6 heads over 4 ranks as
 2, 2, 1, 1); the feed-forward's input projection column parallel, its output projection row
 parallel. The feature projection, the positional convolution, the norms, the quantizer and the
@@ -19,8 +19,8 @@ task heads (CTC, classifiers, x-vector TDNNs) stay whole. What differs:
   ``(heads, head_dim)`` split by heads; rotary embeddings rotate the block's input in all heads
   (:func:`whole_rotary_attention`). The convolution module stays whole. Wav2Vec2-BERT's blocks are
   Conformer blocks.
-- SEW-D: DeBERTa-v2's blocks (as tp-bert's ``DebertaV2Policy`` splits them): disentangled
-  attention, ``attention.self.{query,key,value}_proj`` and, when not shared, ``pos_{key,query}_proj``
+- SEW-D: DeBERTa-v2's blocks, BERT's layout (:class:`tpcore.BertLayoutPolicy`) with disentangled
+  attention: ``attention.self.{query,key,value}_proj`` and, when not shared, ``pos_{key,query}_proj``
   over the encoder's relative embeddings, which stay whole.
 - Whisper and Speech2Text: BART's encoder and decoder blocks (:class:`tpcore.EncoderBlockPolicy`,
   :class:`tpcore.DecoderBlockPolicy`);
@@ -34,12 +34,14 @@ import torch
 from torch import nn
 
 from tpcore import (
+    PER_HEAD,
     Attention,
+    BertLayoutPolicy,
     BlockPolicy,
     DecoderBlockPolicy,
     EncoderBlockPolicy,
     Layer,
-    linear,
+    bert_attention,
     share,
     subclassing,
     transformers_class,
@@ -159,12 +161,12 @@ class WavLMEncoderLayerPolicy(SpeechEncoderLayerPolicy):
         return {"attention": local_heads_wavlm_attention}
 
     @classmethod
-    def attn_qkv(cls):
+    def layers(cls):
         per_head = [
-            Layer(weight="attention.rel_attn_embed.weight", dim=-1, heads=cls.heads, optional=True),
-            Layer(weight="attention.gru_rel_pos_const", dim=1, heads=cls.heads),
+            Layer(weight="attention.rel_attn_embed.weight", style=PER_HEAD, dim=-1, heads=cls.heads, optional=True),
+            Layer(weight="attention.gru_rel_pos_const", style=PER_HEAD, dim=1, heads=cls.heads),
         ]
-        return [*super().attn_qkv(), *per_head]
+        return [*super().layers(), *per_head]
 
 
 class WavLMEncoderLayerStableLayerNormPolicy(WavLMEncoderLayerPolicy):
@@ -195,7 +197,14 @@ class Wav2Vec2ConformerEncoderLayerPolicy(BlockPolicy):
     and the convolution module (whole)."""
 
     layer_class = transformers_class("wav2vec2_conformer", "Wav2Vec2ConformerEncoderLayer")
-    attentions = (Attention("self_attn", projections=("linear_q", "linear_k", "linear_v"), output="linear_out"),)
+    attentions = (
+        Attention(
+            "self_attn",
+            projections=("linear_q", "linear_k", "linear_v"),
+            output="linear_out",
+            optional_projections=("linear_pos",),  # relative position embeddings only
+        ),
+    )
     mlp_inputs = ("ffn1.intermediate_dense", "ffn2.intermediate_dense")
     mlp_outputs = ("ffn1.output_dense", "ffn2.output_dense")
 
@@ -208,13 +217,10 @@ class Wav2Vec2ConformerEncoderLayerPolicy(BlockPolicy):
         return {"self_attn": whole_rotary_attention}
 
     @classmethod
-    def attn_qkv(cls):
-        relative = [  # relative position embeddings only
-            linear("self_attn.linear_pos", optional=True, heads=cls.heads),
-            Layer(weight="self_attn.pos_bias_u", dim=0, heads=cls.heads, optional=True),
-            Layer(weight="self_attn.pos_bias_v", dim=0, heads=cls.heads, optional=True),
-        ]
-        return [*super().attn_qkv(), *relative]
+    def layers(cls):
+        biases = ("self_attn.pos_bias_u", "self_attn.pos_bias_v")  # relative position embeddings only
+        per_head = [Layer(weight=path, style=PER_HEAD, heads=cls.heads, optional=True) for path in biases]
+        return [*super().layers(), *per_head]
 
 
 class Wav2Vec2BertEncoderLayerPolicy(Wav2Vec2ConformerEncoderLayerPolicy):
@@ -227,28 +233,19 @@ class Wav2Vec2BertEncoderLayerPolicy(Wav2Vec2ConformerEncoderLayerPolicy):
 # -- SEW-D: disentangled attention ----------------------------------------------------------------------------
 
 
-class SEWDLayerPolicy(BlockPolicy):
+class SEWDLayerPolicy(BertLayoutPolicy):
     """DeBERTa-v2's block: ``attention.self.{query,key,value}_proj`` and, unless ``share_att_key``,
     the relative position projections ``pos_key_proj``/``pos_query_proj``, all by heads;
     ``attention.output.dense`` row parallel; ``intermediate.dense``, ``output.dense`` the MLP."""
 
     layer_class = transformers_class("sew_d", "SEWDLayer")
     attentions = (
-        Attention(
+        bert_attention(
             "attention",
-            projections=("self.query_proj", "self.key_proj", "self.value_proj"),
-            output="output.dense",
-            counts=("self.num_attention_heads",),
-            widths=("self.all_head_size",),
+            ("query_proj", "key_proj", "value_proj"),
+            optional_projections=("pos_key_proj", "pos_query_proj"),
         ),
     )
-    mlp_inputs = ("intermediate.dense",)
-    mlp_outputs = ("output.dense",)
-
-    @classmethod
-    def attn_qkv(cls):
-        positions = ("attention.self.pos_key_proj", "attention.self.pos_query_proj")  # not with share_att_key
-        return [*super().attn_qkv(), *(linear(path, optional=True, heads=cls.heads) for path in positions)]
 
 
 # -- speech to text: BART's blocks ------------------------------------------------------------------------------

@@ -16,14 +16,14 @@ NLLB, which is M2M100) and PLBart need nothing else: their attention merges head
 ``reshape(..., -1)``. The others differ in their attentions:
 
 - FSMT, LED, ProphetNet and Pegasus-X's encoder merge heads into the width they read from their
-  input (``view(seq, batch, hidden)``): those attentions get :func:`tpcore.reshapes.local_width_class`.
+  input (``view(seq, batch, hidden)``): those attentions get :func:`tpcore.local_width_class`.
 - LED's encoder attention is Longformer's: ``longformer_self_attn.{query,key,value}`` and the global
   ``{query,key,value}_global`` column parallel, ``output`` row parallel.
 - BigBirdPegasus' encoder attention is block sparse (``self.{query,key,value}``, ``output``); its
   random blocks are a constant in eval mode, the same for every head, so a rank's heads attend as
   they do unsplit. An input too short for blocks switches the encoder to full attention, which
   builds new attention modules from the config; ``keeps_local_heads``
-  (:func:`tpcore.blocks.keeping_local_attributes`) carries the rank's head counts over to them.
+  (:func:`tpcore.keeping_local_attributes`) carries the rank's head counts over to them.
 - ProphetNet (``{query,key,value}_proj``, ``out_proj``, ``feed_forward.{intermediate,output}``): its
   encoder and decoder stacks build attention masks for the config's head counts and read a per-rank
   config copy; the n-gram self-attention's relative position projection stays whole
@@ -209,7 +209,7 @@ def _prophetnet_attention(path: str, optional: bool = False) -> Attention:
 
 
 def ngram_attention_class(module: nn.Module | None) -> type[nn.Module] | None:
-    """For ProphetNet's n-gram self-attention: its :func:`~tpcore.reshapes.local_width_class`, whose
+    """For ProphetNet's n-gram self-attention: its :func:`~tpcore.local_width_class`, whose
     relative position lookups run over all ``full_heads`` heads and keep the rank's heads (from
     ``first_head``). The predict stream's lookup pairs the projection's rows (batch, position,
     stream, head) with the bucket rows (stream, batch, head, position) one to one, so which head's

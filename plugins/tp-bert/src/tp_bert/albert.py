@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from tp_bert.bert import _HEADS, _MODELS
-from tpcore import Attention, BlockPolicy
+from tpcore import BlockPolicy, bert_attention, transformers_class
 
 
 class AlbertPolicy(BlockPolicy):
@@ -11,15 +10,7 @@ class AlbertPolicy(BlockPolicy):
     ``attention.dense``, ``ffn``/``ffn_output``. The factorized embedding (``embedding_size``) and its
     mapping to the hidden width stay whole."""
 
-    layer_class = f"{_MODELS}.albert.modeling_albert.AlbertLayer"
-    attentions = (
-        Attention(
-            "attention",
-            projections=("query", "key", "value"),
-            output="dense",
-            counts=(_HEADS,),
-            widths=("all_head_size",),
-        ),
-    )
+    layer_class = transformers_class("albert", "AlbertLayer")
+    attentions = (bert_attention("attention", inner="", output="dense"),)
     mlp_inputs = ("ffn",)
     mlp_outputs = ("ffn_output",)

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tp_bert.bert import _MODELS
-from tpcore import IfHeld, Layer, Policy, RowParallelLinear, ShardingError, linear, share
+from tpcore import IfHeld, Layer, Policy, RowParallelLinear, ShardingError, linear, share, transformers_class
 
 
 def _convbert_heads(config) -> int:
@@ -39,7 +38,7 @@ class ConvBertPolicy(Policy):
     attention's heads then the convolution's, two parts cut alike. The grouped feed-forward
     (``num_groups > 1``) is refused."""
 
-    layer_class = f"{_MODELS}.convbert.modeling_convbert.ConvBertLayer"
+    layer_class = transformers_class("convbert", "ConvBertLayer")
 
     @staticmethod
     def replace_arguments(config, world_size):

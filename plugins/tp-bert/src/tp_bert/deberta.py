@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-from tp_bert.bert import _HEADS, _MODELS, BertPolicy, _head_arguments, _out
-from tpcore import Layer, ShardingError, linear
-
-#: relative position projections: content to position (keys), position to content (queries)
-_DEBERTA_POSITIONS = ("pos_proj", "pos_q_proj")
-_DEBERTA_V2_POSITIONS = ("pos_key_proj", "pos_query_proj")
+from tp_bert.bert import BertPolicy
+from tpcore import PER_HEAD, Layer, ShardingError, bert_attention, transformers_class
 
 
 class DebertaPolicy(BertPolicy):
@@ -17,27 +13,28 @@ class DebertaPolicy(BertPolicy):
     split by heads over the encoder's relative embeddings, which stay whole. Talking heads
     (``talking_head``) mix every head's scores and are refused."""
 
-    layer_class = f"{_MODELS}.deberta.modeling_deberta.DebertaLayer"
+    layer_class = transformers_class("deberta", "DebertaLayer")
+    attentions = (
+        bert_attention(
+            "attention", ("in_proj",), packed=3, interleaved=True, optional_projections=("pos_proj", "pos_q_proj")
+        ),
+    )
 
-    @staticmethod
-    def replace_arguments(config, world_size):
+    @classmethod
+    def replace_arguments(cls, config, world_size):
         if getattr(config, "talking_head", False) and world_size > 1:
             raise ShardingError(
                 "DeBERTa with talking_head=True mixes the scores of all heads (head_logits_proj), "
                 "so its heads cannot be split over ranks"
             )
-        return _head_arguments("attention.self", config, world_size)
+        return super().replace_arguments(config, world_size)
 
-    @staticmethod
-    def attn_qkv():
-        packed = Layer(weight="attention.self.in_proj.weight", n_fused=3, interleaved=True, heads=_HEADS)
-        biases = [Layer(weight=f"attention.self.{name}", dim=0, heads=_HEADS) for name in ("q_bias", "v_bias")]
-        positions = [linear(f"attention.self.{name}", optional=True, heads=_HEADS) for name in _DEBERTA_POSITIONS]
-        return [packed, *biases, *positions]
-
-    @staticmethod
-    def attn_out():
-        return _out("attention")
+    @classmethod
+    def layers(cls):
+        biases = [
+            Layer(weight=f"attention.self.{name}", style=PER_HEAD, heads=cls.heads) for name in ("q_bias", "v_bias")
+        ]
+        return [*super().layers(), *biases]
 
 
 class DebertaV2Policy(BertPolicy):
@@ -45,14 +42,11 @@ class DebertaV2Policy(BertPolicy):
     ``share_att_key``, the relative position projections ``pos_key_proj``/``pos_query_proj``, all by
     heads; the encoder's relative embeddings and its convolution stay whole."""
 
-    layer_class = f"{_MODELS}.deberta_v2.modeling_deberta_v2.DebertaV2Layer"
-
-    @staticmethod
-    def attn_qkv():
-        content = [linear(f"attention.self.{name}_proj", heads=_HEADS) for name in ("query", "key", "value")]
-        positions = [linear(f"attention.self.{name}", optional=True, heads=_HEADS) for name in _DEBERTA_V2_POSITIONS]
-        return content + positions
-
-    @staticmethod
-    def attn_out():
-        return _out("attention")
+    layer_class = transformers_class("deberta_v2", "DebertaV2Layer")
+    attentions = (
+        bert_attention(
+            "attention",
+            ("query_proj", "key_proj", "value_proj"),
+            optional_projections=("pos_key_proj", "pos_query_proj"),
+        ),
+    )

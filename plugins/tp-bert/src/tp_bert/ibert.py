@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 
-from tp_bert.bert import _HEADS, _MODELS, BertPolicy
-from tpcore import Layer, all_gather, linear, reduce_partial_sums, subclassing
+from tp_bert.bert import BertPolicy
+from tpcore import COLUMN, ROW, Layer, Style, all_gather, linear, reduce_partial_sums, subclassing, transformers_class
 
 
 @subclassing("RowParallel")
@@ -43,13 +45,15 @@ def row_parallel_quant_linear(base: type) -> dict:
     return {"forward": forward, "tp_group": None}
 
 
-def _quant_linear(path: str, style: str, **heads) -> list[Layer]:
-    """A ``QuantLinear`` at ``path``: its weight and bias, and the integer copies and scales it keeps
-    beside them (recomputed by each integer-mode forward), cut alike."""
-    if style == "column":
-        kept = [Layer(weight=f"{path}.{name}", dim=0, **heads) for name in ("weight_integer", "bias_integer")]
-        return [linear(path, **heads), *kept, Layer(weight=f"{path}.fc_scaling_factor", dim=0, **heads)]
-    return [linear(path, replace=row_parallel_quant_linear, **heads)]
+def _quant_linear(path: str, style: Style, **heads) -> list[Layer]:
+    """A ``QuantLinear`` at ``path`` cut in ``style`` (``COLUMN`` or ``ROW``): its weight and bias, and the
+    integer copies and scales it keeps beside them (recomputed by each integer-mode forward), cut alike."""
+    if style is COLUMN:
+        kept = [Layer(weight=f"{path}.{name}", style=COLUMN, **heads) for name in ("weight_integer", "bias_integer")]
+        scales = Layer(weight=f"{path}.fc_scaling_factor", style=COLUMN, **heads)
+        return [linear(path, style=COLUMN, **heads), *kept, scales]
+    row = {"style": ROW, "replace": row_parallel_quant_linear, **heads}
+    return [linear(path, **row), Layer(weight=f"{path}.weight_integer", **row)]
 
 
 class IBertPolicy(BertPolicy):
@@ -58,24 +62,13 @@ class IBertPolicy(BertPolicy):
     over every rank (:func:`row_parallel_quant_linear`). The activations' quantizers keep whole-tensor
     ranges, the integer GELU, softmax and layer norm see what they see unsplit."""
 
-    layer_class = f"{_MODELS}.ibert.modeling_ibert.IBertLayer"
+    layer_class = transformers_class("ibert", "IBertLayer")
 
-    @staticmethod
-    def attn_qkv():
+    @classmethod
+    def layers(cls):
         projections = [
-            _quant_linear(f"attention.self.{name}", "column", heads=_HEADS) for name in ("query", "key", "value")
+            _quant_linear(f"attention.self.{name}", COLUMN, heads=cls.heads) for name in ("query", "key", "value")
         ]
-        output = Layer(weight="attention.output.dense.weight_integer", dim=1, heads=_HEADS)  # as its weight
-        return [*(layer for layers in projections for layer in layers), output]
-
-    @staticmethod
-    def attn_out():
-        return _quant_linear("attention.output.dense", "row", heads=_HEADS)
-
-    @staticmethod
-    def mlp_in():
-        return [*_quant_linear("intermediate.dense", "column"), Layer(weight="output.dense.weight_integer", dim=1)]
-
-    @staticmethod
-    def mlp_out():
-        return _quant_linear("output.dense", "row")
+        output = _quant_linear("attention.output.dense", ROW, heads=cls.heads)
+        mlp = [*_quant_linear("intermediate.dense", COLUMN), *_quant_linear("output.dense", ROW)]
+        return [*itertools.chain.from_iterable(projections), *output, *mlp]

@@ -2,26 +2,21 @@
 
 from __future__ import annotations
 
-from tp_bert.bert import _MODELS
-from tpcore import Attention, BlockPolicy
-
-_LONGFORMER = ("query", "key", "value", "query_global", "key_global", "value_global")
+from tpcore import BertLayoutPolicy, bert_attention, transformers_class
 
 
-class LongformerPolicy(BlockPolicy):
+class LongformerPolicy(BertLayoutPolicy):
     """Longformer: sliding-window ``attention.self.{query,key,value}`` and the global tokens'
     ``*_global`` projections, by heads; the attention merges heads into its input's width
-    (:func:`tpcore.reshapes.local_width_class`)."""
+    (:func:`tpcore.local_width_class`)."""
 
-    layer_class = f"{_MODELS}.longformer.modeling_longformer.LongformerLayer"
+    layer_class = transformers_class("longformer", "LongformerLayer")
     attentions = (
-        Attention(
+        bert_attention(
             "attention",
-            projections=tuple(f"self.{name}" for name in _LONGFORMER),
-            output="output.dense",
+            ("query", "key", "value", "query_global", "key_global", "value_global"),
             counts=("self.num_heads",),
+            widths=(),
             reshaping="self",
         ),
     )
-    mlp_inputs = ("intermediate.dense",)
-    mlp_outputs = ("output.dense",)

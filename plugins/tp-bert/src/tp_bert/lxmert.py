@@ -2,24 +2,18 @@
 
 from __future__ import annotations
 
-from tp_bert.bert import _MODELS
-from tpcore import Attention, BlockPolicy
+from tpcore import BlockPolicy, bert_attention, transformers_class
 
 
-def _lxmert_attention(path: str, inner: str = "self") -> Attention:
-    return Attention(
-        path,
-        projections=tuple(f"{inner}.{name}" for name in ("query", "key", "value")),
-        output="output.dense",
-        counts=(f"{inner}.num_attention_heads",),
-        widths=(f"{inner}.head_size",),
-    )
+def _lxmert_attention(path: str, inner: str = "self"):
+    """BERT's attention, its width attribute named ``head_size``."""
+    return bert_attention(path, inner=inner, widths=(f"{inner}.head_size",))
 
 
 class LxmertLayerPolicy(BlockPolicy):
     """A LXMERT language or vision layer: BERT's, its width attribute named ``head_size``."""
 
-    layer_class = f"{_MODELS}.lxmert.modeling_lxmert.LxmertLayer"
+    layer_class = transformers_class("lxmert", "LxmertLayer")
     attentions = (_lxmert_attention("attention"),)
     mlp_inputs = ("intermediate.dense",)
     mlp_outputs = ("output.dense",)
@@ -29,7 +23,7 @@ class LxmertXLayerPolicy(BlockPolicy):
     """A LXMERT cross-modality layer: one cross-attention that both streams run (language to vision
     and back), a self-attention and a feed-forward per stream."""
 
-    layer_class = f"{_MODELS}.lxmert.modeling_lxmert.LxmertXLayer"
+    layer_class = transformers_class("lxmert", "LxmertXLayer")
     attentions = (
         _lxmert_attention("visual_attention", inner="att"),
         _lxmert_attention("lang_self_att"),

@@ -4,35 +4,28 @@ from __future__ import annotations
 
 import torch
 
-from tp_bert.bert import _HEADS, _MODELS, BertPolicy, _out, _qkv
-from tpcore import BlockPolicy, Policy, local_heads, subclassing
+from tp_bert.bert import BertPolicy
+from tpcore import BlockPolicy, Policy, bert_attention, share, subclassing, transformers_class
 
 
 class MobileBertPolicy(BertPolicy):
     """MobileBERT: attention and feed-forward at the bottleneck width ``true_hidden_size``; the
     bottleneck projections in and out of it, and the NoNorms, stay whole."""
 
-    layer_class = f"{_MODELS}.mobilebert.modeling_mobilebert.MobileBertLayer"
+    layer_class = transformers_class("mobilebert", "MobileBertLayer")
+    attentions = (bert_attention("attention"),)
 
-    @staticmethod
-    def replace_arguments(config, world_size):
-        heads = local_heads(config, world_size, _HEADS)
+    @classmethod
+    def replace_arguments(cls, config, world_size):
+        heads = share(config.num_attention_heads, world_size, cls.heads)
         width = heads * (config.true_hidden_size // config.num_attention_heads)
         return {"attention.self.num_attention_heads": heads, "attention.self.all_head_size": width}
-
-    @staticmethod
-    def attn_qkv():
-        return _qkv("attention")
-
-    @staticmethod
-    def attn_out():
-        return _out("attention")
 
 
 class MobileBertFFNPolicy(BlockPolicy):
     """One of MobileBERT's extra feed-forwards (``num_feedforward_networks - 1`` per layer)."""
 
-    layer_class = f"{_MODELS}.mobilebert.modeling_mobilebert.FFNLayer"
+    layer_class = transformers_class("mobilebert", "FFNLayer")
     attentions = ()
     mlp_inputs = ("intermediate.dense",)
     mlp_outputs = ("output.dense",)
@@ -56,7 +49,7 @@ class MobileBertLMHeadPolicy(Policy):
     """MobileBERT's LM head: its decoder (tied to the word embeddings) is split over the vocabulary by
     tpcore's core once the head calls it (:func:`decoder_called_lm_head`)."""
 
-    layer_class = f"{_MODELS}.mobilebert.modeling_mobilebert.MobileBertLMPredictionHead"
+    layer_class = transformers_class("mobilebert", "MobileBertLMPredictionHead")
 
     @staticmethod
     def replace_modules():

@@ -2,13 +2,15 @@
 
 Most of the family shares BERT's layer layout (``attention.self.{query,key,value}``,
 ``attention.output.dense``, ``intermediate.dense``, ``output.dense``, and an optional
-``crossattention`` of the same shape): their policies subclass :class:`BertPolicy` and only name
-their layer class. That covers BERT, RoBERTa, XLM-RoBERTa, CamemBERT, ELECTRA, Data2VecText,
-ERNIE, RoBERTa-PreLayerNorm, XLM-RoBERTa-XL, Megatron-BERT, LayoutLM, MarkupLM, Splinter, RemBERT,
+``crossattention`` of the same shape: :class:`tpcore.BertLayoutPolicy`); their policies are
+:class:`BertPolicy` naming another layer class, made from the table :data:`tp_bert.bert.SAME_LAYOUT`.
+That covers BERT, RoBERTa, XLM-RoBERTa, CamemBERT, ELECTRA, Data2VecText, ERNIE,
+RoBERTa-PreLayerNorm, XLM-RoBERTa-XL, Megatron-BERT, LayoutLM, MarkupLM, Splinter, RemBERT,
 BertGeneration, RoCBert, X-MOD, ESM, RoFormer, TAPAS and VisualBERT. Where these differ from BERT
-nothing more needs a split: LayerNorms (pre- or post-), X-MOD's language adapters and the embeddings (LayoutLM's boxes,
-MarkupLM's xpaths, RoCBert's shapes and pronunciations, TAPAS' table positions, VisualBERT's visual
-embeddings) see whole hidden states, and ESM's and RoFormer's rotary embeddings act within each head.
+nothing more needs a split: LayerNorms (pre- or post-), X-MOD's language adapters and the embeddings
+(LayoutLM's boxes, MarkupLM's xpaths, RoCBert's shapes and pronunciations, TAPAS' table positions,
+VisualBERT's visual embeddings) see whole hidden states, and ESM's and RoFormer's rotary embeddings
+act within each head.
 
 The others have their own policies:
 
@@ -30,7 +32,7 @@ The others have their own policies:
   relative position projections by heads; DeBERTa-v2/v3: separate projections, position
   projections of their own or shared with the content ones.
 - Longformer: sliding-window and global (``*_global``) projections; its attention merges heads into
-  its input's width (:func:`tpcore.reshapes.local_width_class`).
+  its input's width (:func:`tpcore.local_width_class`).
 - LXMERT: language and vision layers (BERT's, the width attribute ``head_size``) and
   cross-modality layers (one cross-attention both streams run, a self-attention and a
   feed-forward per stream).
@@ -53,9 +55,9 @@ Heads are dealt whole (:func:`tpcore.share`): 12 heads over 5 ranks give three r
 ranks 2, every attention projection naming its head count (``Layer(heads=...)``) so that its rows
 follow; EuroBERT's query heads stay with their key/value heads (``groups``).
 
-Each family's policies are in a module of their own (:mod:`tp_bert.bert` holds BERT's layout and
-the helpers the others share); :data:`POLICIES` is every policy those modules define for a layer
-class, and every policy and helper is importable from here by its name.
+Each family's policies are in a module of their own (:mod:`tp_bert.bert` holds BERT's layout);
+:data:`POLICIES` is every policy those modules define for a layer class, and every policy and
+helper is importable from here by its name.
 """
 
 from __future__ import annotations

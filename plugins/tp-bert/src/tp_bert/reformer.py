@@ -6,8 +6,9 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from tp_bert.bert import _HEADS, _MODELS
-from tpcore import IfHeld, Policy, linear, local_heads, share, subclassing
+from tpcore import IfHeld, Policy, linear, share, subclassing, transformers_class
+
+_HEADS = "num_attention_heads"
 
 
 class _RankHeadsDraws(TorchFunctionMode):
@@ -54,18 +55,17 @@ class ReformerPolicy(Policy):
     or local attention (``query``, ``key``, ``value``), ``output.dense`` row parallel;
     ``feed_forward.dense.dense`` and ``feed_forward.output.dense``."""
 
-    layer_class = f"{_MODELS}.reformer.modeling_reformer.ReformerLayer"
+    layer_class = transformers_class("reformer", "ReformerLayer")
 
     @staticmethod
     def replace_arguments(config, world_size):
-        heads = local_heads(config, world_size, _HEADS)
+        heads = share(config.num_attention_heads, world_size, _HEADS)
+        first = share(config.num_attention_heads, world_size, _HEADS, first=True)
         attention, lsh = "attention.self_attention", "attention.self_attention.query_key"
         arguments = {f"{attention}.num_attention_heads": heads}
         arguments[f"{attention}.all_head_size"] = heads * config.attention_head_size
         arguments[f"{attention}.full_heads"] = IfHeld(config.num_attention_heads, lsh)
-        arguments[f"{attention}.first_head"] = IfHeld(
-            share(config.num_attention_heads, world_size, _HEADS, first=True), lsh
-        )
+        arguments[f"{attention}.first_head"] = IfHeld(first, lsh)
         return arguments
 
     @staticmethod

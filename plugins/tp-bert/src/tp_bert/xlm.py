@@ -4,22 +4,34 @@ from __future__ import annotations
 
 import torch
 
-from tp_bert.bert import _MODELS
-from tpcore import Attention, BlockPolicy, Layer, Policy, linear, local_heads, reduce_partial_sums, subclassing
+from tpcore import (
+    COLUMN,
+    PER_HEAD,
+    ROW,
+    Attention,
+    BlockPolicy,
+    Layer,
+    Policy,
+    linear,
+    reduce_partial_sums,
+    share,
+    subclassing,
+    transformers_class,
+)
 
 
 class XLMAttentionPolicy(BlockPolicy):
     """XLM has no layer class: its encoder holds lists of attentions and feed-forwards. One attention
     (self-attention, or a decoder's attention to the encoder): ``{q,k,v,out}_lin`` by ``n_heads``."""
 
-    layer_class = f"{_MODELS}.xlm.modeling_xlm.MultiHeadAttention"
+    layer_class = transformers_class("xlm", "MultiHeadAttention")
     heads = "n_heads"
     attentions = (Attention("", projections=("q_lin", "k_lin", "v_lin"), output="out_lin", counts=("n_heads",)),)
     mlp_inputs = mlp_outputs = ()
 
 
 class XLMFeedForwardPolicy(BlockPolicy):
-    layer_class = f"{_MODELS}.xlm.modeling_xlm.TransformerFFN"
+    layer_class = transformers_class("xlm", "TransformerFFN")
     attentions = ()
     mlp_inputs = ("lin1",)
     mlp_outputs = ("lin2",)
@@ -45,26 +57,19 @@ class XLNetPolicy(Policy):
     segment embedding ``seg_embed`` ``(2, heads, d_head)`` cut on their heads dimension; the output's sum
     over the heads all-reduced (:func:`reduced_output_attention`); ``ff.layer_1``/``ff.layer_2``."""
 
-    layer_class = f"{_MODELS}.xlnet.modeling_xlnet.XLNetLayer"
+    layer_class = transformers_class("xlnet", "XLNetLayer")
 
     @staticmethod
     def replace_arguments(config, world_size):
-        return {"rel_attn.n_head": local_heads(config, world_size, "n_head")}
+        return {"rel_attn.n_head": share(config.n_head, world_size, "n_head")}
 
     @staticmethod
     def replace_modules():
         return {"rel_attn": reduced_output_attention}
 
     @staticmethod
-    def attn_qkv():
-        projections = [Layer(weight=f"rel_attn.{name}", dim=1, heads="n_head") for name in "qkvor"]
-        biases = [Layer(weight=f"rel_attn.r_{name}_bias", dim=0, heads="n_head") for name in "wrs"]
-        return [*projections, *biases, Layer(weight="rel_attn.seg_embed", dim=1, heads="n_head")]
-
-    @staticmethod
-    def mlp_in():
-        return [linear("ff.layer_1")]
-
-    @staticmethod
-    def mlp_out():
-        return [linear("ff.layer_2")]
+    def layers():
+        per_head = [Layer(weight=f"rel_attn.{name}", style=PER_HEAD, dim=1, heads="n_head") for name in "qkvor"]
+        per_head += [Layer(weight=f"rel_attn.r_{name}_bias", style=PER_HEAD, heads="n_head") for name in "wrs"]
+        per_head.append(Layer(weight="rel_attn.seg_embed", style=PER_HEAD, dim=1, heads="n_head"))
+        return [*per_head, linear("ff.layer_1", style=COLUMN), linear("ff.layer_2", style=ROW)]

@@ -2,7 +2,7 @@
 
 Three config flags choose how ``query_key_value`` packs the ``H`` query heads and their key/value
 heads, and each is one pack of key/value groups, every group holding its query heads, then its key
-and its value head (``Layer(parts=(H, G, G), interleaved=True)``, see :mod:`tpcore.slicer`):
+and its value head (``Layer(parts=(H, G, G), interleaved=True)``, see :class:`tpcore.Layer`):
 
 ====================================  ============================  ==========================
 config                                layout                        groups ``G``

@@ -4,7 +4,7 @@ Fused experts hold every expert in two 3-D parameters, ``gate_up_proj (E, 2I, H)
 ``down_proj (E, H, I)``. Each rank holds its share of every expert's intermediate size ``I``: the
 gate and up halves are cut along dim 1 alike, ``down_proj`` along dim 2, and the experts module's
 output, a sum of partial products, is all-reduced once. Where a rank's share breaks the 16-byte rows
-of transformers' grouped-mm kernels, its experts run eagerly (:func:`tpcore.tp_plan.experts_arguments`).
+of transformers' grouped-mm kernels, its experts run eagerly (:func:`tpcore.experts_arguments`).
 The router stays whole on every rank, so every rank routes each token to the same experts with the
 same weights.
 
@@ -24,8 +24,8 @@ uses one MLP class for its dense layers and its shared experts.
 
 from __future__ import annotations
 
-from tp_gpt.policies import _GROUPED_QUERIES, _MODELS
-from tpcore import Layer, Policy, experts_arguments, linear, local_heads
+from tp_gpt.policies import GROUPED_QUERIES
+from tpcore import Attention, BlockPolicy, Layer, Policy, experts_arguments, linear, local_heads, transformers_class
 
 
 class _FusedExperts(Policy):
@@ -46,22 +46,18 @@ class _FusedExperts(Policy):
         return [Layer(weight="down_proj", dim=2)]
 
 
-class _GatedMLP(Policy):
+class _GatedMLP(BlockPolicy):
     """``down_proj(act(gate_proj(x)) * up_proj(x))``: dense layers and shared experts alike."""
 
-    @staticmethod
-    def mlp_in():
-        return [linear("gate_proj"), linear("up_proj")]
-
-    @staticmethod
-    def mlp_out():
-        return [linear("down_proj")]
+    attentions = ()
+    mlp_inputs = ("gate_proj", "up_proj")
+    mlp_outputs = ("down_proj",)
 
 
 class Qwen2MoeAttentionPolicy(Policy):
     """Qwen2-MoE attention: q/k/v (with biases) by grouped heads, as Llama's."""
 
-    layer_class = f"{_MODELS}.qwen2_moe.modeling_qwen2_moe.Qwen2MoeAttention"
+    layer_class = transformers_class("qwen2_moe", "Qwen2MoeAttention")
 
     @staticmethod
     def replace_arguments(config, world_size):
@@ -72,54 +68,42 @@ class Qwen2MoeAttentionPolicy(Policy):
     @staticmethod
     def attn_qkv():
         kv = "num_key_value_heads"
-        return [linear("q_proj", **_GROUPED_QUERIES), linear("k_proj", heads=kv), linear("v_proj", heads=kv)]
+        return [linear("q_proj", **GROUPED_QUERIES), linear("k_proj", heads=kv), linear("v_proj", heads=kv)]
 
     @staticmethod
     def attn_out():
-        return [linear("o_proj", **_GROUPED_QUERIES)]
+        return [linear("o_proj", **GROUPED_QUERIES)]
 
 
 class Qwen2MoeExpertsPolicy(_FusedExperts):
-    layer_class = f"{_MODELS}.qwen2_moe.modeling_qwen2_moe.Qwen2MoeExperts"
+    layer_class = transformers_class("qwen2_moe", "Qwen2MoeExperts")
 
 
 class Qwen2MoeMLPPolicy(_GatedMLP):
     """The shared expert of each sparse layer, and the MLP of dense layers."""
 
-    layer_class = f"{_MODELS}.qwen2_moe.modeling_qwen2_moe.Qwen2MoeMLP"
+    layer_class = transformers_class("qwen2_moe", "Qwen2MoeMLP")
 
 
-class DeepseekV3AttentionPolicy(Policy):
-    """Multi-head latent attention: the latent projections whole, the per-head up-projections by heads."""
+class DeepseekV3AttentionPolicy(BlockPolicy):
+    """Multi-head latent attention: the latent projections whole, the per-head up-projections by heads
+    (``q_proj`` without a query latent, ``q_lora_rank=None``; ``q_b_proj`` with one)."""
 
-    layer_class = f"{_MODELS}.deepseek_v3.modeling_deepseek_v3.DeepseekV3Attention"
-
-    @staticmethod
-    def replace_arguments(config, world_size):
-        return {"num_heads": local_heads(config, world_size, "num_attention_heads")}
-
-    @staticmethod
-    def attn_qkv():
-        heads = "num_attention_heads"
-        return [
-            linear("q_proj", heads=heads, optional=True),  # without a query latent (q_lora_rank None)
-            linear("q_b_proj", heads=heads, optional=True),
-            linear("kv_b_proj", heads=heads),
-        ]
-
-    @staticmethod
-    def attn_out():
-        return [linear("o_proj", heads="num_attention_heads")]
+    layer_class = transformers_class("deepseek_v3", "DeepseekV3Attention")
+    attentions = (
+        Attention("", projections=("kv_b_proj",), output="o_proj", optional_projections=("q_proj", "q_b_proj")),
+    )
+    mlp_inputs = mlp_outputs = ()
 
 
 class DeepseekV3ExpertsPolicy(_FusedExperts):
-    layer_class = f"{_MODELS}.deepseek_v3.modeling_deepseek_v3.DeepseekV3Experts"
+    layer_class = transformers_class("deepseek_v3", "DeepseekV3Experts")
 
 
 class DeepseekV3MLPPolicy(_GatedMLP):
     """The shared experts of each sparse layer, and the MLP of the first dense layers."""
 
-    layer_class = f"{_MODELS}.deepseek_v3.modeling_deepseek_v3.DeepseekV3MLP"
+    layer_class = transformers_class("deepseek_v3", "DeepseekV3MLP")
 
 
 POLICIES = (

@@ -1,10 +1,12 @@
 """Policies for decoder-only language models (transformers 5.x).
 
 Every attention here splits by heads: q/k/v (or the fused q|k|v) are column parallel, the output
-projection row parallel; the MLP input column, its output row. Per rank the policies rewrite the
-head-count attributes that the forwards read:
+projection row parallel; the MLP input column, its output row. Where a block is one attention and
+an MLP of ``nn.Linear`` s, its policy is a :class:`tpcore.BlockPolicy` naming them (GPT-Neo, GPT-J,
+GPT-NeoX, OPT, BLOOM, CTRL). Per rank the policies rewrite the head-count attributes that the
+forwards read:
 
-- GPT-2: ``c_attn`` is one transposed ``Conv1D`` packing q|k|v (``n_fused=3``, ``reversed``);
+- GPT-2: ``c_attn`` is one transposed ``Conv1D`` packing q|k|v (``n_fused=3``, ``transposed``);
   ``split_size`` must become the local width, since the forward splits the packed output by it.
 - GPT-Neo, OPT: ``num_heads`` (their forwards view by it), GPT-J ``num_attention_heads``.
 - GPT-NeoX and BLOOM pack q|k|v per head (``[q0 k0 v0 | q1 k1 v1 | ...]``), so a plain column
@@ -30,9 +32,17 @@ and 3 + 1. Every attention projection names its head count (``Layer(heads=...)``
 
 from __future__ import annotations
 
-from tpcore import Layer, Policy, RowParallelLinear, linear, local_heads, share
-
-_MODELS = "transformers.models"
+from tpcore import (
+    Attention,
+    BlockPolicy,
+    Layer,
+    Policy,
+    RowParallelLinear,
+    linear,
+    local_heads,
+    share,
+    transformers_class,
+)
 
 
 def _conv1d(path: str, n_fused: int = 1, **layout) -> Layer:
@@ -43,7 +53,7 @@ def _conv1d(path: str, n_fused: int = 1, **layout) -> Layer:
 class GPT2Policy(Policy):
     """GPT-2 block: fused ``attn.c_attn``, ``attn.c_proj``, ``mlp.c_fc``, ``mlp.c_proj`` (all Conv1D)."""
 
-    layer_class = f"{_MODELS}.gpt2.modeling_gpt2.GPT2Block"
+    layer_class = transformers_class("gpt2", "GPT2Block")
 
     @staticmethod
     def replace_arguments(config, world_size):
@@ -68,131 +78,67 @@ class GPT2Policy(Policy):
         return [_conv1d("mlp.c_proj")]
 
 
-class GPTNeoPolicy(Policy):
+class GPTNeoPolicy(BlockPolicy):
     """GPT-Neo block (global and local attention layers alike)."""
 
-    layer_class = f"{_MODELS}.gpt_neo.modeling_gpt_neo.GPTNeoBlock"
-
-    @staticmethod
-    def replace_arguments(config, world_size):
-        heads = local_heads(config, world_size, "num_heads")
-        width = heads * (config.hidden_size // config.num_heads)
-        return {"attn.attention.num_heads": heads, "attn.attention.embed_dim": width}
-
-    @staticmethod
-    def attn_qkv():
-        return [linear(f"attn.attention.{name}_proj", heads="num_heads") for name in "qkv"]
-
-    @staticmethod
-    def attn_out():
-        return [linear("attn.attention.out_proj", heads="num_heads")]
-
-    @staticmethod
-    def mlp_in():
-        return [linear("mlp.c_fc")]
-
-    @staticmethod
-    def mlp_out():
-        return [linear("mlp.c_proj")]
+    layer_class = transformers_class("gpt_neo", "GPTNeoBlock")
+    heads = "num_heads"
+    attentions = (Attention("attn.attention", counts=("num_heads",), widths=("embed_dim",)),)
+    mlp_inputs = ("mlp.c_fc",)
+    mlp_outputs = ("mlp.c_proj",)
 
 
-class GPTJPolicy(Policy):
+class GPTJPolicy(BlockPolicy):
     """GPT-J block: attention and MLP in parallel off one layer norm; rotary stays within heads."""
 
-    layer_class = f"{_MODELS}.gptj.modeling_gptj.GPTJBlock"
-
-    @staticmethod
-    def replace_arguments(config, world_size):
-        heads = local_heads(config, world_size, "n_head")
-        return {"attn.num_attention_heads": heads, "attn.embed_dim": heads * (config.n_embd // config.n_head)}
-
-    @staticmethod
-    def attn_qkv():
-        return [linear(f"attn.{name}_proj", heads="n_head") for name in "qkv"]
-
-    @staticmethod
-    def attn_out():
-        return [linear("attn.out_proj", heads="n_head")]
-
-    @staticmethod
-    def mlp_in():
-        return [linear("mlp.fc_in")]
-
-    @staticmethod
-    def mlp_out():
-        return [linear("mlp.fc_out")]
+    layer_class = transformers_class("gptj", "GPTJBlock")
+    heads = "n_head"
+    attentions = (Attention("attn", counts=("num_attention_heads",), widths=("embed_dim",)),)
+    mlp_inputs = ("mlp.fc_in",)
+    mlp_outputs = ("mlp.fc_out",)
 
 
-class GPTNeoXPolicy(Policy):
+class GPTNeoXPolicy(BlockPolicy):
     """GPT-NeoX layer: ``attention.query_key_value`` packs q|k|v per head (``interleaved``)."""
 
-    layer_class = f"{_MODELS}.gpt_neox.modeling_gpt_neox.GPTNeoXLayer"
-
-    @staticmethod
-    def replace_arguments(config, world_size):
-        local_heads(config, world_size, "num_attention_heads")
-        return {}
-
-    @staticmethod
-    def attn_qkv():
-        return [linear("attention.query_key_value", n_fused=3, interleaved=True, heads="num_attention_heads")]
-
-    @staticmethod
-    def attn_out():
-        return [linear("attention.dense", heads="num_attention_heads")]
-
-    @staticmethod
-    def mlp_in():
-        return [linear("mlp.dense_h_to_4h")]
-
-    @staticmethod
-    def mlp_out():
-        return [linear("mlp.dense_4h_to_h")]
+    layer_class = transformers_class("gpt_neox", "GPTNeoXLayer")
+    attentions = (
+        Attention("attention", projections=("query_key_value",), output="dense", counts=(), packed=3, interleaved=True),
+    )
+    mlp_inputs = ("mlp.dense_h_to_4h",)
+    mlp_outputs = ("mlp.dense_4h_to_h",)
 
 
-class OPTPolicy(Policy):
+class OPTPolicy(BlockPolicy):
     """OPT decoder layer: ``self_attn.{q,k,v,out}_proj``, ``fc1``, ``fc2``."""
 
-    layer_class = f"{_MODELS}.opt.modeling_opt.OPTDecoderLayer"
-
-    @staticmethod
-    def replace_arguments(config, world_size):
-        heads = local_heads(config, world_size, "num_attention_heads")
-        width = heads * (config.hidden_size // config.num_attention_heads)
-        return {"self_attn.num_heads": heads, "self_attn.embed_dim": width}
-
-    @staticmethod
-    def attn_qkv():
-        return [linear(f"self_attn.{name}_proj", heads="num_attention_heads") for name in "qkv"]
-
-    @staticmethod
-    def attn_out():
-        return [linear("self_attn.out_proj", heads="num_attention_heads")]
-
-    @staticmethod
-    def mlp_in():
-        return [linear("fc1")]
-
-    @staticmethod
-    def mlp_out():
-        return [linear("fc2")]
+    layer_class = transformers_class("opt", "OPTDecoderLayer")
+    attentions = (Attention("self_attn", counts=("num_heads",), widths=("embed_dim",)),)
 
 
-class BloomPolicy(Policy):
+class BloomPolicy(BlockPolicy):
     """BLOOM block: per-head packed ``query_key_value``; the attention takes its heads' ALiBi rows."""
 
-    layer_class = f"{_MODELS}.bloom.modeling_bloom.BloomBlock"
+    layer_class = transformers_class("bloom", "BloomBlock")
+    heads = "n_head"
+    attentions = (
+        Attention(
+            "self_attention",
+            projections=("query_key_value",),
+            output="dense",
+            counts=("num_heads",),
+            widths=("hidden_size", "split_size"),
+            packed=3,
+            interleaved=True,
+        ),
+    )
+    mlp_inputs = ("mlp.dense_h_to_4h",)
+    mlp_outputs = ("mlp.dense_4h_to_h",)
 
-    @staticmethod
-    def replace_arguments(config, world_size):
-        heads = local_heads(config, world_size, "n_head")
-        width = heads * (config.hidden_size // config.n_head)
-        return {
-            "self_attention.num_heads": heads,
-            "self_attention.first_head": local_heads(config, world_size, "n_head", first=True),
-            "self_attention.hidden_size": width,
-            "self_attention.split_size": width,
-        }
+    @classmethod
+    def replace_arguments(cls, config, world_size):
+        first = share(config.n_head, world_size, cls.heads, first=True)
+        return super().replace_arguments(config, world_size) | {"self_attention.first_head": first}
 
     @staticmethod
     def replace_modules():
@@ -200,31 +146,15 @@ class BloomPolicy(Policy):
 
         return {"self_attention": BloomAttentionTP}
 
-    @staticmethod
-    def attn_qkv():
-        return [linear("self_attention.query_key_value", n_fused=3, interleaved=True, heads="n_head")]
-
-    @staticmethod
-    def attn_out():
-        return [linear("self_attention.dense", heads="n_head")]
-
-    @staticmethod
-    def mlp_in():
-        return [linear("mlp.dense_h_to_4h")]
-
-    @staticmethod
-    def mlp_out():
-        return [linear("mlp.dense_4h_to_h")]
-
 
 #: query heads (and the output projection's inputs) dealt with their key/value heads
-_GROUPED_QUERIES = {"heads": "num_attention_heads", "groups": "num_key_value_heads"}
+GROUPED_QUERIES = {"heads": "num_attention_heads", "groups": "num_key_value_heads"}
 
 
 class LlamaPolicy(Policy):
     """Llama decoder layer: ``self_attn.{q,k,v,o}_proj`` with grouped KV heads, gated MLP."""
 
-    layer_class = f"{_MODELS}.llama.modeling_llama.LlamaDecoderLayer"
+    layer_class = transformers_class("llama", "LlamaDecoderLayer")
 
     @staticmethod
     def replace_arguments(config, world_size):
@@ -235,14 +165,14 @@ class LlamaPolicy(Policy):
     @staticmethod
     def attn_qkv():
         return [
-            linear("self_attn.q_proj", **_GROUPED_QUERIES),
+            linear("self_attn.q_proj", **GROUPED_QUERIES),
             linear("self_attn.k_proj", heads="num_key_value_heads"),
             linear("self_attn.v_proj", heads="num_key_value_heads"),
         ]
 
     @staticmethod
     def attn_out():
-        return [linear("self_attn.o_proj", **_GROUPED_QUERIES)]
+        return [linear("self_attn.o_proj", **GROUPED_QUERIES)]
 
     @staticmethod
     def mlp_in():
@@ -254,11 +184,11 @@ class LlamaPolicy(Policy):
 
 
 class MistralPolicy(LlamaPolicy):
-    layer_class = f"{_MODELS}.mistral.modeling_mistral.MistralDecoderLayer"
+    layer_class = transformers_class("mistral", "MistralDecoderLayer")
 
 
 class Qwen2Policy(LlamaPolicy):
-    layer_class = f"{_MODELS}.qwen2.modeling_qwen2.Qwen2DecoderLayer"
+    layer_class = transformers_class("qwen2", "Qwen2DecoderLayer")
 
 
 def _falcon_key_value_heads(config) -> int:
@@ -273,7 +203,7 @@ class FalconPolicy(Policy):
     """Falcon decoder layer, every layout: ``self_attention.query_key_value`` packs each key/value group's
     query heads, key and value head (:mod:`tp_gpt.falcon`); ``FalconLinear`` rows all-reduce as ``Linear``."""
 
-    layer_class = f"{_MODELS}.falcon.modeling_falcon.FalconDecoderLayer"
+    layer_class = transformers_class("falcon", "FalconDecoderLayer")
 
     @staticmethod
     def replace_arguments(config, world_size):
@@ -321,7 +251,7 @@ def _bigcode_key_value_heads(config) -> int:
 class GPTBigCodePolicy(Policy):
     """GPT-BigCode (StarCoder) block: ``attn.c_attn`` a multi-query ``[q | k | v]`` or per-head q|k|v pack."""
 
-    layer_class = f"{_MODELS}.gpt_bigcode.modeling_gpt_bigcode.GPTBigCodeBlock"
+    layer_class = transformers_class("gpt_bigcode", "GPTBigCodeBlock")
 
     @staticmethod
     def replace_arguments(config, world_size):
@@ -359,7 +289,7 @@ class StableLmPolicy(LlamaPolicy):
     are those of its own heads (:mod:`tp_gpt.stablelm`). Partial rotary and the parallel residual
     act within a head or on whole hidden states, so they need nothing."""
 
-    layer_class = f"{_MODELS}.stablelm.modeling_stablelm.StableLmDecoderLayer"
+    layer_class = transformers_class("stablelm", "StableLmDecoderLayer")
 
     @staticmethod
     def replace_arguments(config, world_size):
@@ -388,7 +318,7 @@ class StableLmPolicy(LlamaPolicy):
 class OpenAIGPTPolicy(GPT2Policy):
     """OpenAI GPT block: GPT-2's Conv1D layout; its attention views by ``n_head``, splits by ``split_size``."""
 
-    layer_class = f"{_MODELS}.openai.modeling_openai.Block"
+    layer_class = transformers_class("openai", "Block")
 
     @staticmethod
     def replace_arguments(config, world_size):
@@ -396,32 +326,22 @@ class OpenAIGPTPolicy(GPT2Policy):
         return {"attn.n_head": heads, "attn.split_size": heads * (config.n_embd // config.n_head)}
 
 
-class CTRLPolicy(Policy):
+class CTRLPolicy(BlockPolicy):
     """CTRL encoder layer: ``multi_head_attention.{Wq,Wk,Wv,dense}``; ``ffn`` a ``Sequential(Linear, ReLU, Linear)``."""
 
-    layer_class = f"{_MODELS}.ctrl.modeling_ctrl.EncoderLayer"
-
-    @staticmethod
-    def replace_arguments(config, world_size):
-        heads = local_heads(config, world_size, "n_head")
-        width = heads * (config.n_embd // config.n_head)
-        return {"multi_head_attention.num_heads": heads, "multi_head_attention.d_model_size": width}
-
-    @staticmethod
-    def attn_qkv():
-        return [linear(f"multi_head_attention.W{name}", heads="n_head") for name in "qkv"]
-
-    @staticmethod
-    def attn_out():
-        return [linear("multi_head_attention.dense", heads="n_head")]
-
-    @staticmethod
-    def mlp_in():
-        return [linear("ffn.0")]
-
-    @staticmethod
-    def mlp_out():
-        return [linear("ffn.2")]
+    layer_class = transformers_class("ctrl", "EncoderLayer")
+    heads = "n_head"
+    attentions = (
+        Attention(
+            "multi_head_attention",
+            projections=("Wq", "Wk", "Wv"),
+            output="dense",
+            counts=("num_heads",),
+            widths=("d_model_size",),
+        ),
+    )
+    mlp_inputs = ("ffn.0",)
+    mlp_outputs = ("ffn.2",)
 
 
 POLICIES = (

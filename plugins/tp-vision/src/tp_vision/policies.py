@@ -1,6 +1,6 @@
 """Policies for image encoders and vision-language models (transformers 5.x).
 
-Every model here is a stack of transformer blocks (:class:`tpcore.blocks.BlockPolicy`): each
+Every model here is a stack of transformer blocks (:class:`tpcore.BlockPolicy`): each
 attention's query, key and value projections column parallel and its output projection row
 parallel, heads dealt whole (6 heads over 4 ranks as 2, 2, 1, 1); the MLP's input projection
 column parallel, its output projection row parallel. The patch embedding (a convolution), the
@@ -29,12 +29,23 @@ position embeddings, the class tokens, the norms and the task heads stay whole. 
 from __future__ import annotations
 
 import copy
-import functools
 
 import torch
 from torch import nn
 
-from tpcore import Attention, BlockPolicy, Layer, Policy, linear, transformers_class
+from tpcore import (
+    PER_HEAD,
+    Attention,
+    BertLayoutPolicy,
+    BlockPolicy,
+    DecoderBlockPolicy,
+    EncoderBlockPolicy,
+    Layer,
+    Policy,
+    linear,
+    subclassing,
+    transformers_class,
+)
 
 
 class ViTStyleLayerPolicy(BlockPolicy):
@@ -65,8 +76,8 @@ class BeitRelativePositionBiasPolicy(Policy):
     layer_class = transformers_class("beit", "BeitRelativePositionBias")
 
     @staticmethod
-    def attn_qkv():
-        return [Layer(weight="relative_position_bias_table", dim=-1, heads="num_attention_heads")]
+    def layers():
+        return [Layer(weight="relative_position_bias_table", style=PER_HEAD, dim=-1, heads="num_attention_heads")]
 
 
 class Dinov2LayerPolicy(BlockPolicy):
@@ -112,9 +123,9 @@ class SwinLayerPolicy(ViTStyleLayerPolicy):
         return own
 
     @classmethod
-    def attn_qkv(cls):
+    def layers(cls):
         table = "attention.relative_position_bias.relative_position_bias_table"
-        return [*super().attn_qkv(), Layer(weight=table, dim=-1, heads=cls.heads)]
+        return [*super().layers(), Layer(weight=table, style=PER_HEAD, dim=-1, heads=cls.heads)]
 
 
 # -- two towers: CLIP, SigLIP -------------------------------------------------------------------------
@@ -135,16 +146,13 @@ class SiglipEncoderLayerPolicy(CLIPEncoderLayerPolicy):
 # -- BLIP ------------------------------------------------------------------------------------------------
 
 
-def local_heads_blip_attention(module: nn.Module | None) -> type[nn.Module] | None:
+@subclassing("LocalHeads")
+def local_heads_blip_attention(base: type) -> dict:
     """For BLIP's vision attention, which splits its packed ``qkv`` into heads of
     ``input width // num_heads`` features: a subclass whose forward splits it into the rank's
     ``num_heads`` heads of ``head_dim`` and merges them into ``embed_dim`` (the rank's width).
     Math as unsplit: ``softmax(q k^T * scale) v`` per head, then ``projection``."""
-    return None if module is None else _local_heads_subclass(type(module))
 
-
-@functools.cache
-def _local_heads_subclass(cls: type[nn.Module]) -> type[nn.Module]:
     def forward(self, hidden_states: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         batch, length, _ = hidden_states.shape
         packed = self.qkv(hidden_states).reshape(batch, length, 3, self.num_heads, self.head_dim)
@@ -153,8 +161,7 @@ def _local_heads_subclass(cls: type[nn.Module]) -> type[nn.Module]:
         context = (probs @ value).permute(0, 2, 1, 3).reshape(batch, length, self.embed_dim)
         return self.projection(context), probs
 
-    namespace = {"__module__": __name__, "__doc__": local_heads_blip_attention.__doc__, "forward": forward}
-    return type(f"LocalHeads{cls.__name__}", (cls,), namespace)
+    return {"forward": forward}
 
 
 class BlipEncoderLayerPolicy(CLIPEncoderLayerPolicy):
@@ -168,46 +175,32 @@ class BlipEncoderLayerPolicy(CLIPEncoderLayerPolicy):
         return {"self_attn": local_heads_blip_attention}
 
 
-def _bert_attention(path: str, optional: bool = False) -> Attention:
-    return Attention(
-        path,
-        projections=("self.query", "self.key", "self.value"),
-        output="output.dense",
-        counts=("self.num_attention_heads",),
-        widths=("self.all_head_size",),
-        optional=optional,
-    )
-
-
-class BlipTextLayerPolicy(BlockPolicy):
+class BlipTextLayerPolicy(BertLayoutPolicy):
     """A block of BLIP's BERT-like text model; the decoder's blocks cross-attend to the image."""
 
     layer_class = transformers_class("blip", "BlipTextLayer", "blip_text")
-    attentions = (_bert_attention("attention"), _bert_attention("crossattention", optional=True))
-    mlp_inputs = ("intermediate.dense",)
-    mlp_outputs = ("output.dense",)
 
 
 # -- DETR --------------------------------------------------------------------------------------------------
 
 
-class DetrEncoderLayerPolicy(BlockPolicy):
+class DetrEncoderLayerPolicy(EncoderBlockPolicy):
     layer_class = transformers_class("detr", "DetrEncoderLayer")
-    heads = "encoder_attention_heads"
     attentions = (Attention("self_attn", output="o_proj", counts=()),)
     mlp_inputs = ("mlp.fc1",)
     mlp_outputs = ("mlp.fc2",)
 
 
-class DetrDecoderLayerPolicy(DetrEncoderLayerPolicy):
+class DetrDecoderLayerPolicy(DecoderBlockPolicy):
     """Self-attention over the object queries, cross-attention to the encoded image."""
 
     layer_class = transformers_class("detr", "DetrDecoderLayer")
-    heads = "decoder_attention_heads"
     attentions = (
         Attention("self_attn", output="o_proj", counts=()),
         Attention("encoder_attn", output="o_proj", counts=()),
     )
+    mlp_inputs = ("mlp.fc1",)
+    mlp_outputs = ("mlp.fc2",)
 
 
 POLICIES = (
