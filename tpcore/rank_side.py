@@ -32,6 +32,7 @@ from tpcore.ranks.transfer import to_cpu, to_device
 
 __all__ = [
     "Call",
+    "cache_tensors",
     "keep",
     "load_shard",
     "memory",
@@ -152,6 +153,11 @@ def mutate_cache(context: RankContext, cache_id: int, part: str | None, method: 
     with torch.inference_mode():
         state = caches.mutate(cache_id, part, method, to_device(args, context.device))
     return state if context.rank == 0 else None
+
+
+def cache_tensors(context: RankContext, cache_id: int, part: str | None) -> list[tuple[Any, Any]]:
+    """On a rank: its heads of each layer's ``(keys, values)`` of the cache ``cache_id`` (its ``part``), on the CPU."""
+    return to_cpu(context.store.setdefault("caches", RankCaches()).tensors(cache_id, part))
 
 
 def apply_config_changes(model: nn.Module, changes: dict[str, dict[str, Any]]) -> None:

@@ -8,6 +8,7 @@ A rank that raises replies ``("error", describe(exception))``; the caller turns 
 from __future__ import annotations
 
 import traceback
+from typing import NoReturn
 
 from tpcore.errors import WorkerDiedError, WorkerError
 from tpcore.ranks.wire import picklable
@@ -15,7 +16,7 @@ from tpcore.ranks.wire import picklable
 __all__ = ["WorkerDiedError", "WorkerError", "describe", "reraise"]
 
 
-def reraise(error: WorkerError):
+def reraise(error: WorkerError) -> NoReturn:
     """Raise a rank's exception as its own type, with the :class:`WorkerError` (and so the rank's
     traceback) as its ``__cause__``; the :class:`WorkerError` itself if the exception did not pickle."""
     if error.exception is not None:
