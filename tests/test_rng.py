@@ -102,3 +102,26 @@ def test_cpu_ranks_carry_the_cpu_state_only():
     assert torch.equal(torch.get_rng_state(), cpu)
     assert RandomState.of(None).cuda is None
     assert device_generator(torch.device("cpu")) is None
+
+
+def test_the_cpu_state_travels_only_when_it_changed():
+    """A decode step of greedy search draws nothing: its call carries no CPU state, and none comes back;
+    after the caller draws (sampling), or a call fails, the state travels again."""
+    caller = CallerRandomState()
+    first = caller.outgoing()
+    assert first.cpu is not None  # the ranks' state is not known yet
+    before = torch.get_rng_state()
+    caller.adopt(RandomState.of(None, before))  # a forward that drew nothing
+    assert caller.outgoing().cpu is None
+    caller.adopt(RandomState(None))
+    torch.rand(3)  # the caller samples
+    drawn = caller.outgoing()
+    assert drawn.cpu is not None and torch.equal(drawn.cpu, torch.get_rng_state())
+    # the ranks drew (dropout in training mode): their state comes back and the caller takes it
+    torch.rand(5)
+    after = torch.get_rng_state()
+    torch.set_rng_state(drawn.cpu)
+    caller.adopt(RandomState(after))
+    assert torch.equal(torch.get_rng_state(), after) and caller.outgoing().cpu is None
+    caller.outgoing()  # a call that fails is never adopted: the next one sends the state again
+    assert caller.outgoing().cpu is not None

@@ -218,6 +218,27 @@ def test_a_dropped_cache_is_freed_on_the_ranks_and_a_filled_one_is_refused(serve
         served(PROMPTS[:1, :1], past_key_values=filled)
 
 
+def test_a_large_input_sent_again_unchanged_is_kept_on_the_ranks_and_freed_when_dropped(served, reference):
+    """As ``generate()`` passes an encoder's output to every step: from the second send the ranks keep it,
+    from the third only its id travels; written into, it travels again; dropped, the ranks free it."""
+
+    def kept() -> int:
+        return served._tpcore_handle.pool.run(lambda context: len(context.store["kept"].kept))[0]
+
+    embeds = torch.randn(1, 300, 64)  # 76.8 kB: above tpcore.resent.KEEP_BYTES
+    with torch.inference_mode():
+        expected = reference(inputs_embeds=embeds).logits
+        for sends in range(1, 4):
+            compare_outputs(expected, served(inputs_embeds=embeds).logits)
+            assert kept() == (sends >= 2)
+        embeds[0, 0] += 1
+        compare_outputs(reference(inputs_embeds=embeds).logits, served(inputs_embeds=embeds).logits)
+    del embeds
+    gc.collect()
+    served(PROMPTS[:1], use_cache=False)  # carries the ids to free
+    assert kept() == 0
+
+
 def test_torch_compile_of_the_served_model_and_of_its_forward_gives_the_unsplit_outputs(served, reference):
     """Nothing of the split model runs in the caller to compile: compiled, the served call runs as it is
     (no trace into tpcore's transport) and outputs stay the unsplit model's."""

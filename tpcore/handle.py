@@ -29,6 +29,7 @@ from tpcore.ranks.failures import reraise
 from tpcore.ranks.process import RankPool, ranks_text
 from tpcore.ranks.rng import CallerRandomState
 from tpcore.ranks.transfer import first_device, to_device
+from tpcore.resent import CallerTensors
 from tpcore.select import describe_policies
 from tpcore.served_config import ConfigWatch
 
@@ -97,6 +98,7 @@ class ParallelHandle:
         self.model_class = type(model)
         self.random = CallerRandomState()
         self.caches = CallerCaches(Ranks(self.mutate_cache, self.cache_tensors))
+        self.tensors = CallerTensors()
         self.config = ConfigWatch(getattr(model, "config", None))
         self._lock = threading.Lock()
         self._policies = describe_policies(plan.policies)
@@ -169,8 +171,9 @@ class ParallelHandle:
         caller's stand-in for the ranks' one.
         """
         device = first_device((args, kwargs))
-        args, kwargs = to_device((args, kwargs), "cpu")
         with self._lock:  # one call's random state at a time
+            # large tensors sent before unchanged go as references to the ranks' copies (tpcore.resent)
+            args, kwargs = to_device(self.tensors.outgoing((args, kwargs)), "cpu")
             sent: dict[int, object] = {}
             args, kwargs = self.caches.outgoing((args, kwargs), sent)
             request = Call(
@@ -181,8 +184,13 @@ class ParallelHandle:
                 self.config.changes(),
                 tuple(self.caches.take_freed()),
                 _method,
+                self.tensors.take_freed(),
             )
-            output, random_state, states = self._run(serve, request)
+            try:
+                output, random_state, states = self._run(serve, request)
+            except BaseException:
+                self.tensors.reset()
+                raise
             self.random.adopt(random_state)
             output = self.caches.incoming(output, sent, states)
         return output if device is None or device.type == "cpu" else to_device(output, device)

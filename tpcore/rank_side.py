@@ -29,6 +29,7 @@ from tpcore.rank_cache import CacheRef, CacheState, RankCaches
 from tpcore.ranks.process import RankContext
 from tpcore.ranks.rng import RandomState, device_generator
 from tpcore.ranks.transfer import to_cpu, to_device
+from tpcore.resent import RankTensors
 
 __all__ = [
     "Call",
@@ -84,8 +85,8 @@ def keep(context: RankContext, skeleton: nn.Module, dtype) -> int:
 class Call:
     """One served call: the forward of the model (or of its submodule at ``path``) on ``args`` and
     ``kwargs`` (caches as :class:`~tpcore.rank_cache.CacheRef`), with the caller's random state, the
-    attributes of its config changed since the last call (``{sub-config path: {name: value}}``), and the
-    caches the caller dropped."""
+    attributes of its config changed since the last call (``{sub-config path: {name: value}}``), the
+    caches the caller dropped, and the kept tensors it dropped (:mod:`tpcore.resent`)."""
 
     path: str
     args: tuple
@@ -94,6 +95,7 @@ class Call:
     config_changes: dict[str, dict[str, Any]] = field(default_factory=dict)
     freed: tuple[int, ...] = ()
     method: str = ""  # a method of that module instead of its forward (a multimodal encoder's get_image_features)
+    tensors_freed: tuple[int, ...] = ()
 
 
 def serve(context: RankContext, call: Call):
@@ -102,10 +104,13 @@ def serve(context: RankContext, call: Call):
     model = context.store["model"]
     caches = context.store.setdefault("caches", RankCaches())
     caches.free(call.freed)
+    kept = context.store.setdefault("kept", RankTensors())
+    kept.free(call.tensors_freed)
     apply_config_changes(model, call.config_changes)
     generator = device_generator(context.device)
     call.random_state.apply(generator)
-    args, kwargs = caches.resolve(to_device((call.args, call.kwargs), context.device))
+    random_before = torch.get_rng_state()
+    args, kwargs = caches.resolve(kept.resolve(to_device((call.args, call.kwargs), context.device)))
     target = model.get_submodule(call.path) if call.path else model
     if call.method:
         target = getattr(target, call.method)
@@ -117,7 +122,7 @@ def serve(context: RankContext, call: Call):
     if context.rank != 0:
         return None
     sent = {ref.id for ref in _refs((call.args, call.kwargs))}
-    return to_cpu(output), RandomState.of(generator), caches.states(sent)
+    return to_cpu(output), RandomState.of(generator, random_before), caches.states(sent)
 
 
 def gather_attentions(output: Any, group: Any) -> Any:

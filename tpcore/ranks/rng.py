@@ -1,7 +1,8 @@
 """The caller's random state, carried to the ranks with every served call and back from rank 0.
 
 Sampling must draw what the unsplit model draws, and every rank must draw the same. Two generators
-matter: the CPU's, whose state travels both ways on every call, and, on CUDA ranks, the CUDA
+matter: the CPU's, whose state travels each way only when it changed (the caller sampled since the
+last call; the ranks' forward drew: a decode step of greedy search carries none), and, on CUDA ranks, the CUDA
 generator of the rank's device, which follows the caller's CUDA generator (of its current device):
 
 - When the caller's CUDA is initialised, that generator's state travels like the CPU's.
@@ -28,15 +29,17 @@ __all__ = ["CallerRandomState", "RandomState", "device_generator"]
 
 @dataclass(frozen=True)
 class RandomState:
-    """What travels with a call: the CPU generator's state, and for the CUDA generator a state
-    (``uint8`` tensor), a seed to start it from (``int``), or ``None`` (nothing to carry)."""
+    """What travels with a call: the CPU generator's state (``None``: the same as the other side's), and
+    for the CUDA generator a state (``uint8`` tensor), a seed to start it from (``int``), or ``None``
+    (nothing to carry)."""
 
-    cpu: torch.Tensor
+    cpu: torch.Tensor | None
     cuda: torch.Tensor | int | None = None
 
     def apply(self, cuda_generator: torch.Generator | None) -> None:
         """On a rank: take this state (``cuda_generator``: the rank's device generator, or ``None``)."""
-        torch.set_rng_state(self.cpu)
+        if self.cpu is not None:
+            torch.set_rng_state(self.cpu)
         if cuda_generator is None or self.cuda is None:
             return
         if isinstance(self.cuda, int):
@@ -45,9 +48,11 @@ class RandomState:
             cuda_generator.set_state(self.cuda)
 
     @classmethod
-    def of(cls, cuda_generator: torch.Generator | None) -> RandomState:
-        """On a rank: this process's state after a call, to send back."""
-        return cls(torch.get_rng_state(), None if cuda_generator is None else cuda_generator.get_state())
+    def of(cls, cuda_generator: torch.Generator | None, before: torch.Tensor | None = None) -> RandomState:
+        """On a rank: this process's state after a call, to send back (the CPU's only if it is not ``before``)."""
+        cpu = torch.get_rng_state()
+        unchanged = before is not None and torch.equal(cpu, before)
+        return cls(None if unchanged else cpu, None if cuda_generator is None else cuda_generator.get_state())
 
 
 def device_generator(device: torch.device) -> torch.Generator | None:
@@ -67,9 +72,14 @@ class CallerRandomState:
         self._seeding = self._NEVER  # the caller's CUDA seeding the ranks last followed
         self._sent_seeding = self._NEVER
         self._cuda_state: torch.Tensor | None = None  # rank 0's CUDA state after the last call
+        self._cpu_in_step: torch.Tensor | None = None  # the CPU state the ranks hold too (None: not known)
+        self._cpu_sent: torch.Tensor | None = None
 
     def outgoing(self) -> RandomState:
-        cpu = torch.get_rng_state()
+        now = torch.get_rng_state()
+        in_step, self._cpu_in_step = self._cpu_in_step, None  # known again once the call succeeds
+        self._cpu_sent = now
+        cpu = None if in_step is not None and torch.equal(now, in_step) else now
         if torch.cuda.is_initialized():
             return RandomState(cpu, torch.cuda.get_rng_state())
         seeding, seed = latest_cuda_seeding()
@@ -80,7 +90,9 @@ class CallerRandomState:
 
     def adopt(self, state: RandomState) -> None:
         """Take rank 0's state after a call that succeeded."""
-        torch.set_rng_state(state.cpu)
+        if state.cpu is not None:
+            torch.set_rng_state(state.cpu)
+        self._cpu_in_step = state.cpu if state.cpu is not None else self._cpu_sent
         if state.cuda is None:
             return
         if torch.cuda.is_initialized():
