@@ -9,7 +9,11 @@ default) split over N=2 CPU ranks, greedy decoding of ``--new-tokens`` tokens at
   here and each forward step is one round trip to the ranks, which keep the KV cache.
 
 ms/token is ``(time with T new tokens - time with 1 new token) / (T - 1)``: the prefill cancels out. The two
-ways run interleaved in rounds; medians. Both give the same tokens (checked). Writes ``bench/results/generation.md``.
+ways run interleaved in rounds; medians. Both give the same tokens (checked).
+
+The overhead of a served call is measured apart, on bare decode steps (``model(next_token, cache=...)``, no
+``generate()``): the median step timed in this process, against the median of the same steps run on the ranks
+and timed there (the forward alone). Writes ``bench/results/generation.md``.
 
     python bench/generation.py            # about 3-4 minutes on 2 CPU cores
     python bench/generation.py --quick    # a smoke run
@@ -35,6 +39,30 @@ def ranks_load(context, spec) -> None:
     model = spec.build()
     tpcore.ParallelEngine(context.world_size, context.backend, process_group=context.group).parallelize(model)
     context.store["bench_model"] = model
+
+
+def cache_keyword() -> str:
+    """The forward's name for the KV cache: ``cache`` from transformers 5.24 on, ``past_key_values`` before."""
+    import inspect
+
+    from transformers import LlamaForCausalLM
+
+    return "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
+
+
+def ranks_steps(context, prompt: torch.Tensor, steps: int) -> float:
+    """The median ms of a decode step run on the ranks (timed on rank 0): the forward alone."""
+    from transformers import DynamicCache
+
+    model, cache = context.store["bench_model"], DynamicCache()
+    times = []
+    with torch.inference_mode():
+        token = model(input_ids=prompt, **{cache_keyword(): cache}, use_cache=True).logits[:, -1:].argmax(-1)
+        for _ in range(steps):
+            start = time.perf_counter()
+            token = model(input_ids=token, **{cache_keyword(): cache}, use_cache=True).logits[:, -1:].argmax(-1)
+            times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
 
 
 def ranks_generate(context, inputs: dict, new_tokens: int) -> tuple[float, torch.Tensor | None]:
@@ -75,6 +103,20 @@ def caller_generate(model, inputs: dict, new_tokens: int) -> tuple[float, torch.
     return time.perf_counter() - start, tokens
 
 
+def caller_steps(model, prompt: torch.Tensor, steps: int) -> float:
+    """The median ms of a decode step of the served model, timed in this process (the round trip included)."""
+    from transformers import DynamicCache
+
+    cache, times = DynamicCache(), []
+    with torch.inference_mode():
+        token = model(input_ids=prompt, **{cache_keyword(): cache}, use_cache=True).logits[:, -1:].argmax(-1)
+        for _ in range(steps):
+            start = time.perf_counter()
+            token = model(input_ids=token, **{cache_keyword(): cache}, use_cache=True).logits[:, -1:].argmax(-1)
+            times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
 def per_token_ms(long: list[float], short: list[float], new_tokens: int) -> float:
     return (statistics.median(long) - statistics.median(short)) / (new_tokens - 1) * 1e3
 
@@ -106,9 +148,32 @@ def main(argv: list[str] | None = None) -> None:
                     times["caller"][count].append(seconds)
                     assert torch.equal(ranks_tokens, caller_tokens), "the two loops gave different tokens"
             ms = {way: per_token_ms(t[new_tokens][1:], t[1][1:], new_tokens) for way, t in times.items()}
-            rows.append([str(batch), f"{ms['ranks']:.1f}", f"{ms['caller']:.1f}", f"{ms['caller'] / ms['ranks']:.3f}"])
+            steps = {"ranks": [], "caller": []}
+            for _ in range(rounds + 1):
+                steps["ranks"].append(pool.run(ranks_steps, inputs["input_ids"], new_tokens)[0])
+                steps["caller"].append(caller_steps(served, inputs["input_ids"], new_tokens))
+            forward, served_step = (statistics.median(steps[way][1:]) for way in ("ranks", "caller"))
+            rows.append(
+                [
+                    str(batch),
+                    f"{ms['ranks']:.1f}",
+                    f"{ms['caller']:.1f}",
+                    f"{ms['caller'] / ms['ranks']:.3f}",
+                    f"{forward:.2f}",
+                    f"{served_step:.2f}",
+                    f"{served_step - forward:.2f}",
+                ]
+            )
     served.deparallelize()
-    header = ["batch", "ranks' loop ms/token", "caller's loop ms/token", "caller / ranks"]
+    header = [
+        "batch",
+        "ranks' loop ms/token",
+        "caller's loop ms/token",
+        "caller / ranks",
+        "step on the ranks ms",
+        "served step ms",
+        "overhead per call ms",
+    ]
     print(plain_table(header, rows))
     sections = [
         f"Llama of SmolLM2-135M's widths, {layers} layers, N=2 gloo ranks, greedy, {new_tokens} new tokens after a "
