@@ -147,6 +147,26 @@ def test_streamers_stopping_criteria_and_logits_processors_run_in_the_caller(ser
     assert streamed.split() == words.convert_ids_to_tokens(expected[0, 5:].tolist())
 
 
+def test_generate_works_in_one_thread_of_the_caller_while_cpu_ranks_compute_and_restores_its_threads(served):
+    """CPU ranks hold this host's cores: the caller's part of generate() (logits processors, the next token)
+    runs in one intra-op thread, so that it does not take cores from the ranks' steps."""
+
+    class Threads(LogitsProcessor):
+        seen: set[int] = set()
+
+        def __call__(self, input_ids, scores):
+            self.seen.add(torch.get_num_threads())
+            return scores
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        served.generate(PROMPTS, attention_mask=MASK, max_new_tokens=3, logits_processor=[Threads()])
+        assert Threads.seen == {1} and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_what_the_user_sets_after_parallelize_is_what_the_next_call_uses(served, reference):
     served.generation_config.max_new_tokens = 3
     reference.generation_config.max_new_tokens = 3

@@ -28,6 +28,7 @@ from tpcore.rank_side import Call, cache_tensors, memory, memory_detail, mutate_
 from tpcore.ranks.failures import reraise
 from tpcore.ranks.process import RankPool, ranks_text
 from tpcore.ranks.rng import CallerRandomState
+from tpcore.ranks.threads import OneThreadWhileServing
 from tpcore.ranks.transfer import first_device, to_device
 from tpcore.resent import CallerTensors
 from tpcore.select import describe_policies
@@ -99,6 +100,8 @@ class ParallelHandle:
         self.random = CallerRandomState()
         self.caches = CallerCaches(Ranks(self.mutate_cache, self.cache_tensors))
         self.tensors = CallerTensors()
+        #: CPU ranks of this host hold its cores: the caller's generate() works in one thread meanwhile
+        self.one_thread = OneThreadWhileServing(torch.device(self.device).type == "cpu")
         self.config = ConfigWatch(getattr(model, "config", None))
         self._lock = threading.Lock()
         self._policies = describe_policies(plan.policies)
@@ -312,6 +315,19 @@ def _served_apply(model: nn.Module, fn, recurse: bool = True) -> nn.Module:
     raise RuntimeError(_no_weights_to_move(f"moving to {moved.device}, {moved.dtype}"))
 
 
+def _served_generate(model_class: type):
+    """The model's own ``generate``, run with the caller in one intra-op thread while the ranks are CPU ranks
+    (:mod:`tpcore.ranks.threads`)."""
+    own = getattr(model_class, "generate")  # noqa: B009  (a transformers model class)
+
+    @functools.wraps(own)
+    def generate(self, *args, **kwargs):
+        with self.__dict__["_tpcore_handle"].one_thread():
+            return own(self, *args, **kwargs)
+
+    return generate
+
+
 _SERVED_CLASSES: dict[type, type] = {}
 
 
@@ -328,5 +344,7 @@ def served_class(model_class: type) -> type:
             "dtype": property(lambda self: self._tpcore_handle.dtype),
             "_apply": _served_apply,
         }
+        if callable(getattr(model_class, "generate", None)):
+            namespace["generate"] = _served_generate(model_class)
         _SERVED_CLASSES[model_class] = type(model_class.__name__, (model_class,), namespace)
     return _SERVED_CLASSES[model_class]
