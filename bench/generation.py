@@ -104,11 +104,12 @@ def caller_generate(model, inputs: dict, new_tokens: int) -> tuple[float, torch.
 
 
 def caller_steps(model, prompt: torch.Tensor, steps: int) -> float:
-    """The median ms of a decode step of the served model, timed in this process (the round trip included)."""
+    """The median ms of a decode step of the served model, timed in this process (the round trip included),
+    the caller in one intra-op thread as in its ``generate()`` (the ranks hold the cores)."""
     from transformers import DynamicCache
 
     cache, times = DynamicCache(), []
-    with torch.inference_mode():
+    with torch.inference_mode(), model._tpcore_handle.one_thread():
         token = model(input_ids=prompt, **{cache_keyword(): cache}, use_cache=True).logits[:, -1:].argmax(-1)
         for _ in range(steps):
             start = time.perf_counter()
