@@ -63,9 +63,7 @@ class EmbeddingScheduler(Scheduler):
                 try:
                     self._embed(requests)
                 except WorkerDiedError as error:
-                    self._die(f"a rank died: {error}")
-                    for request in requests:
-                        request.push(Failed(Unavailable(str(self.dead))))
+                    self._die(f"a rank died: {error}", requests)
                     return
                 except Exception as error:
                     logger.exception("an embedding step failed")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +62,7 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.wake = threading.Condition()
         self.dead: str | None = None
+        self.largest_batch = 0  # the most rows decoded together so far
         self.stopping = False
         self.throughput = Throughput(logger, "tokens")
         self.thread = threading.Thread(target=self._run, name="tpcore-serve-engine", daemon=True)
@@ -94,11 +96,11 @@ class Scheduler:
                     break
                 try:
                     for request in admitted:
-                        self._admit(request)
+                        self._admit_alone(request)
                     if len(self.batch):
                         self._step()
                 except WorkerDiedError as error:
-                    self._die(f"a rank died: {error}")
+                    self._die(f"a rank died: {error}", admitted)
                     return
                 except Exception as error:  # a failed step fails the requests in it, not the server
                     logger.exception("a generation step failed")
@@ -119,6 +121,16 @@ class Scheduler:
             room = max(0, self.max_batch - len(self.batch))
             return [self.waiting.popleft() for _ in range(min(room, len(self.waiting)))]
 
+    def _admit_alone(self, request: Request) -> None:
+        """Admit one request; an error of its own (not a dead rank) fails it alone."""
+        try:
+            self._admit(request)
+        except WorkerDiedError:
+            raise
+        except Exception as error:
+            logger.exception("%s: the prompt's step failed", request.id)
+            request.push(Failed(InternalError(f"generation failed: {error}")))
+
     def _admit(self, request: Request) -> None:
         if request.cancelled:
             return
@@ -136,6 +148,7 @@ class Scheduler:
             self.batch.join(row, cache, len(row.ids) - 1, token)
 
     def _step(self) -> None:
+        self.largest_batch = max(self.largest_batch, len(self.batch))
         logits = self.batch.step()
         kept, tokens = [], []
         for index, row in enumerate(self.batch.rows):
@@ -176,11 +189,12 @@ class Scheduler:
             row.request.push(Failed(error))
         self.batch.keep([], [])
 
-    def _die(self, reason: str) -> None:
+    def _die(self, reason: str, admitted: Sequence[Request] = ()) -> None:
+        """Fail every request in flight (``admitted`` ones too: a finished one ignores it) and every later one."""
         logger.error("%s; answering 503 from now on (restart the server)", reason)
         with self.wake:
             self.dead = reason
             waiting, self.waiting = list(self.waiting), collections.deque()
         self._fail_running(Unavailable(reason))
-        for request in waiting:
+        for request in [*admitted, *waiting]:
             request.push(Failed(Unavailable(reason)))

@@ -125,8 +125,9 @@ def serve(
         service = Service(model, tokenizer, name or Path(directory).name, limits, directory=directory)
         Server(service, host, port, api_key).run()
     finally:
-        if hasattr(model, "deparallelize"):
-            model.deparallelize()  # the ranks stop
+        handle = getattr(model, "_tpcore_handle", None)
+        if handle is not None:
+            handle.pool.close()  # the ranks stop (not deparallelize(): it would gather a checkpoint's weights first)
         logger.info("stopped")
 
 
