@@ -9,7 +9,7 @@ server's own failures) with ``{"error": {"message", "type", "param", "code"}}``;
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -85,7 +85,9 @@ def create_app(service: Service, api_key: str | None = None, max_body_bytes: int
         service.check_model(body.model, generation=False)
         async for event in service.events(service.embedding_inputs(body.texts())):
             if isinstance(event, Finished):
-                return embedding_response(service.name, event.embeddings or [], body.encoding_format, event.prompt_tokens)
+                return embedding_response(
+                    service.name, event.embeddings or [], body.encoding_format, event.prompt_tokens
+                )
         raise ServeError("no embeddings came back")
 
     return app
@@ -104,7 +106,7 @@ async def _generate(service: Service, generation: Any, stream: bool, chat: bool)
     return respond(_id(chat), service.name, text, event.reason or "stop", event.prompt_tokens, event.completion_tokens)
 
 
-async def _sse(service: Service, events: AsyncIterator, first: Delta | Finished, chat: bool) -> AsyncIterator[str]:
+async def _sse(service: Service, events: AsyncGenerator, first: Delta | Finished, chat: bool) -> AsyncIterator[str]:
     """Server-sent events, one per event; the generator closed (a client gone) cancels the request."""
     request_id = _id(chat)
 

@@ -57,7 +57,9 @@ class RunningBatch:
         else:
             width = max(self.mask.shape[1], length)
             batch_operation(self.cache, "concatenate_batches", cache)
-            self.mask = torch.cat([_pad_left(self.mask, width), _pad_left(torch.ones(1, length, dtype=torch.long), width)])
+            self.mask = torch.cat(
+                [_pad_left(self.mask, width), _pad_left(torch.ones(1, length, dtype=torch.long), width)]
+            )
         self.rows.append(row)
         self.last_tokens.append(last_token)
 

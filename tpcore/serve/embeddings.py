@@ -81,7 +81,8 @@ class EmbeddingScheduler(Scheduler):
                     request.push(Failed(Unavailable("the server is shutting down")))
                 self.waiting.clear()
                 return None
-            taken, inputs = [], 0
+            taken: list[Request] = []
+            inputs = 0
             while self.waiting and (not taken or inputs + len(self.waiting[0].payload) <= self.max_batch):
                 taken.append(self.waiting.popleft())
                 inputs += len(taken[-1].payload)

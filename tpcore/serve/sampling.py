@@ -54,6 +54,6 @@ class TokenChooser:
         logits = logits.float().cpu()
         if self.params.greedy:
             return int(logits.argmax(dim=-1))
-        scores = self.warpers(input_ids, logits)
+        scores = self.warpers(input_ids, logits)  # type: ignore[arg-type]
         probabilities = torch.softmax(scores, dim=-1)
         return int(torch.multinomial(probabilities, 1, generator=self.generator))

@@ -127,4 +127,9 @@ def embedding_response(model: str, vectors: list[list[float]], encoding: str, pr
         return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
 
     data = [{"object": "embedding", "index": i, "embedding": encoded(v)} for i, v in enumerate(vectors)]
-    return {"object": "list", "data": data, "model": model, "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
+    return {
+        "object": "list",
+        "data": data,
+        "model": model,
+        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
+    }

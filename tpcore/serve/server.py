@@ -38,8 +38,7 @@ def load_model(directory: str, num_gpus: int, dtype: Any = None) -> tuple[Any, A
     auto = transformers.AutoModelForCausalLM if generates else transformers.AutoModel
     if num_gpus == 0:
         return auto.from_pretrained(directory, dtype=dtype).eval(), tokenizer
-    model_class = None if generates or architectures else auto._model_mapping[type(config)]
-    return parallelize(directory, num_gpus=num_gpus, dtype=dtype, model_class=model_class), tokenizer
+    return parallelize(directory, num_gpus=num_gpus, dtype=dtype), tokenizer
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -52,7 +51,9 @@ class Server:
     """``service`` behind uvicorn on ``host:port``: :meth:`run` in the foreground (signals handled), or
     :meth:`start` in a thread and :meth:`stop`."""
 
-    def __init__(self, service: Service, host="127.0.0.1", port=8000, api_key=None, max_body_bytes=1 << 20, graceful_s=10):
+    def __init__(
+        self, service: Service, host="127.0.0.1", port=8000, api_key=None, max_body_bytes=1 << 20, graceful_s=10
+    ):
         import uvicorn
 
         _warn_if_exposed(host, api_key)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from tpcore.serve.embeddings import EmbeddingScheduler, pooling_mode
@@ -36,7 +36,9 @@ class Limits:
 class Service:
     """``model`` (with ``tokenizer``) served under the name ``name``; ``directory`` is where it was loaded from."""
 
-    def __init__(self, model: Any, tokenizer: Any, name: str, limits: Limits | None = None, directory: str | None = None):
+    def __init__(
+        self, model: Any, tokenizer: Any, name: str, limits: Limits | None = None, directory: str | None = None
+    ):
         self.model, self.tokenizer, self.name = model, tokenizer, name
         self.limits = limits or Limits()
         self.created = int(time.time())
@@ -73,12 +75,12 @@ class Service:
             raise ServeError(f"'{self.name}' generates text: it serves completions, not embeddings", "model")
 
     def completion(self, body: CompletionRequest) -> Generation:
-        prompt = body.prompt
+        prompt: Any = body.prompt
         if isinstance(prompt, list) and all(isinstance(item, str) for item in prompt):
             if len(prompt) != 1:
                 raise ServeError("one prompt per request (n=1)", "prompt")
             prompt = prompt[0]
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        ids: list[int] = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if any(not 0 <= token < len(self.tokenizer) for token in ids):
             raise ServeError("the prompt holds token ids outside the vocabulary", "prompt")
         return self._checked(ids, body, "prompt")
@@ -107,7 +109,7 @@ class Service:
             raise ServeError("an input is empty", "input")
         return texts
 
-    async def events(self, payload: Any) -> AsyncIterator[Delta | Finished]:
+    async def events(self, payload: Any) -> AsyncGenerator[Delta | Finished, None]:
         """Run ``payload`` on the engine: its events, until :class:`Finished`; a :class:`Failed` one raised."""
         request = Request(payload, asyncio.get_running_loop())
         self.scheduler.submit(request)
