@@ -128,19 +128,21 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=30, help="layers of the SmolLM2-shaped model (30: its own)")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--per-client", type=int, default=2, help="generation requests each client sends")
+    parser.add_argument("--whole-threads", type=int, help="torch threads of the whole model (default: torch's own)")
+    parser.add_argument("--skip-embeddings", action="store_true", help="measure generation only")
     common_arguments(parser, "serve", "2 layers, 8 new tokens, 1 request a client")
     args = parser.parse_args()
     layers, new_tokens, per_client = (2, 8, 1) if args.quick else (args.layers, args.new_tokens, args.per_client)
-    sections = []
+    if args.whole_threads:
+        torch.set_num_threads(args.whole_threads)  # this process's: the whole model's (each rank sets its own)
+    threads = f"the whole model on {torch.get_num_threads()} torch threads, each rank on its own share of the cores"
+    sections = [f"Threads: {threads}."]
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, 49152, (32,), generator=generator).tolist() for _ in range(16 * per_client)]
 
     def generation_body(i: int) -> dict:
         return {"model": "bench", "prompt": prompts[i % len(prompts)], "max_tokens": new_tokens,
                 "temperature": 0, "ignore_eos": True}  # fmt: skip
-
-    def embedding_body(i: int) -> dict:
-        return {"model": "bench", "input": SENTENCES[i % len(SENTENCES)]}
 
     with tempfile.TemporaryDirectory() as directory:
         smollm2_shaped(Path(directory), layers)
@@ -151,17 +153,25 @@ def main() -> None:
     print(plain_table(header, rows))
     title = f"Generation: SmolLM2-135M-shaped Llama (random init, {layers} layers), {new_tokens} new tokens, greedy"
     sections.append(f"## {title}\n\n{markdown_table(header, rows)}")
+    if not args.skip_embeddings:
+        sections.append(embeddings(args.quick))
+    write_result("serve", "tpcore serve: a split model against the whole one behind the same server", sections,
+                 "gloo", args.note, args.output)  # fmt: skip
+
+
+def embeddings(quick: bool) -> str:
+    """The embeddings section: all-MiniLM-L6-v2 whole and split."""
+
+    def embedding_body(i: int) -> dict:
+        return {"model": "bench", "input": SENTENCES[i % len(SENTENCES)]}
+
     print("embeddings: all-MiniLM-L6-v2")
-    per_embedding = 4 if args.quick else 8
+    per_embedding = 4 if quick else 8
     whole = measure(minilm(), 0, "/v1/embeddings", embedding_body, per_embedding)
     split = measure(minilm(), 2, "/v1/embeddings", embedding_body, per_embedding)
     header, rows = table(whole, split)
     print(plain_table(header, rows))
-    sections.append(
-        f"## Embeddings: all-MiniLM-L6-v2 (real weights), one sentence a request\n\n{markdown_table(header, rows)}"
-    )
-    write_result("serve", "tpcore serve: a split model against the whole one behind the same server", sections,
-                 "gloo", args.note, args.output)  # fmt: skip
+    return f"## Embeddings: all-MiniLM-L6-v2 (real weights), one sentence a request\n\n{markdown_table(header, rows)}"
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ server's own failures) with ``{"error": {"message", "type", "param", "code"}}``;
 
 from __future__ import annotations
 
+import hmac
 import json
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
@@ -51,7 +52,8 @@ def create_app(service: Service, api_key: str | None = None, max_body_bytes: int
     """The ASGI app serving ``service``; request bodies over ``max_body_bytes`` get 413."""
 
     def authorized(request: Request) -> None:
-        if api_key and request.headers.get("authorization", "") != f"Bearer {api_key}":
+        given = request.headers.get("authorization", "").encode()
+        if api_key and not hmac.compare_digest(given, f"Bearer {api_key}".encode()):
             raise Unauthorized("missing or wrong API key (Authorization: Bearer <key>)")
 
     app = FastAPI(title="tpcore serve", dependencies=[])
