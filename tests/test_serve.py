@@ -286,3 +286,26 @@ def test_tpcore_serve_stops_its_ranks_on_sigterm_and_a_dead_rank_gives_503(tmp_p
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_text_that_may_start_a_stop_string_is_held_back_until_the_next_token_decides():
+    from tpcore.serve.text import TextStream
+
+    stream = TextStream(tokenizer(), stop=("w6 w7",))
+    assert stream.add(5) == ("w5", False)
+    assert stream.add(6) == (" ", False)  # "w6" may begin "w6 w7": held
+    assert stream.add(7) == ("", True)  # it did: the text ends before it
+    other = TextStream(tokenizer(), stop=("w6 w7",))
+    assert [other.add(token)[0] for token in (5, 6, 8)] == ["w5", " ", "w6 w8"]
+
+
+def test_a_server_on_another_address_than_loopback_warns_and_says_whether_a_key_guards_it(caplog):
+    from tpcore.serve.server import _warn_if_exposed
+
+    with caplog.at_level("WARNING", logger="tpcore.serve"):
+        _warn_if_exposed("127.0.0.1", None)
+        assert not caplog.records
+        _warn_if_exposed("0.0.0.0", None)
+        _warn_if_exposed("0.0.0.0", "key")
+    assert "open to anyone" in caplog.records[0].getMessage()
+    assert "open to anyone" not in caplog.records[1].getMessage()
