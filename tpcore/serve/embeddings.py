@@ -16,9 +16,8 @@ from typing import Any
 
 import torch
 
-from tpcore.errors import WorkerDiedError
 from tpcore.serve.requests import Failed, Finished, InternalError, Request, Unavailable
-from tpcore.serve.scheduler import Scheduler
+from tpcore.serve.scheduler import RANKS_LOST, Scheduler
 from tpcore.serve.stats import Throughput
 
 __all__ = ["EmbeddingScheduler", "pooling_mode"]
@@ -62,8 +61,8 @@ class EmbeddingScheduler(Scheduler):
                     continue
                 try:
                     self._embed(requests)
-                except WorkerDiedError as error:
-                    self._die(f"a rank died: {error}", requests)
+                except RANKS_LOST as error:
+                    self._die(f"a rank died or hangs: {error}", requests)
                     return
                 except Exception as error:
                     logger.exception("an embedding step failed")

@@ -28,6 +28,8 @@ from tpcore.serve.text import TextStream
 __all__ = ["Generation", "Scheduler"]
 
 logger = logging.getLogger("tpcore.serve")
+#: what a call to the ranks raises once they are lost (dead, or past the call's timeout: the pool is torn down)
+RANKS_LOST = (WorkerDiedError, TimeoutError)
 
 
 @dataclass
@@ -99,8 +101,8 @@ class Scheduler:
                         self._admit_alone(request)
                     if len(self.batch):
                         self._step()
-                except WorkerDiedError as error:
-                    self._die(f"a rank died: {error}", admitted)
+                except RANKS_LOST as error:
+                    self._die(f"a rank died or hangs: {error}", admitted)
                     return
                 except Exception as error:  # a failed step fails the requests in it, not the server
                     logger.exception("a generation step failed")
@@ -125,7 +127,7 @@ class Scheduler:
         """Admit one request; an error of its own (not a dead rank) fails it alone."""
         try:
             self._admit(request)
-        except WorkerDiedError:
+        except RANKS_LOST:
             raise
         except Exception as error:
             logger.exception("%s: the prompt's step failed", request.id)
