@@ -12,6 +12,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator
+from dataclasses import dataclass
 from typing import Any
 
 from tpcore.serve.embeddings import EmbeddingScheduler, pooling_mode
@@ -24,13 +25,17 @@ __all__ = ["Limits", "Service"]
 logger = logging.getLogger("tpcore.serve")
 
 
+@dataclass
 class Limits:
     """How much the server takes: rows decoded together, requests waiting, seconds a request may take,
-    tokens of a sequence (prompt and generated), ``max_tokens`` when a request names none."""
+    tokens of a sequence (prompt and generated; default: the config's ``max_position_embeddings``),
+    ``max_tokens`` when a request names none."""
 
-    def __init__(self, max_batch=16, max_queue=64, request_timeout=300.0, max_model_len=None, default_max_tokens=256):
-        self.max_batch, self.max_queue, self.request_timeout = max_batch, max_queue, request_timeout
-        self.max_model_len, self.default_max_tokens = max_model_len, default_max_tokens
+    max_batch: int = 16
+    max_queue: int = 64
+    request_timeout: float = 300.0
+    max_model_len: int | None = None
+    default_max_tokens: int = 256
 
 
 class Service:
