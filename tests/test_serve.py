@@ -309,3 +309,29 @@ def test_a_server_on_another_address_than_loopback_warns_and_says_whether_a_key_
         _warn_if_exposed("0.0.0.0", "key")
     assert "open to anyone" in caplog.records[0].getMessage()
     assert "open to anyone" not in caplog.records[1].getMessage()
+
+
+@pytest.mark.slow  # a fresh interpreter and its ranks
+def test_sigterm_lets_a_request_in_flight_end_and_leaves_no_process(tmp_path):
+    llama().save_pretrained(tmp_path)
+    chat_tokenizer().save_pretrained(tmp_path)
+    port = free_port()
+    command = [sys.executable, "-m", "tpcore", "serve", str(tmp_path), "--num-gpus", "2", "--port", str(port)]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, process)
+        ranks = [pid for pid in children(process.pid) if "tpcore" in open(f"/proc/{pid}/cmdline").read()]
+        body = {"model": tmp_path.name, "prompt": "w5 w7", "max_tokens": 40, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            process.send_signal(signal.SIGTERM)  # mid-stream: the stream ends (finished or cancelled), not hangs
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest and rest[-1] == "data: [DONE]"
+        process.wait(timeout=60)
+        assert len(ranks) >= 2 and not [pid for pid in ranks if alive(pid)]
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
