@@ -7,12 +7,14 @@ to ``graceful_s`` seconds; then the engine cancels what is left and the ranks st
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import os
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +64,7 @@ class Server:
         config = uvicorn.Config(
             app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=graceful_s, lifespan="off"
         )
-        self.uvicorn = uvicorn.Server(config)
+        self.uvicorn = _uvicorn_keeping_signals()(config)
         self.url = f"http://{host}:{port}"
         self._thread: threading.Thread | None = None
 
@@ -92,6 +94,21 @@ class Server:
         if self._thread is not None:
             self._thread.join(30)
         self.service.stop()
+
+
+def _uvicorn_keeping_signals() -> type:
+    """uvicorn's ``Server``, except that a Ctrl-C or SIGTERM it shut down on is not raised again when it returns
+    (uvicorn re-raises it, which would end the process before the engine and the ranks are stopped)."""
+    import uvicorn
+
+    class KeepingSignals(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            with super().capture_signals():
+                yield
+                self._captured_signals.clear()
+
+    return KeepingSignals
 
 
 def _warn_if_exposed(host: str, api_key: str | None) -> None:

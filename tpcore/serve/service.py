@@ -124,10 +124,12 @@ class Service:
             while True:
                 event = await asyncio.wait_for(request.events.get(), max(0.0, deadline - time.monotonic()))
                 if isinstance(event, Failed):
+                    logger.warning("%s failed: %s", request.id, event.error)
                     raise event.error
+                if isinstance(event, Finished):  # logged first: the caller may not resume this generator after it
+                    logger.info("%s finished: %s", request.id, _counts(event))
                 yield event
                 if isinstance(event, Finished):
-                    logger.info("%s finished: %s, %d tokens", request.id, event.reason, event.completion_tokens)
                     return
         except asyncio.TimeoutError:
             logger.warning("%s timed out after %.0f s", request.id, self.limits.request_timeout)
@@ -139,6 +141,12 @@ class Service:
 class TimedOut(ServeError):
     status = 504
     kind = "timeout"
+
+
+def _counts(event: Finished) -> str:
+    if event.embeddings is not None:
+        return f"{len(event.embeddings)} embeddings of {event.prompt_tokens} tokens"
+    return f"{event.reason}, {event.prompt_tokens} prompt + {event.completion_tokens} new tokens"
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
