@@ -335,3 +335,15 @@ def test_sigterm_lets_a_request_in_flight_end_and_leaves_no_process(tmp_path):
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_throughput_is_logged_once_a_period_while_busy(caplog):
+    import logging
+
+    from tpcore.serve.stats import Throughput
+
+    counter = Throughput(logging.getLogger("tpcore.serve"), "tokens", period=0.0)
+    with caplog.at_level("INFO", logger="tpcore.serve"):
+        counter.add(64)
+        counter.idle()  # nothing since: no line
+    assert [record.getMessage().split(":")[0] for record in caplog.records] == ["throughput"]
