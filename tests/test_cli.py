@@ -232,7 +232,9 @@ def test_plugins_model_says_what_stays_whole_when_much_does(capsys, monkeypatch,
     )
 
 
-@pytest.mark.parametrize("argv", [["--version"], ["--help"], ["plugins", "--help"], ["check", "--help"]])
+@pytest.mark.parametrize(
+    "argv", [["--version"], ["--help"], ["plugins", "--help"], ["check", "--help"], ["serve", "--help"]]
+)
 def test_help_and_version_answer_without_importing_torch_or_transformers(argv):
     code = (
         "import sys\nfrom tpcore.tools.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit as end:\n"

@@ -28,7 +28,19 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["CacheRef", "CacheState", "CallerCaches", "RankCaches", "Ranks", "join_heads", "stand_in_class", "take_over"]
+from tpcore.cache_batches import OPERATIONS
+
+__all__ = [
+    "CacheRef",
+    "CacheState",
+    "CallerCaches",
+    "RankCaches",
+    "Ranks",
+    "batch_operation",
+    "join_heads",
+    "stand_in_class",
+    "take_over",
+]
 
 #: the methods of a cache that change it: run on the ranks, then the stand-in takes the new state
 MUTATIONS = (
@@ -126,9 +138,14 @@ class RankCaches:
         return [(getattr(layer, "keys", None), getattr(layer, "values", None)) for layer in cache.layers]
 
     def mutate(self, cache_id: int, part: str | None, method: str, args: tuple) -> CacheState:
-        """Run ``method`` of cache ``cache_id`` (of its ``part``); its state after."""
+        """Run ``method`` of cache ``cache_id`` (of its ``part``), or the operation of :data:`OPERATIONS` it names
+        (caches among ``args`` sent as their :class:`CacheRef`); its state after."""
         cache = self.caches[cache_id]
-        getattr(getattr(cache, part) if part else cache, method)(*args)
+        target = getattr(cache, part) if part else cache
+        if method in OPERATIONS:
+            OPERATIONS[method](target, *self.resolve(args))
+        else:
+            getattr(target, method)(*args)
         return CacheState.of(cache)
 
     def report(self, output: Any) -> Any:
@@ -273,6 +290,16 @@ def _mutation(method: str) -> Callable[..., None]:
 
 for _method in MUTATIONS:
     setattr(StandIn, _method, _mutation(_method))
+
+
+def batch_operation(cache: Any, name: str, *args: Any) -> None:
+    """Run the cache operation ``name`` of :data:`~tpcore.cache_batches.OPERATIONS` on ``cache``: in place on a
+    local cache, on the ranks for a stand-in (other stand-ins among ``args`` named by their ids)."""
+    if not isinstance(cache, StandIn):
+        OPERATIONS[name](cache, *args)
+        return
+    sent = tuple(CacheRef(arg._tpcore_id) if isinstance(arg, StandIn) else arg for arg in args)
+    cache._tpcore_take(cache._tpcore_mutate(cache._tpcore_id, cache._tpcore_part, name, sent))
 
 
 _STAND_IN_CLASSES: dict[type, type] = {}

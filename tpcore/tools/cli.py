@@ -1,4 +1,4 @@
-"""The ``tpcore`` console script: ``tpcore plugins``, ``tpcore check``.
+"""The ``tpcore`` console script: ``tpcore plugins``, ``tpcore check``, ``tpcore serve``.
 
 Parsing imports nothing heavy (``tpcore --help`` and ``tpcore --version`` answer at once); each
 subcommand imports what it needs (torch, transformers, the plugins) when it runs.
@@ -137,6 +137,34 @@ def _check(args: argparse.Namespace) -> int:
     return run_check(args.model, args.world_sizes)
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from tpcore.serve import Limits, serve  # imports torch, transformers, FastAPI and uvicorn
+
+    limits = Limits(
+        max_batch=args.max_batch,
+        max_queue=args.max_queue,
+        request_timeout=args.timeout,
+        max_model_len=args.max_model_len,
+    )
+    serve(args.model, args.num_gpus, args.host, args.port, api_key=args.api_key, name=args.name, limits=limits)
+    return 0
+
+
+def _add_serve(commands: Any) -> None:
+    serve = commands.add_parser("serve", help="serve a model split over N ranks behind an OpenAI-compatible HTTP API")
+    serve.add_argument("model", help="a saved model directory (its tokenizer beside it)")
+    serve.add_argument("--num-gpus", type=int, default=2, metavar="N", help="ranks to split over; 0 serves it whole")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: $TPCORE_API_KEY)")
+    serve.add_argument("--name", help="the model's name in the API (default: the directory's name)")
+    serve.add_argument("--max-batch", type=int, default=16, help="sequences decoded together")
+    serve.add_argument("--max-queue", type=int, default=64, help="requests waiting before 429")
+    serve.add_argument("--timeout", type=float, default=300.0, help="seconds a request may take before 504")
+    serve.add_argument("--max-model-len", type=int, help="tokens of prompt and completion (default: the config's)")
+    serve.set_defaults(run=_serve)
+
+
 def parser() -> argparse.ArgumentParser:
     """The ``tpcore`` command line."""
     tpcore_parser = argparse.ArgumentParser(
@@ -155,6 +183,7 @@ def parser() -> argparse.ArgumentParser:
     check.add_argument("model", help="a saved model directory, or a transformers class name (small random config)")
     check.add_argument("--world-sizes", type=int, nargs="+", default=[2], metavar="N", help="rank counts to try")
     check.set_defaults(run=_check)
+    _add_serve(commands)
     return tpcore_parser
 
 

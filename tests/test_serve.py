@@ -1,0 +1,349 @@
+"""``tpcore serve``: the real server on a free loopback port, talked to with the ``openai`` client and plain HTTP.
+
+A tiny Llama split over 2 ranks (fp32) answers as the unsplit model does alone: streamed and non-streamed chat
+give its greedy tokens, and 16 concurrent requests (rows joining and leaving one running batch) each give its
+solo result. Every bad request is answered 4xx and the server serves on; a client that leaves mid-stream frees
+its row. Encoders serve embeddings, batched. ``tpcore serve`` as a process stops its ranks on SIGTERM and turns a
+dead rank into 503s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+import transformers
+from test_served_model import WORDS, llama, tokenizer
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import BertConfig, BertModel
+
+import tpcore
+from tpcore.serve import Limits, Server, Service, free_port
+from tpcore.serve.embeddings import pool
+
+TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+
+
+def chat_tokenizer() -> transformers.PreTrainedTokenizerFast:
+    words = tokenizer()
+    words.chat_template = TEMPLATE
+    return words
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return llama()
+
+
+@pytest.fixture(scope="module")
+def server():
+    """The split tiny Llama served on a free loopback port."""
+    model = tpcore.parallelize(llama(), num_gpus=2)
+    service = Service(model, chat_tokenizer(), "tiny-llama", Limits(max_model_len=64, default_max_tokens=8))
+    running = Server(service, port=free_port()).start()
+    yield running
+    running.stop()
+    model.deparallelize()
+
+
+@pytest.fixture()
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def solo(reference, prompt: str, max_tokens: int) -> str:
+    """The unsplit model's greedy text for ``prompt`` alone."""
+    words = tokenizer()
+    ids = torch.tensor([words.encode(prompt)])
+    out = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False)
+    return words.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+
+
+def test_chat_streamed_and_not_gives_the_unsplit_model_s_greedy_tokens(client, reference):
+    messages = [{"role": "user", "content": "w5 w7 w9 w33"}]
+    expected = solo(reference, "w5 w7 w9 w33", 12)
+    whole = client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=12, temperature=0)
+    assert whole.choices[0].message.content == expected
+    assert whole.usage.prompt_tokens == 4
+    stream = client.chat.completions.create(
+        model="tiny-llama", messages=messages, max_tokens=12, temperature=0, stream=True
+    )
+    pieces = [chunk.choices[0].delta.content or "" for chunk in stream]
+    assert "".join(pieces) == expected and len([p for p in pieces if p]) > 1  # token by token
+    models_listed = client.models.list()
+    assert [card.id for card in models_listed.data] == ["tiny-llama"]
+
+
+def test_sixteen_concurrent_requests_each_give_their_solo_result(server, client, reference):
+    prompts = [" ".join(WORDS[20 + (i * 7 + j * 3) % 80] for j in range(1 + i % 6)) for i in range(16)]  # no w0*, w1*
+    lengths = [3 + (i * 5) % 14 for i in range(16)]
+    seeded = {3: 11, 9: 12}  # requests that sample with a seed: the same text alone and in the crowd
+    results: dict[int, str] = {}
+
+    def ask(i: int) -> str:
+        sampling = {"temperature": 0.9, "seed": seeded[i]} if i in seeded else {"temperature": 0}
+        answer = client.completions.create(model="tiny-llama", prompt=prompts[i], max_tokens=lengths[i], **sampling)
+        return answer.choices[0].text
+
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, ask(i))) for i in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert server.service.scheduler.largest_batch > 1  # they shared decode steps
+    for i in range(16):
+        expected = ask(i) if i in seeded else solo(reference, prompts[i], lengths[i])
+        assert results[i] == expected, (i, prompts[i])
+
+
+def test_stop_strings_end_the_text_before_them(client, reference):
+    full = solo(reference, "w5 w7", 10).split()
+    stop = full[3]
+    answer = client.completions.create(model="tiny-llama", prompt="w5 w7", max_tokens=10, temperature=0, stop=[stop])
+    expected = " ".join(full[: full.index(stop)])
+    assert answer.choices[0].text.strip() == expected and answer.choices[0].finish_reason == "stop"
+
+
+def bad_requests(url: str) -> list[tuple[str, dict, int, str]]:
+    """(what, httpx.post arguments, status, a word of the message)"""
+    ok = {"model": "tiny-llama", "prompt": "w5 w7", "max_tokens": 2}
+    return [
+        ("malformed JSON", {"content": b"{not json", "headers": {"content-type": "application/json"}}, 400, "json"),
+        ("unknown model", {"json": {**ok, "model": "gpt-9"}}, 404, "gpt-9"),
+        ("prompt too long", {"json": {**ok, "prompt": " ".join(["w5"] * 70)}}, 400, "exceed"),
+        ("bad temperature", {"json": {**ok, "temperature": 7}}, 400, "temperature"),
+        ("several choices", {"json": {**ok, "n": 2}}, 400, "n"),
+        ("no prompt", {"json": {"model": "tiny-llama"}}, 400, "prompt"),
+        ("tokens outside the vocabulary", {"json": {**ok, "prompt": [5, 100000]}}, 400, "vocabulary"),
+        ("body too large", {"content": b"x" * (2 << 20), "headers": {"content-type": "application/json"}}, 413, "body"),
+    ]
+
+
+def test_every_bad_request_is_answered_4xx_with_a_clear_message_and_the_server_serves_on(server):
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        for what, arguments, status, word in bad_requests(server.url):
+            response = http.post("/v1/completions", **arguments)
+            assert response.status_code == status, what
+            assert word in response.json()["error"]["message"].lower(), (what, response.json())
+        assert http.post("/v1/embeddings", json={"model": "tiny-llama", "input": "w5"}).status_code == 400
+        assert http.get("/v1/nothing").status_code == 404
+        chat = {"model": "tiny-llama", "messages": [{"role": "wizard", "content": "w5"}]}
+        assert http.post("/v1/chat/completions", json=chat).status_code == 400
+        scheduler = server.service.scheduler
+        scheduler.max_queue, saved = 0, scheduler.max_queue
+        try:
+            full = http.post("/v1/completions", json={"model": "tiny-llama", "prompt": "w5", "max_tokens": 2})
+        finally:
+            scheduler.max_queue = saved
+        assert full.status_code == 429
+        server.service.limits.request_timeout, saved_timeout = 0.0, server.service.limits.request_timeout
+        try:
+            late = http.post("/v1/completions", json={"model": "tiny-llama", "prompt": "w5", "max_tokens": 2})
+        finally:
+            server.service.limits.request_timeout = saved_timeout
+        assert late.status_code == 504
+        still = http.post("/v1/completions", json={"model": "tiny-llama", "prompt": "w5 w7", "max_tokens": 2})
+        assert still.status_code == 200 and http.get("/health").json() == {"status": "ok"}
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_row(server):
+    body = {"model": "tiny-llama", "prompt": "w5 w7", "max_tokens": 50, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=server.url, timeout=30) as http, http.stream("POST", "/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        assert json.loads(first[6:])["object"] == "text_completion"
+    scheduler = server.service.scheduler
+    for _ in range(500):
+        if not len(scheduler.batch) and not scheduler.waiting:
+            break
+        time.sleep(0.02)
+    assert not len(scheduler.batch)
+
+
+def test_an_api_key_is_asked_for_when_set(server):
+    from tpcore.serve.app import create_app
+
+    app = create_app(server.service, api_key="sesame")
+    transport = httpx.ASGITransport(app=app)
+
+    async def statuses() -> list[int]:
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            wrong = await http.get("/v1/models", headers={"authorization": "Bearer nope"})
+            right = await http.get("/v1/models", headers={"authorization": "Bearer sesame"})
+            return [wrong.status_code, right.status_code, (await http.get("/health")).status_code]
+
+    import asyncio
+
+    assert asyncio.run(statuses()) == [401, 200, 200]
+
+
+def bert_and_tokenizer():
+    config = BertConfig(
+        vocab_size=len(WORDS), hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64
+    )
+    torch.manual_seed(0)
+    backend = Tokenizer(models.WordLevel({word: i for i, word in enumerate(WORDS)}, unk_token="w2"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    words = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="w0")
+    return BertModel(config).eval(), words
+
+
+def test_concurrent_embedding_requests_are_batched_and_equal_the_unsplit_model_s(tmp_path):
+    reference, words = bert_and_tokenizer()
+    model = tpcore.parallelize(bert_and_tokenizer()[0], num_gpus=2)
+    running = Server(Service(model, words, "tiny-bert"), port=free_port()).start()
+    try:
+        client = openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0)
+        inputs = [["w5 w6 w7"], ["w9", "w40 w41 w42 w43 w44"], ["w20 w21"], ["w30"]]
+        results: dict[int, list] = {}
+
+        def ask(i: int) -> None:
+            answer = client.embeddings.create(model="tiny-bert", input=inputs[i])  # base64, as the client asks
+            results[i] = [item.embedding for item in answer.data]
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(inputs))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        for i, texts in enumerate(inputs):
+            encoded = words(texts, padding=True, return_tensors="pt")
+            with torch.inference_mode():
+                expected = pool(reference(**encoded).last_hidden_state, encoded["attention_mask"], "mean")
+            torch.testing.assert_close(torch.tensor(results[i]), expected, atol=1e-5, rtol=1e-4)
+        with httpx.Client(base_url=running.url) as http:
+            assert http.post("/v1/completions", json={"model": "tiny-bert", "prompt": "w5"}).status_code == 400
+    finally:
+        running.stop()
+        model.deparallelize()
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    if int(stat.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        found.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                pass
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_healthy(url: str, process: subprocess.Popen, seconds: float = 240) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        assert process.poll() is None, process.stderr.read() if process.stderr else ""
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError("the server did not come up")
+
+
+@pytest.mark.slow  # a fresh interpreter and its ranks
+def test_tpcore_serve_stops_its_ranks_on_sigterm_and_a_dead_rank_gives_503(tmp_path):
+    llama().save_pretrained(tmp_path)
+    chat_tokenizer().save_pretrained(tmp_path)
+    port = free_port()
+    command = [sys.executable, "-m", "tpcore", "serve", str(tmp_path), "--num-gpus", "2", "--port", str(port)]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, process)
+        body = {"model": tmp_path.name, "prompt": "w5 w7", "max_tokens": 3, "temperature": 0}
+        assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
+        ranks = [pid for pid in children(process.pid) if "tpcore" in open(f"/proc/{pid}/cmdline").read()]
+        assert len(ranks) >= 2
+        os.kill(ranks[-1], signal.SIGKILL)
+        dead = httpx.post(url + "/v1/completions", json=body, timeout=120)
+        assert dead.status_code == 503 and "rank" in dead.json()["error"]["message"]
+        assert httpx.get(url + "/health", timeout=10).status_code == 503
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=60)
+        assert not [pid for pid in ranks if alive(pid)]
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_text_that_may_start_a_stop_string_is_held_back_until_the_next_token_decides():
+    from tpcore.serve.text import TextStream
+
+    stream = TextStream(tokenizer(), stop=("w6 w7",))
+    assert stream.add(5) == ("w5", False)
+    assert stream.add(6) == (" ", False)  # "w6" may begin "w6 w7": held
+    assert stream.add(7) == ("", True)  # it did: the text ends before it
+    other = TextStream(tokenizer(), stop=("w6 w7",))
+    assert [other.add(token)[0] for token in (5, 6, 8)] == ["w5", " ", "w6 w8"]
+
+
+def test_a_server_on_another_address_than_loopback_warns_and_says_whether_a_key_guards_it(caplog):
+    from tpcore.serve.server import _warn_if_exposed
+
+    with caplog.at_level("WARNING", logger="tpcore.serve"):
+        _warn_if_exposed("127.0.0.1", None)
+        assert not caplog.records
+        _warn_if_exposed("0.0.0.0", None)
+        _warn_if_exposed("0.0.0.0", "key")
+    assert "open to anyone" in caplog.records[0].getMessage()
+    assert "open to anyone" not in caplog.records[1].getMessage()
+
+
+@pytest.mark.slow  # a fresh interpreter and its ranks
+def test_sigterm_lets_a_request_in_flight_end_and_leaves_no_process(tmp_path):
+    llama().save_pretrained(tmp_path)
+    chat_tokenizer().save_pretrained(tmp_path)
+    port = free_port()
+    command = [sys.executable, "-m", "tpcore", "serve", str(tmp_path), "--num-gpus", "2", "--port", str(port)]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, process)
+        ranks = [pid for pid in children(process.pid) if "tpcore" in open(f"/proc/{pid}/cmdline").read()]
+        body = {"model": tmp_path.name, "prompt": "w5 w7", "max_tokens": 40, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            process.send_signal(signal.SIGTERM)  # mid-stream: the stream ends (finished or cancelled), not hangs
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest and rest[-1] == "data: [DONE]"
+        process.wait(timeout=60)
+        assert len(ranks) >= 2 and not [pid for pid in ranks if alive(pid)]
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_throughput_is_logged_once_a_period_while_busy(caplog):
+    import logging
+
+    from tpcore.serve.stats import Throughput
+
+    counter = Throughput(logging.getLogger("tpcore.serve"), "tokens", period=0.0)
+    with caplog.at_level("INFO", logger="tpcore.serve"):
+        counter.add(64)
+        counter.idle()  # nothing since: no line
+    assert [record.getMessage().split(":")[0] for record in caplog.records] == ["throughput"]

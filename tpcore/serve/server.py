@@ -1,0 +1,159 @@
+"""Starting and stopping the server: the model loaded (split over ranks, or whole), uvicorn on the app, and a
+shutdown that leaves no process behind.
+
+uvicorn handles Ctrl-C and SIGTERM: it stops accepting connections and lets the requests in flight finish for up
+to ``graceful_s`` seconds; then the engine cancels what is left and the ranks stop (``deparallelize()``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from tpcore.serve.app import create_app
+from tpcore.serve.service import Limits, Service
+
+__all__ = ["Server", "free_port", "load_model", "serve"]
+
+logger = logging.getLogger("tpcore.serve")
+
+
+def load_model(directory: str, num_gpus: int, dtype: Any = None) -> tuple[Any, Any]:
+    """The model of ``directory`` split over ``num_gpus`` ranks (shard-on-load), or whole in this process for
+    ``num_gpus=0``; and its tokenizer."""
+    import transformers
+
+    from tpcore.api import parallelize
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    config = transformers.AutoConfig.from_pretrained(directory)
+    architectures = getattr(config, "architectures", None) or []
+    generates = any(name.endswith(("ForCausalLM", "LMHeadModel")) for name in architectures)
+    auto = transformers.AutoModelForCausalLM if generates else transformers.AutoModel
+    if num_gpus == 0:
+        return auto.from_pretrained(directory, dtype=dtype).eval(), tokenizer
+    return parallelize(directory, num_gpus=num_gpus, dtype=dtype), tokenizer
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
+
+
+class Server:
+    """``service`` behind uvicorn on ``host:port``: :meth:`run` in the foreground (signals handled), or
+    :meth:`start` in a thread and :meth:`stop`."""
+
+    def __init__(
+        self, service: Service, host="127.0.0.1", port=8000, api_key=None, max_body_bytes=1 << 20, graceful_s=10
+    ):
+        import uvicorn
+
+        _warn_if_exposed(host, api_key)
+        self.service = service
+        app = create_app(service, api_key=api_key, max_body_bytes=max_body_bytes)
+        config = uvicorn.Config(
+            app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=graceful_s, lifespan="off"
+        )
+        self.uvicorn = _uvicorn_keeping_signals()(config)
+        self.url = f"http://{host}:{port}"
+        self._thread: threading.Thread | None = None
+
+    def run(self) -> None:
+        """Serve until Ctrl-C or SIGTERM, then stop the engine."""
+        self.service.start()
+        logger.info("serving %s on %s (OpenAI API under /v1)", self.service.name, self.url)
+        try:
+            self.uvicorn.run()
+        finally:
+            self.service.stop()
+
+    def start(self, timeout: float = 30.0) -> Server:
+        """Serve from a thread; returns once the port listens."""
+        self.service.start()
+        self._thread = threading.Thread(target=self.uvicorn.run, name="tpcore-serve-http", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.uvicorn.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError(f"the server did not start on {self.url}")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.uvicorn.should_exit = True
+        if self._thread is not None:
+            self._thread.join(30)
+        self.service.stop()
+
+
+def _uvicorn_keeping_signals() -> type:
+    """uvicorn's ``Server``, except that a Ctrl-C or SIGTERM it shut down on is not raised again when it returns
+    (uvicorn re-raises it, which would end the process before the engine and the ranks are stopped)."""
+    import uvicorn
+
+    class KeepingSignals(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            with super().capture_signals():
+                yield
+                self._captured_signals.clear()
+
+    return KeepingSignals
+
+
+def _warn_if_exposed(host: str, api_key: str | None) -> None:
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if not loopback:
+        logger.warning(
+            "listening on %s: reachable from other machines%s",
+            host,
+            "" if api_key else " and open to anyone (no --api-key / TPCORE_API_KEY set)",
+        )
+
+
+def serve(
+    directory: str,
+    num_gpus: int,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    *,
+    api_key: str | None = None,
+    name: str | None = None,
+    limits: Limits | None = None,
+    dtype: Any = None,
+) -> None:
+    """Load ``directory`` split over ``num_gpus`` ranks (0: whole, in this process) and serve it until Ctrl-C."""
+    _configure_logging()
+    api_key = api_key or os.environ.get("TPCORE_API_KEY") or None
+    model, tokenizer = load_model(directory, num_gpus, dtype)
+    try:
+        service = Service(model, tokenizer, name or Path(directory).name, limits, directory=directory)
+        Server(service, host, port, api_key).run()
+    finally:
+        handle = getattr(model, "_tpcore_handle", None)
+        if handle is not None:
+            handle.pool.close()  # the ranks stop (not deparallelize(): it would gather a checkpoint's weights first)
+        logger.info("stopped")
+
+
+def _configure_logging() -> None:
+    serve_logger = logging.getLogger("tpcore.serve")
+    if not serve_logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        serve_logger.addHandler(handler)
+        serve_logger.setLevel(logging.INFO)
+        serve_logger.propagate = False
