@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["VOCAB", "sample_inputs", "small_config", "special_token_ids"]
+__all__ = ["VOCAB", "UnshrinkableConfig", "sample_inputs", "small_config", "special_token_ids"]
 
 HEAD_DIM = 16
 LAYERS = 2
@@ -38,6 +38,10 @@ _IMAGE_TOKEN_FIELDS = ("image_token_id", "image_token_index")
 _UNSET_IN_DEFAULTS = {"head_dim", "num_experts_per_tok", "vocab_size"}
 #: config fields that follow from others and are recomputed when a sub-config is rebuilt
 _DERIVED = {"layer_types", "head_dim", "transformers_version", "model_type", "architectures"}
+
+
+class UnshrinkableConfig(ValueError):
+    """The config cannot be rebuilt small: its own validation refuses the shrunk values."""
 
 
 def small_sizes(world_sizes: Sequence[int]) -> dict[str, int]:
@@ -60,6 +64,9 @@ def small_sizes(world_sizes: Sequence[int]) -> dict[str, int]:
         "d_head": HEAD_DIM,
     }
     sizes |= {"rotary_dim": HEAD_DIM // 2}  # GPT-J / CodeGen: rotary features per head
+    # SAM: the vision neck's channels are the prompt encoder's and mask decoder's width
+    sizes |= {"output_channels": hidden, "iou_head_hidden_dim": hidden, "mlp_dim": 2 * hidden}
+    sizes |= {"num_pos_feats": hidden // 2}  # its positional embedding: sines and cosines of this many
     sizes |= {"vocab_size": VOCAB, "max_position_embeddings": POSITIONS, "max_target_positions": POSITIONS}
     sizes |= {"max_source_positions": AUDIO_POSITIONS, "image_size": IMAGE_SIZE, "patch_size": PATCH_SIZE}
     # mixture of experts: 8 experts of the hidden width, 2 per token (DeepSeek: in 2 groups, 1 chosen)
@@ -76,8 +83,13 @@ def small_config(config, world_sizes: Sequence[int] = (2,)):
     """``config`` rebuilt small (see :func:`small_sizes`), its sub-configs alike, special token
     ids inside the small vocabulary. Only fields the config has are set; a field holding a
     tuple (``image_size=(224, 224)``) gets the small value in every place; multi-head attention
-    stays multi-head (``num_key_value_heads = num_attention_heads``)."""
-    small = _shrunk(config, small_sizes(world_sizes))
+    stays multi-head (``num_key_value_heads = num_attention_heads``). A config whose own validation
+    refuses the shrunk values raises :class:`UnshrinkableConfig` naming it and the reason."""
+    try:
+        small = _shrunk(config, small_sizes(world_sizes))
+    except Exception as error:  # a config's validators raise their own types (huggingface_hub's strict dataclasses)
+        reason = str(error).strip().splitlines()[-1].strip() if str(error).strip() else type(error).__name__
+        raise UnshrinkableConfig(f"cannot shrink {type(config).__name__}: {reason}") from error
     _move_special_ids(small)
     return small
 
@@ -104,9 +116,19 @@ def _shrunk(config, sizes: dict[str, int]):
     heads, kv_heads = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
     if "num_key_value_heads" in kwargs and (kv_heads is None or kv_heads == heads):
         kwargs["num_key_value_heads"] = kwargs.get("num_attention_heads", kv_heads)
+    _state_space_heads(config, kwargs, sizes)
     for name in _sub_config_names(config):
         kwargs[name] = _shrunk(getattr(config, name), sizes)
     return type(config)(**kwargs)
+
+
+def _state_space_heads(config, kwargs: dict, sizes: dict[str, int]) -> None:
+    """Mamba2: ``num_heads * head_dim == expand * hidden_size`` and ``n_groups`` (of B and C) dividing the heads,
+    as many groups as the grouped KV heads (so every world size divides them)."""
+    if not all(_has_int(config, name) for name in ("num_heads", "expand", "head_dim", "n_groups")):
+        return
+    kwargs["num_heads"] = config.expand * kwargs.get("hidden_size", config.hidden_size) // sizes["head_dim"]
+    kwargs["n_groups"] = sizes["num_key_value_heads"]
 
 
 def _sub_config_names(config) -> list[str]:
