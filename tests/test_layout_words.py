@@ -505,3 +505,44 @@ def test_splits_refuses_a_row_bias_dim_and_an_unknown_style():
         Layer(weight="w", bias="b", bias_dim=1).styled(ROW).splits()
     with pytest.raises(ValueError, match="unknown parallel style 'diagonal'"):
         Layer(weight="w").styled("diagonal").splits()
+
+
+# -- a depthwise convolution cut by channels -----------------------------------------------------------
+
+
+@FAST
+@given(
+    world=worlds,
+    per_rank=st.integers(1, 3),
+    extra=st.integers(0, 3),
+    multiplier=st.integers(1, 2),
+    kernel=st.integers(1, 4),
+    seed=seeds,
+)
+def test_a_depthwise_conv_cut_by_channels_gives_each_rank_the_conv_of_its_channels(
+    world, per_rank, extra, multiplier, kernel, seed
+):
+    """``depthwise_conv``: over channels dealt as a column cut deals them (even or not), each rank's conv
+    (its ``in_channels``/``groups`` following its weight) on its channels is the whole conv's output there."""
+    from tpcore import depthwise_conv
+    from tpcore.parallel.layers import set_layer_size
+
+    channels = per_rank * world + extra
+    torch.manual_seed(seed)
+    whole = nn.Conv1d(channels, channels * multiplier, kernel, groups=channels, padding=kernel - 1)
+    x = randn(2, channels, 5, seed=seed)
+    expected = whole(x)
+    weight_split, bias_split = depthwise_conv("conv", heads=channels).splits(SimpleNamespace())
+    start = 0
+    for rank in range(world):
+        conv = nn.Conv1d(channels, channels * multiplier, kernel, groups=channels, padding=kernel - 1)
+        conv.load_state_dict(whole.state_dict())
+        conv.weight.data = weight_split.shard(conv.weight.data, rank, world)
+        conv.bias.data = bias_split.shard(conv.bias.data, rank, world)
+        set_layer_size(conv)
+        mine = conv.groups
+        assert conv.in_channels == mine and conv.out_channels == mine * multiplier
+        got = conv(x[:, start : start + mine])
+        assert_close(got, expected[:, start * multiplier : (start + mine) * multiplier])
+        start += mine
+    assert start == channels
