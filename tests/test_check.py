@@ -60,10 +60,14 @@ def test_check_a_saved_model_directory_names_the_plugin(rank_pools, tmp_path, ca
     assert "5 ranks: REFUSED cannot split BertForMaskedLM over 5 ranks" in out and "fewer than the ranks" in out
 
 
-def test_check_an_uncovered_model_explains_and_fails(spawned, capsys):
-    assert main(["check", "GptOssForCausalLM", "--world-sizes", "2", "4"]) == 2  # the command line, no rank started
+def test_check_a_model_whose_structural_split_fails_its_proof_refuses_it(spawned, capsys):
+    """GPT-OSS: its tp plan splits no block, so its structure is read; the split it gives leaves the attention
+    sinks (one per head) whole, which the proof on a tiny copy finds before any rank starts."""
+    assert main(["check", "GptOssForCausalLM", "--world-sizes", "2", "4"]) == 1  # the command line, no rank started
     assert spawned == []
-    assert "its tp plan splits no block" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "policy GptOssDecoderLayer (structural) from structure (proven on a tiny copy)" in out
+    assert "2 ranks: REFUSED" in out and "by the structural policy" in out and "on a tiny random copy" in out
 
 
 def test_check_rejects_what_is_neither_a_directory_nor_a_class():
@@ -116,7 +120,7 @@ def test_an_unsplit_failure_of_the_shrunk_model_is_not_a_split_failure(monkeypat
 
     monkeypatch.setattr("tpcore.tools.check.resolve", lambda model, world_sizes: ModelSpec(FailsUnsplit, None))
     monkeypatch.setattr(ModelSpec, "build", lambda self: FailsUnsplit())
-    assert run_check("Anything", [2]) == 2
+    assert run_check("Anything", [2], policies=[BertPolicy]) == 2
     out = capsys.readouterr().out
     assert "unsplit model: fails on its own inputs before any split (its config, not the split)" in out
     assert "ranks:" not in out and spawned == []
@@ -398,7 +402,7 @@ def test_check_passes_through_a_tp_plan_whose_gathers_tpcore_leaves_out(name, ra
     assert "2 ranks: PASS" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("name", ["SamModel", "SpeechT5ForSpeechToText"])
+@pytest.mark.parametrize("name", ["ResNetModel"])  # no plugin, no tp plan, no structural split
 def test_check_a_model_no_policy_covers_says_so_before_any_rank_starts(name, spawned, capsys):
     assert run_check(name, [2]) == 2
     out = capsys.readouterr().out

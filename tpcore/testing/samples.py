@@ -277,7 +277,7 @@ def _grid_patches(vision, batch, generator) -> dict:
     ``h`` and ``w`` multiples of the ``spatial_merge_size``), ``pixel_values (batch * 16, channels * t_patch *
     patch^2)`` and ``image_grid_thw (batch, 3)``."""
     grid = 2 * getattr(vision, "spatial_merge_size", 2)
-    channels = getattr(vision, "in_channels", None) or getattr(vision, "num_channels", 3)
+    channels = getattr(vision, "in_channels", 0) or getattr(vision, "num_channels", 3)
     features = channels * getattr(vision, "temporal_patch_size", 1) * vision.patch_size**2
     return {
         "pixel_values": torch.randn(batch * grid * grid, features, generator=generator),

@@ -68,6 +68,12 @@ def prepare(model: str, world_sizes: Sequence[int], policies: list | None = None
         raise NotCheckable(f"unsplit model: does not build from its config: {_first_line(error)}") from error
     print(f"model: {type(built).__name__} ({sum(p.numel() for p in built.parameters()):,} parameters)")
     try:
+        origins = _policy_origins(built, policies)
+    except UnsupportedModelError as error:
+        raise NotCheckable(str(error)) from error
+    for policy, origin in origins.items():
+        print(f"  policy {policy.policy_name()} from {origin}")
+    try:
         inputs = sample_inputs(built)
     except ValueError as error:
         raise NotCheckable(f"inputs: {error}") from error
@@ -79,12 +85,6 @@ def prepare(model: str, world_sizes: Sequence[int], policies: list | None = None
         raise NotCheckable(
             f"unsplit model: fails on its own inputs before any split (its config, not the split): {_first_line(error)}"
         ) from error
-    try:
-        origins = _policy_origins(built, policies)
-    except UnsupportedModelError as error:
-        raise NotCheckable(str(error)) from error
-    for policy, origin in origins.items():
-        print(f"  policy {policy.policy_name()} from {origin}")
     return spec, built, origins, inputs
 
 
