@@ -29,6 +29,7 @@ position embeddings, the class tokens, the norms and the task heads stay whole. 
 from __future__ import annotations
 
 import copy
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -173,7 +174,7 @@ class Qwen2VLVisionBlockPolicy(BlockPolicy):
     layer_class = transformers_class("qwen2_vl", "Qwen2VLVisionBlock")
     heads = "num_heads"
     attentions = (Attention("attn", projections=("qkv",), output="proj", counts=("num_heads",), packed=3),)
-    mlp_inputs = ("mlp.fc1",)
+    mlp_inputs: ClassVar[tuple[str, ...]] = ("mlp.fc1",)
     mlp_outputs = ("mlp.fc2",)
 
 
