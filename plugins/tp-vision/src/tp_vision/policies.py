@@ -186,6 +186,20 @@ class Qwen2_5_VLVisionBlockPolicy(Qwen2VLVisionBlockPolicy):
     mlp_outputs = ("mlp.down_proj",)
 
 
+class Qwen2VLPatchMergerPolicy(BlockPolicy):
+    """Qwen2-VL's patch merger into the text width: its MLP (``mlp.0`` column, ``mlp.2`` row) over each group of
+    ``spatial_merge_size^2`` patches (its ``hidden_size``, the width it views its input as, stays whole)."""
+
+    layer_class = transformers_class("qwen2_vl", "PatchMerger")
+    attentions = ()
+    mlp_inputs = ("mlp.0",)
+    mlp_outputs = ("mlp.2",)
+
+
+class Qwen2_5_VLPatchMergerPolicy(Qwen2VLPatchMergerPolicy):
+    layer_class = transformers_class("qwen2_5_vl", "Qwen2_5_VLPatchMerger")
+
+
 # -- BLIP ------------------------------------------------------------------------------------------------
 
 
@@ -299,6 +313,8 @@ POLICIES = (
     SmolVLMEncoderLayerPolicy,
     Qwen2VLVisionBlockPolicy,
     Qwen2_5_VLVisionBlockPolicy,
+    Qwen2VLPatchMergerPolicy,
+    Qwen2_5_VLPatchMergerPolicy,
     BlipEncoderLayerPolicy,
     BlipTextLayerPolicy,
     SamVisionAttentionPolicy,
