@@ -546,3 +546,47 @@ def test_a_depthwise_conv_cut_by_channels_gives_each_rank_the_conv_of_its_channe
         assert_close(got, expected[:, start * multiplier : (start + mine) * multiplier])
         start += mine
     assert start == channels
+
+
+# -- parts measured in different units -----------------------------------------------------------------
+
+
+@FAST
+@given(
+    world=worlds,
+    groups=st.integers(1, 4),
+    per_group=st.lists(st.integers(1, 3), min_size=2, max_size=5),
+    widths=st.lists(st.integers(1, 4), min_size=5, max_size=5),
+    seed=seeds,
+)
+def test_parts_of_different_widths_give_each_rank_the_same_groups_of_every_part(world, groups, per_group, widths, seed):
+    """``parts`` with ``widths`` (Mamba2's ``[z | x | B | C | dt]``): rank ``r``'s piece of each part is whole
+    units of that part's width, from the same groups in every part, and the ranks' pieces cover every part."""
+    parts = tuple(groups * count for count in per_group)
+    widths = tuple(widths[: len(parts)])
+    size = sum(p * w for p, w in zip(parts, widths, strict=True))
+    rows = randn(size, 3, seed=seed)
+    weight_split, _ = Layer(weight="w", style=COLUMN, parts=parts, widths=widths, groups=groups).splits(None)
+    starts = [sum(p * w for p, w in zip(parts[:i], widths[:i], strict=True)) for i in range(len(parts))]
+    covered = [set() for _ in parts]
+    for rank in range(world):
+        piece, offset = weight_split.shard(rows, rank, world), 0
+        held_groups = []
+        for index, (count, width) in enumerate(zip(parts, widths, strict=True)):
+            ranges, _ = weight_split.ranges(size, rank, world)
+            start, stop = ranges[index]
+            assert start >= starts[index] and stop <= starts[index] + count * width
+            assert (start - starts[index]) % width == 0 and (stop - start) % width == 0
+            units = range((start - starts[index]) // width, (stop - starts[index]) // width)
+            covered[index] |= set(units)
+            held_groups.append({unit // (count // groups) for unit in units})
+            assert torch.equal(piece[offset : offset + stop - start], rows[start:stop])
+            offset += stop - start
+        assert all(found == held_groups[0] for found in held_groups)
+    assert all(found == set(range(count)) for found, count in zip(covered, parts, strict=True))
+
+
+def test_parts_of_different_widths_that_do_not_add_up_name_the_sizes():
+    split, _ = Layer(weight="w", style=COLUMN, parts=(4, 4, 2), widths=(8, 8, 16), groups=2).splits(None)
+    with pytest.raises(ShardingError, match=r"size 90 is not the parts 4 x 8 \+ 4 x 8 \+ 2 x 16 = 96 it packs"):
+        split.check(90, 2)

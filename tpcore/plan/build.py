@@ -293,6 +293,8 @@ class _Builder:
                 continue
             if split.heads is not None and weight.shape[split.dim] == split.heads * split.n_fused:
                 continue  # one feature per head (a per-head gate), dealt in whole heads by its split
+            if split.widths is not None:
+                continue  # parts of their own unit widths (Mamba2's [z | x | B | C | dt]): whole units by the split
             for size in piece_sizes(split, weight.shape[split.dim], plan.world_size):
                 if size % head_dim:
                     raise plan.error(

@@ -1,7 +1,8 @@
-"""Mamba split by channels equals the unsplit model through ``tpcore.parallelize()``: logits of a padded
-batch and greedy ``generate()`` tokens (the conv and recurrent caches hold each rank's channels), from the
-object over 3 ranks (80 channels: 27, 27, 26) and from a saved directory over 2; ``tpcore check`` from the
-default config shrunk."""
+"""Mamba split by channels and Mamba2 by groups of heads equal the unsplit model through
+``tpcore.parallelize()``: logits of a padded batch and greedy ``generate()`` tokens (the conv and recurrent
+caches hold each rank's channels), from the object over 3 ranks (Mamba: 80 channels, 27, 27, 26; Mamba2: 4
+groups of 2 heads, 2, 1, 1 groups) and from a saved directory over 2; ``tpcore check`` from the default
+configs shrunk; Mamba2 over more ranks than groups refused naming them."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import torch
 import transformers
 
 import tpcore
+from tpcore.plan import plan_for
+from tpcore.select import choose_policies
 from tpcore.testing import compare_outputs, padded_batch
 from tpcore.tools.check import run_check
 
@@ -28,8 +31,30 @@ def mamba() -> transformers.MambaForCausalLM:
     return transformers.MambaForCausalLM(config).eval()
 
 
-def matches_unsplit(served) -> None:
-    model = mamba()
+@functools.cache
+def mamba2() -> transformers.Mamba2ForCausalLM:
+    """2 layers, hidden 32, 8 heads of 8 channels in 4 groups (uneven over 3 ranks), state 8 (built once)."""
+    config = transformers.Mamba2Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        state_size=8,
+        expand=2,
+        head_dim=8,
+        num_heads=8,
+        n_groups=4,
+        chunk_size=4,
+        pad_token_id=0,
+    )
+    torch.manual_seed(4)
+    return transformers.Mamba2ForCausalLM(config).eval()
+
+
+MODELS = {"Mamba": mamba, "Mamba2": mamba2}
+
+
+def matches_unsplit(served, family: str = "Mamba") -> None:
+    model = MODELS[family]()
     inputs = padded_batch([6, 3], seq=6, vocab_size=VOCAB, seed=5)
     with torch.inference_mode():
         assert compare_outputs(model(**inputs), served(**inputs))
@@ -46,16 +71,31 @@ def test_mamba_channels_over_3_ranks_through_parallelize():
         served.deparallelize()
 
 
-@pytest.mark.slow  # a world of its own
-def test_mamba_from_a_directory_over_2_ranks(tmp_path):
-    mamba().save_pretrained(tmp_path)
+def test_mamba2_groups_over_3_ranks_through_parallelize():
+    served = tpcore.parallelize(mamba2(), num_gpus=3, backend="gloo")
+    try:
+        matches_unsplit(served, "Mamba2")
+    finally:
+        served.deparallelize()
+
+
+@pytest.mark.slow  # a world each
+@pytest.mark.parametrize("family", list(MODELS))
+def test_from_a_directory_over_2_ranks(tmp_path, family):
+    MODELS[family]().save_pretrained(tmp_path)
     served = tpcore.parallelize(str(tmp_path), num_gpus=2, backend="gloo")
     try:
-        matches_unsplit(served)
+        matches_unsplit(served, family)
     finally:
         served.deparallelize()
 
 
 @pytest.mark.slow
-def test_tpcore_check_passes_for_mamba(rank_pools, capsys):
-    assert run_check("MambaForCausalLM", (2, 3), pools=rank_pools) == 0, capsys.readouterr().out
+@pytest.mark.parametrize("name", ["MambaForCausalLM", "Mamba2ForCausalLM"])
+def test_tpcore_check_passes(rank_pools, capsys, name):
+    assert run_check(name, (2, 3), pools=rank_pools) == 0, capsys.readouterr().out
+
+
+def test_mamba2_over_more_ranks_than_groups_is_refused_naming_them():
+    with pytest.raises(tpcore.ShardingError, match=r"its 4 groups of heads \(n_groups\) are fewer than the ranks"):
+        plan_for(mamba2(), choose_policies(mamba2()), 5)  # before any rank starts

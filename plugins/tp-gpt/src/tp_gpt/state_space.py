@@ -1,4 +1,4 @@
-"""State-space language models: Mamba's mixer split by channels.
+"""State-space language models: Mamba's mixer split by channels, Mamba2's by groups of heads.
 
 A Mamba mixer widens the hidden state ``H`` to ``I`` channels (``in_proj``: ``[x | gate]``, ``2 I``), runs
 a depthwise causal convolution and a selective scan that never mix channels, and narrows back
@@ -12,6 +12,17 @@ per channel, and ``x_proj`` and ``out_proj`` are row parallel (one all-reduce ea
   ``I`` one-channel heads);
 - ``out_proj`` row.
 
+Mamba2's mixer has ``num_heads`` heads of ``head_dim`` channels in ``n_groups`` groups, each group's heads
+reading one ``B`` and one ``C`` of ``state_size``. Rank ``r`` keeps whole groups (``n_groups`` dealt, so
+every world size up to ``n_groups`` works), with their heads, channels, ``B`` and ``C``:
+
+- ``in_proj`` column: ``[z | x | B | C | dt]`` packs parts measured in different units (``parts=(heads,
+  heads, groups, groups, heads)`` of ``widths=(head_dim, head_dim, state, state, 1)``), each cut by the
+  rank's groups; the conv over ``[x | B | C]`` alike (``depthwise_conv``);
+- ``dt_bias``, ``A_log``, ``D`` (one per head) and the gated RMSNorm's weight (its statistic is per group,
+  ``intermediate / n_groups`` channels: whole on the rank) by the rank's heads;
+- ``out_proj`` row; the mixer's ``num_heads``, ``n_groups``, ``intermediate_size`` and ``conv_dim`` the rank's.
+
 The recurrent and conv states of the cache follow the rank's channels (they are made from the first
 tensors they get). The embeddings, norms (over ``H``, whole) and LM head are replicated or vocab-split as
 usual.
@@ -19,7 +30,18 @@ usual.
 
 from __future__ import annotations
 
-from tpcore import COLUMN, PER_HEAD, ROW, Layer, Policy, depthwise_conv, linear, share, transformers_class
+from tpcore import (
+    COLUMN,
+    PER_HEAD,
+    ROW,
+    Layer,
+    Policy,
+    ShardingError,
+    depthwise_conv,
+    linear,
+    share,
+    transformers_class,
+)
 
 CHANNELS = "intermediate_size"
 
@@ -46,4 +68,51 @@ class MambaMixerPolicy(Policy):
         ]
 
 
-POLICIES = (MambaMixerPolicy,)
+HEADS, GROUPS = "num_heads", "n_groups"
+
+
+class Mamba2MixerPolicy(Policy):
+    """Mamba2's ``Mamba2Mixer``: its ``n_groups`` groups of heads dealt over the ranks (see the module docstring)."""
+
+    layer_class = transformers_class("mamba2", "Mamba2Mixer")
+
+    @staticmethod
+    def replace_arguments(config, world_size):
+        if config.n_groups < world_size:
+            raise ShardingError(
+                f"Mamba2 over {world_size} ranks: its {config.n_groups} groups of heads (n_groups) are fewer than the "
+                "ranks, and each group's gated norm and B, C are read by all its heads; use at most n_groups ranks"
+            )
+        heads = share(config.num_heads, world_size, HEADS, groups=config.n_groups)
+        groups = share(config.n_groups, world_size, GROUPS)
+        channels = heads * config.head_dim
+        return {
+            "num_heads": heads,
+            "n_groups": groups,
+            "intermediate_size": channels,
+            "conv_dim": channels + groups * (2 * config.state_size),
+        }
+
+    @staticmethod
+    def layers():
+        per_head = {"style": PER_HEAD, "heads": HEADS, "groups": GROUPS}
+        return [
+            linear(
+                "in_proj",
+                style=COLUMN,
+                parts=(HEADS, HEADS, GROUPS, GROUPS, HEADS),
+                widths=("head_dim", "head_dim", "state_size", "state_size", 1),
+                groups=GROUPS,
+            ),
+            depthwise_conv(
+                "conv1d", parts=(HEADS, GROUPS, GROUPS), widths=("head_dim", "state_size", "state_size"), groups=GROUPS
+            ),
+            Layer(weight="dt_bias", **per_head),
+            Layer(weight="A_log", **per_head),
+            Layer(weight="D", **per_head),
+            Layer(weight="norm.weight", **per_head),
+            linear("out_proj", style=ROW, heads=HEADS, groups=GROUPS),
+        ]
+
+
+POLICIES = (MambaMixerPolicy, Mamba2MixerPolicy)
