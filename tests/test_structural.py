@@ -164,3 +164,16 @@ def test_biogpt_by_its_structure_from_a_directory_over_2_ranks(tmp_path):
         matches_unsplit(served)
     finally:
         served.deparallelize()
+
+
+def test_an_image_encoder_is_proven_on_random_images(caplog):
+    """DINOv2 with registers (no plugin, no tp plan): its proof runs the tiny copy on two random images."""
+    config = transformers.Dinov2WithRegistersConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48, image_size=32, patch_size=8
+    )
+    model = transformers.Dinov2WithRegistersModel(config).eval()
+    (policy,) = choose_policies(model)
+    assert policy_origin(policy) == STRUCTURAL_ORIGIN
+    with caplog.at_level(logging.WARNING, logger="tpcore.plan"):
+        plan_for(model, [policy], 3)
+    assert "Dinov2WithRegistersModel over 3 ranks: split by Dinov2WithRegistersLayer (structural), proven" in caplog.text

@@ -75,8 +75,7 @@ def test_a_model_with_a_tp_plan_splits_without_a_plugin(rank_pools, arch):
     check_equivalence(spec, tokens, world_sizes=(2,), pools=rank_pools, method="generate", rtol=0)
 
 
-def test_a_plan_with_styles_tpcore_cannot_follow_is_refused_clearly(monkeypatch):
-    monkeypatch.setenv("TPCORE_STRUCTURAL", "0")  # no structural policy in its place
+def test_a_plan_with_styles_tpcore_cannot_follow_is_refused_clearly():
     model = spec_for("Qwen3Config", "Qwen3ForCausalLM").build()
     model.config.base_model_tp_plan = {"layers.*.mlp.experts.zero": "moe_identity_expert"}
     with pytest.raises(tpcore.UnsupportedModelError, match=r"No policy could be derived: .*'moe_identity_expert'"):

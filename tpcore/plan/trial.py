@@ -133,14 +133,26 @@ def _trial(model: nn.Module, world_size: int, plan_tiny: Callable[[nn.Module], S
 
 
 def trial_inputs(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Two rows of five token ids (and a mask, decoder ids) for what ``model.forward`` accepts."""
+    """Two rows of five token ids (and a mask, decoder ids) for what ``model.forward`` accepts; for an image
+    encoder (``pixel_values`` and no ``input_ids``), two random images at its (vision) config's size."""
     accepted = set(inspect.signature(model.forward).parameters)
+    if "pixel_values" in accepted and "input_ids" not in accepted:
+        return {"pixel_values": _images(model.config)}
     inputs = {"input_ids": _IDS.clone()}
     if "attention_mask" in accepted:
         inputs["attention_mask"] = torch.ones_like(_IDS)
     if "decoder_input_ids" in accepted:
         inputs["decoder_input_ids"] = _IDS[:, :3].clone()
     return inputs
+
+
+def _images(config: Any) -> torch.Tensor:
+    """``(2, channels, H, W)`` seeded random pixels at ``image_size`` (an int or a pair; 224 if unset)."""
+    vision = getattr(config, "vision_config", None) or config
+    size = getattr(vision, "image_size", 224)
+    height, width = (size, size) if isinstance(size, int) else tuple(size)[-2:]
+    channels = getattr(vision, "num_channels", 3)
+    return torch.randn(2, channels, height, width, generator=torch.Generator().manual_seed(0))
 
 
 def tiny_config(config: Any, world_size: int) -> Any:

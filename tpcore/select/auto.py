@@ -3,7 +3,8 @@
 The rule, per layer class: a registered plugin policy for the class if there is one; otherwise the
 policy derived from the tp plan of the class's sub-model (:mod:`tpcore.select.tp_plan`), unless its
 blocks contain, or lie inside, a layer a plugin policy covers (both would split the same tensors).
-A model that neither covers gets the policies its structure gives (:mod:`tpcore.select.structural`),
+A model with neither (no plugin policy, and no tp plan in any of its configs) gets the policies its
+structure gives (:mod:`tpcore.select.structural`),
 which :func:`~tpcore.plan.plan_for` uses only once a tiny random copy split by them computes the
 unsplit outputs (:mod:`tpcore.plan.proof`).
 LLaVA with tp-gpt installed: tp-gpt's Llama policy splits the language model; its CLIP vision
@@ -65,9 +66,13 @@ class AutoPolicy:
         try:
             derived = derive_policies(model)
         except TpPlanError as error:
-            if not plugin_policies:
-                return _structural_or_refused(model, f"No policy could be derived: {error}.")
-            derived = []
+            note = f"No policy could be derived: {error}."
+            if plugin_policies:
+                derived = []
+            elif any(getattr(plan.config, "base_model_tp_plan", None) for plan in sub_model_plans(model)):
+                raise UnsupportedModelError(unsupported_message(model, note)) from None  # a plan, not followed
+            else:
+                return _structural_or_refused(model, note)
         chosen = plugin_policies + _not_overlapping(model, derived, plugin_policies)
         if logger.isEnabledFor(logging.INFO):
             logger.info("AutoPolicy chose for %s: %s", type(model).__name__, describe_policies(chosen))
