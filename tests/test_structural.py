@@ -176,4 +176,5 @@ def test_an_image_encoder_is_proven_on_random_images(caplog):
     assert policy_origin(policy) == STRUCTURAL_ORIGIN
     with caplog.at_level(logging.WARNING, logger="tpcore.plan"):
         plan_for(model, [policy], 3)
-    assert "Dinov2WithRegistersModel over 3 ranks: split by Dinov2WithRegistersLayer (structural), proven" in caplog.text
+    proven = "Dinov2WithRegistersModel over 3 ranks: split by Dinov2WithRegistersLayer (structural), proven"
+    assert proven in caplog.text
