@@ -17,6 +17,7 @@ Writes ``bench/results/coverage.md`` (the table, its totals and the largest caus
     python bench/coverage.py            # every model type: CPU heavy (an hour or more on 2 busy cores)
     python bench/coverage.py --quick    # a dozen types, one of each kind of split
     python bench/coverage.py --only mamba sam biogpt
+    python bench/coverage.py --again refused differs   # those rows of the last run, checked again
 """
 
 from __future__ import annotations
@@ -145,10 +146,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", help="model types to check (default: every one)")
     parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument(
+        "--again",
+        nargs="+",
+        metavar="RESULT",
+        help="check again the model types an earlier run's coverage.json gives one of these results "
+        "(refused, differs, ...), and rewrite the result with their new rows",
+    )
     common_arguments(parser, "coverage", f"only {', '.join(QUICK)}")
     args = parser.parse_args()
     if args.quick and not args.only:
         args.only = list(QUICK)
+    earlier = []
+    if args.again:
+        earlier = json.loads(result_path("coverage", args.output, ".json").read_text())
+        args.only = [row["type"] for row in earlier if row["step"] in args.again]
 
     import transformers
 
@@ -167,6 +179,9 @@ def main() -> None:
             rows.append(row)
             print(f"{row['step']:<10} {row['by']:<12} {model_type:<32} {row['reason']}", flush=True)
     seconds = time.perf_counter() - started
+    if earlier:
+        again = {row["type"]: row for row in rows}
+        rows = [again.get(row["type"], row) for row in earlier]
     write(rows, seconds, args)
 
 
@@ -180,7 +195,7 @@ def write(rows: list[dict], seconds: float, args) -> None:
         f"({100 * equal / max(ran, 1):.0f}%) split equal at {args.world_size} ranks "
         f"({', '.join(f'{n} by {k}' for k, n in by.most_common())}); "
         + ", ".join(f"{counts[step]} {step}" for step in STEPS[1:])
-        + f" ({seconds:.0f} s)."
+        + (f" ({len(args.only)} checked again: {seconds:.0f} s)." if args.again else f" ({seconds:.0f} s).")
     )
     causes = collections.Counter(cause(row) for row in rows if row["step"] != "equal")
     top = markdown_table(["count", "cause"], [[str(n), c.replace("|", "/")] for c, n in causes.most_common(12)])
