@@ -590,3 +590,49 @@ def test_parts_of_different_widths_that_do_not_add_up_name_the_sizes():
     split, _ = Layer(weight="w", style=COLUMN, parts=(4, 4, 2), widths=(8, 8, 16), groups=2).splits(None)
     with pytest.raises(ShardingError, match=r"size 90 is not the parts 4 x 8 \+ 4 x 8 \+ 2 x 16 = 96 it packs"):
         split.check(90, 2)
+
+
+# -- a gated norm by groups over split channels ------------------------------------------------------------
+
+
+def gated_group_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Mamba2's ``MambaRMSNormGated``: ``w * u / rms(u)`` per group of ``group_size`` channels, ``u = x silu(z)``."""
+    u = x * nn.functional.silu(gate)
+    grouped = u.view(*u.shape[:-1], -1, group_size)
+    grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + 1e-6)
+    return weight * grouped.view(u.shape)
+
+
+@FAST
+@given(
+    world=worlds, groups=st.integers(1, 4), heads_per_group=st.integers(1, 4), head_dim=st.integers(1, 3), seed=seeds
+)
+def test_a_gated_norm_by_groups_over_split_heads_gives_each_rank_its_channels_of_the_whole_norm(
+    world, groups, heads_per_group, head_dim, seed
+):
+    """``ColumnSplitGatedRMSNorm``: heads dealt in their groups (whole groups, or each group's heads over the
+    ranks sharing it), every rank's output is the whole norm's on its channels (groups spanning ranks summed by
+    one all-reduce over threads acting as ranks)."""
+    from tpcore import gated_norm_class
+    from tpcore.cut.shares import runs
+    from tpcore.parallel.threads import ThreadGroup, run_ranks
+
+    heads = groups * heads_per_group
+    if heads_per_group < -(-world // groups):
+        return  # more ranks than heads in a group: the policy refuses it (a head on two ranks)
+    channels, group_size = heads * head_dim, heads_per_group * head_dim
+    x, gate, weight = randn(2, 3, channels, seed=seed), randn(2, 3, channels, seed=seed + 1), randn(channels, seed=seed)
+    expected = gated_group_norm(x, gate, weight, group_size)
+    group = ThreadGroup(world)
+
+    def rank_norm(rank: int) -> tuple[int, torch.Tensor]:
+        first, count = runs(heads, world, groups)[rank]
+        start, stop = first * head_dim, (first + count) * head_dim
+        norm = nn.Module()
+        norm.weight, norm.variance_epsilon, norm.group_size = nn.Parameter(weight[start:stop]), 1e-6, group_size
+        norm.__class__ = gated_norm_class(norm)
+        norm.tp_group, norm.first_channel, norm.num_groups, norm.groups_split = group, start, groups, groups < world
+        return start, norm(x[..., start:stop], gate[..., start:stop])
+
+    for start, got in run_ranks(group, rank_norm):
+        assert_close(got, expected[..., start : start + got.shape[-1]])

@@ -55,6 +55,8 @@ _EXPORTS = {
     "WorkerError": "tpcore.errors",
     "all_gather": "tpcore.parallel.comm",
     "all_reduce": "tpcore.parallel.comm",
+    "ColumnSplitGatedRMSNorm": "tpcore.parallel.gated_norm",
+    "gated_norm_class": "tpcore.parallel.gated_norm",
     "ColumnSplitRMSNorm": "tpcore.parallel.layers",
     "RowParallelLinear": "tpcore.parallel.layers",
     "column_split_norm_class": "tpcore.parallel.layers",
@@ -72,6 +74,7 @@ __all__ = [
     "BertLayoutPolicy",
     "BlockPolicy",
     "COLUMN",
+    "ColumnSplitGatedRMSNorm",
     "ColumnSplitRMSNorm",
     "DecoderBlockPolicy",
     "EncoderBlockPolicy",
@@ -100,6 +103,7 @@ __all__ = [
     "destroy_process_group",
     "divide",
     "experts_arguments",
+    "gated_norm_class",
     "hookimpl",
     "keeping_local_attributes",
     "linear",
@@ -173,6 +177,7 @@ if TYPE_CHECKING:
         WorkerError,
     )
     from tpcore.parallel.comm import all_gather, all_reduce
+    from tpcore.parallel.gated_norm import ColumnSplitGatedRMSNorm, gated_norm_class
     from tpcore.parallel.layers import (
         ColumnSplitRMSNorm,
         RowParallelLinear,

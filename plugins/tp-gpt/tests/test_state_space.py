@@ -1,8 +1,9 @@
 """Mamba split by channels and Mamba2 by groups of heads equal the unsplit model through
 ``tpcore.parallelize()``: logits of a padded batch and greedy ``generate()`` tokens (the conv and recurrent
 caches hold each rank's channels), from the object over 3 ranks (Mamba: 80 channels, 27, 27, 26; Mamba2: 4
-groups of 2 heads, 2, 1, 1 groups) and from a saved directory over 2; ``tpcore check`` from the default
-configs shrunk; Mamba2 over more ranks than groups refused naming them."""
+groups of 2 heads, 2, 1, 1 groups; and one group of 8 heads dealt 3, 3, 2, its B and C on every rank) and
+from a saved directory over 2; ``tpcore check`` from the default configs shrunk; Mamba2 over more ranks than
+a group has heads refused naming them."""
 
 from __future__ import annotations
 
@@ -50,7 +51,15 @@ def mamba2() -> transformers.Mamba2ForCausalLM:
     return transformers.Mamba2ForCausalLM(config).eval()
 
 
-MODELS = {"Mamba": mamba, "Mamba2": mamba2}
+@functools.cache
+def mamba2_one_group() -> transformers.Mamba2ForCausalLM:
+    """As :func:`mamba2`, its 8 heads in one group: B and C shared by every rank, the gated norm over all ranks."""
+    config = transformers.Mamba2Config(**{**mamba2().config.to_dict(), "n_groups": 1})
+    torch.manual_seed(5)
+    return transformers.Mamba2ForCausalLM(config).eval()
+
+
+MODELS = {"Mamba": mamba, "Mamba2": mamba2, "Mamba2 (one group)": mamba2_one_group}
 
 
 def matches_unsplit(served, family: str = "Mamba") -> None:
@@ -96,6 +105,17 @@ def test_tpcore_check_passes(rank_pools, capsys, name):
     assert run_check(name, (2, 3), pools=rank_pools) == 0, capsys.readouterr().out
 
 
-def test_mamba2_over_more_ranks_than_groups_is_refused_naming_them():
-    with pytest.raises(tpcore.ShardingError, match=r"its 4 groups of heads \(n_groups\) are fewer than the ranks"):
-        plan_for(mamba2(), choose_policies(mamba2()), 5)  # before any rank starts
+@pytest.mark.slow  # a world of its own
+def test_mamba2_with_fewer_groups_than_ranks_over_3_ranks_through_parallelize():
+    """One group over 3 ranks: each rank 3, 3 or 2 of its heads, the group's B and C, and the gated norm's
+    statistic summed over the ranks (``tpcore.ColumnSplitGatedRMSNorm``)."""
+    served = tpcore.parallelize(mamba2_one_group(), num_gpus=3, backend="gloo")
+    try:
+        matches_unsplit(served, "Mamba2 (one group)")
+    finally:
+        served.deparallelize()
+
+
+def test_mamba2_with_more_ranks_than_heads_in_a_group_is_refused_naming_them():
+    with pytest.raises(tpcore.ShardingError, match=r"3 ranks would share each of its 4 groups of 2 heads"):
+        plan_for(mamba2(), choose_policies(mamba2()), 9)  # before any rank starts

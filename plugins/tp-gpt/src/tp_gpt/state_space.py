@@ -13,14 +13,17 @@ per channel, and ``x_proj`` and ``out_proj`` are row parallel (one all-reduce ea
 - ``out_proj`` row.
 
 Mamba2's mixer has ``num_heads`` heads of ``head_dim`` channels in ``n_groups`` groups, each group's heads
-reading one ``B`` and one ``C`` of ``state_size``. Rank ``r`` keeps whole groups (``n_groups`` dealt, so
-every world size up to ``n_groups`` works), with their heads, channels, ``B`` and ``C``:
+reading one ``B`` and one ``C`` of ``state_size``. Rank ``r`` keeps whole groups (``n_groups`` dealt), with their heads,
+channels, ``B`` and ``C``; with fewer groups than ranks, each group's heads are dealt over the ranks sharing
+it (up to one head a rank):
 
 - ``in_proj`` column: ``[z | x | B | C | dt]`` packs parts measured in different units (``parts=(heads,
   heads, groups, groups, heads)`` of ``widths=(head_dim, head_dim, state, state, 1)``), each cut by the
   rank's groups; the conv over ``[x | B | C]`` alike (``depthwise_conv``);
-- ``dt_bias``, ``A_log``, ``D`` (one per head) and the gated RMSNorm's weight (its statistic is per group,
-  ``intermediate / n_groups`` channels: whole on the rank) by the rank's heads;
+- ``dt_bias``, ``A_log``, ``D`` (one per head) and the gated RMSNorm's weight by the rank's heads; the norm
+  (its statistic per group of ``intermediate / n_groups`` channels) becomes ``tpcore.ColumnSplitGatedRMSNorm``,
+  local where the rank holds whole groups, one all-reduce of the groups' sums where fewer groups than ranks
+  are shared (their ``B`` and ``C`` then replicated on the ranks sharing them, each head on one rank);
 - ``out_proj`` row; the mixer's ``num_heads``, ``n_groups``, ``intermediate_size`` and ``conv_dim`` the rank's.
 
 The recurrent and conv states of the cache follow the rank's channels (they are made from the first
@@ -38,6 +41,7 @@ from tpcore import (
     Policy,
     ShardingError,
     depthwise_conv,
+    gated_norm_class,
     linear,
     share,
     transformers_class,
@@ -78,20 +82,24 @@ class Mamba2MixerPolicy(Policy):
 
     @staticmethod
     def replace_arguments(config, world_size):
-        if config.n_groups < world_size:
-            raise ShardingError(
-                f"Mamba2 over {world_size} ranks: its {config.n_groups} groups of heads (n_groups) are fewer than the "
-                "ranks, and each group's gated norm and B, C are read by all its heads; use at most n_groups ranks"
-            )
+        _refuse_replicated_heads(config, world_size)
         heads = share(config.num_heads, world_size, HEADS, groups=config.n_groups)
-        groups = share(config.n_groups, world_size, GROUPS)
+        groups = share(config.n_groups, world_size, GROUPS)  # fewer groups than ranks: each rank one, shared
         channels = heads * config.head_dim
+        first = share(config.num_heads, world_size, HEADS, groups=config.n_groups, first=True)
         return {
             "num_heads": heads,
             "n_groups": groups,
             "intermediate_size": channels,
             "conv_dim": channels + groups * (2 * config.state_size),
+            "norm.first_channel": first * config.head_dim,
+            "norm.num_groups": config.n_groups,
+            "norm.groups_split": config.n_groups < world_size,
         }
+
+    @staticmethod
+    def replace_modules():
+        return {"norm": gated_norm_class}
 
     @staticmethod
     def layers():
@@ -113,6 +121,17 @@ class Mamba2MixerPolicy(Policy):
             Layer(weight="norm.weight", **per_head),
             linear("out_proj", style=ROW, heads=HEADS, groups=GROUPS),
         ]
+
+
+def _refuse_replicated_heads(config, world_size: int) -> None:
+    """Each head on one rank: where the ranks sharing a group outnumber its heads, they would hold copies."""
+    sharing = -(-world_size // config.n_groups)
+    if config.num_heads // config.n_groups < sharing:
+        raise ShardingError(
+            f"Mamba2 over {world_size} ranks: {sharing} ranks would share each of its {config.n_groups} groups of "
+            f"{config.num_heads // config.n_groups} heads, more ranks than heads; use at most "
+            f"{config.num_heads // config.n_groups * config.n_groups} ranks"
+        )
 
 
 POLICIES = (MambaMixerPolicy, Mamba2MixerPolicy)
