@@ -108,6 +108,12 @@ def test_a_structural_split_the_forward_does_not_keep_is_refused_by_its_proof(sp
     assert spawned == []
 
 
+def test_blocks_inside_lists_of_lists_are_found_not_the_lists():
+    model = NormedMLPModel(NormedMLPConfig()).eval()
+    model.layers = nn.ModuleList(nn.ModuleList([layer]) for layer in model.layers)  # stages of blocks
+    assert [p.layer_class_name().rpartition(".")[2] for p in choose_policies(model)] == ["NormedMLP"]
+
+
 def test_a_model_without_repeated_blocks_is_refused_saying_so():
     model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4))
     model.config = NormedMLPConfig(hidden_size=4, intermediate_size=8)

@@ -228,8 +228,13 @@ def _structural(derived: type[PlanPolicy], block: nn.Module, rules: Rules, confi
     return type(f"{kind.__name__}StructuralPolicy", (StructuralPolicy, derived), data)
 
 
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+
+
 def _repeated_blocks(module: nn.Module) -> bool:
-    return isinstance(module, nn.ModuleList) and len(module) > 0 and len({type(m) for m in module}) == 1
+    """A ``ModuleList`` of blocks of one class (not of containers: a policy would match every container)."""
+    kinds = {type(m) for m in module.children()} if isinstance(module, nn.ModuleList) else set()
+    return len(kinds) == 1 and not issubclass(next(iter(kinds)), _CONTAINERS)
 
 
 def _ancestor(path: str, levels: int) -> str:

@@ -100,7 +100,7 @@ def test_from_a_directory_over_2_ranks(tmp_path, family):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["MambaForCausalLM", "Mamba2ForCausalLM"])
+@pytest.mark.parametrize("name", ["MambaForCausalLM", "FalconMambaForCausalLM", "Mamba2ForCausalLM"])
 def test_tpcore_check_passes(rank_pools, capsys, name):
     assert run_check(name, (2, 3), pools=rank_pools) == 0, capsys.readouterr().out
 

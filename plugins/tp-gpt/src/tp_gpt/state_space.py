@@ -72,6 +72,12 @@ class MambaMixerPolicy(Policy):
         ]
 
 
+class FalconMambaMixerPolicy(MambaMixerPolicy):
+    """Falcon-Mamba's mixer: Mamba's, with parameter-free RMS norms on the (whole, all-reduced) dt, B and C."""
+
+    layer_class = transformers_class("falcon_mamba", "FalconMambaMixer")
+
+
 HEADS, GROUPS = "num_heads", "n_groups"
 
 
@@ -134,4 +140,4 @@ def _refuse_replicated_heads(config, world_size: int) -> None:
         )
 
 
-POLICIES = (MambaMixerPolicy, Mamba2MixerPolicy)
+POLICIES = (MambaMixerPolicy, FalconMambaMixerPolicy, Mamba2MixerPolicy)
