@@ -184,3 +184,15 @@ def test_an_image_encoder_is_proven_on_random_images(caplog):
         plan_for(model, [policy], 3)
     proven = "Dinov2WithRegistersModel over 3 ranks: split by Dinov2WithRegistersLayer (structural), proven"
     assert proven in caplog.text
+
+
+def test_an_attention_reshaping_to_its_width_gets_the_ranks_width_on_the_tiny_copy_too():
+    """YOSO (BERT's layout, no plugin, no tp plan) reshapes its context to ``all_head_size``: the structural
+    policy gives each rank its heads x head_dim, read from the config it is given (the tiny copy's heads are
+    narrower than the model's), so the proof passes and the rank holds 2 of 4 heads' width."""
+    config = transformers.YosoConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, intermediate_size=48
+    )
+    model = transformers.YosoModel(config).eval()
+    plan = plan_for(model, choose_policies(model), 2)
+    assert plan.attributes["encoder.layer.0.attention.self.all_head_size"] == 32

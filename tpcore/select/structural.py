@@ -75,8 +75,8 @@ class StructuralPolicy(PlanPolicy):
     """A policy read off a block's modules (see the module docstring); used only once proven on a tiny copy."""
 
     prove_by_trial: ClassVar[bool] = True
-    #: ``(path, owner, head_dim)``: width attributes of the split attentions (``heads x head_dim`` features)
-    width_attributes: ClassVar[tuple[tuple[str, str, int], ...]] = ()
+    #: ``(path, owner)``: width attributes of the split attentions (``heads x head_dim`` features)
+    width_attributes: ClassVar[tuple[tuple[str, str], ...]] = ()
 
     @classmethod
     def replace_arguments(cls, config: Any, world_size: int) -> dict[str, Any]:
@@ -84,9 +84,13 @@ class StructuralPolicy(PlanPolicy):
         arguments = super().replace_arguments(config, world_size)
         if not cls.width_attributes:
             return arguments
-        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        local = share(config.num_attention_heads, world_size, "num_attention_heads", groups=kv_heads)
-        for path, owner, head_dim in cls.width_attributes:
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        local = share(heads, world_size, "num_attention_heads", groups=kv_heads)
+        head_dim = getattr(config, "head_dim", None)
+        if not isinstance(head_dim, int):  # read from this config: the tiny copy of a proof has heads of its own
+            head_dim = _hidden(config) // heads
+        for path, owner in cls.width_attributes:
             arguments[path] = cls._held(owner, local * head_dim)
         return arguments
 
@@ -133,7 +137,7 @@ def structural_policies(model: nn.Module, skip: tuple[type[nn.Module], ...] = ()
 
 def block_rules(block: nn.Module, config: Any) -> Rules:
     """``{linear path: rule}`` of one block: its attentions' and MLPs' column and row projections."""
-    hidden = next((v for v in map(lambda n: getattr(config, n, None), _HIDDEN) if isinstance(v, int)), None)
+    hidden = _hidden(config)
     heads = getattr(config, "num_attention_heads", None)
     if not isinstance(hidden, int):
         return {}
@@ -217,7 +221,7 @@ def _structural(derived: type[PlanPolicy], block: nn.Module, rules: Rules, confi
         module = block.get_submodule(owner) if owner else block
         for name in _WIDTH_ATTRIBUTES:
             if getattr(module, name, None) == width:
-                widths.append((_join(owner, name), owner, width // heads))
+                widths.append((_join(owner, name), owner))
     kind = type(block)
     data = {
         "__doc__": f"Read off the Linears of {kind.__name__} (tpcore.select.structural).",
@@ -229,6 +233,11 @@ def _structural(derived: type[PlanPolicy], block: nn.Module, rules: Rules, confi
 
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+
+
+def _hidden(config: Any) -> Any:
+    """The hidden width (``hidden_size``, ``d_model``, ...), or ``None``."""
+    return next((v for v in (getattr(config, n, None) for n in _HIDDEN) if isinstance(v, int)), None)
 
 
 def _repeated_blocks(module: nn.Module) -> bool:
