@@ -137,7 +137,7 @@ def check_one(model_type: str, config_class, pools, world_size: int) -> dict:
 
 def cause(row: dict) -> str:
     """The reason of a row, without its model-specific details: what the totals group by."""
-    reason = re.sub(r"'[^']*'|\"[^\"]*\"|\([^)]*\)|\d+", "_", row["reason"])
+    reason = re.sub(r"(?<![A-Za-z])'[^']*'|\"[^\"]*\"|\([^)]*\)|\d+", "_", row["reason"])
     reason = re.sub(r"\b[A-Z][a-z0-9]+[A-Z]\w*", "<class>", reason)  # CamelCase: a model's own class names
     return f"{row['step']}: {reason[:90]}"
 
@@ -169,7 +169,7 @@ def main() -> None:
     transformers.logging.set_verbosity_error()
     warnings.filterwarnings("ignore")
     types = model_types()
-    if args.only:
+    if args.only is not None:
         types = {name: types[name] for name in args.only if name in types}
     rows, started = [], time.perf_counter()
     with PoolCache() as pools:
@@ -195,7 +195,8 @@ def write(rows: list[dict], seconds: float, args) -> None:
         f"({100 * equal / max(ran, 1):.0f}%) split equal at {args.world_size} ranks "
         f"({', '.join(f'{n} by {k}' for k, n in by.most_common())}); "
         + ", ".join(f"{counts[step]} {step}" for step in STEPS[1:])
-        + (f" ({len(args.only)} checked again: {seconds:.0f} s)." if args.again else f" ({seconds:.0f} s).")
+        + (f" ({len(args.only)} checked again: {seconds:.0f} s)." if args.again and args.only else "")
+        + ("" if args.again else f" ({seconds:.0f} s).")
     )
     causes = collections.Counter(cause(row) for row in rows if row["step"] != "equal")
     top = markdown_table(["count", "cause"], [[str(n), c.replace("|", "/")] for c, n in causes.most_common(12)])
