@@ -16,7 +16,7 @@ import transformers
 import tpcore
 from tpcore.plan import plan_for
 from tpcore.select import choose_policies
-from tpcore.testing import compare_outputs, padded_batch
+from tpcore.testing import ModelSpec, check_equivalence, compare_outputs, padded_batch
 from tpcore.tools.check import run_check
 
 VOCAB = 64
@@ -71,8 +71,19 @@ def matches_unsplit(served, family: str = "Mamba") -> None:
     assert torch.equal(served.generate(**prompt), model.generate(**prompt))
 
 
-def test_mamba_channels_over_3_ranks_through_parallelize():
+def test_mamba_channels_over_3_ranks_on_shared_rank_pools(rank_pools):
+    """The engine's path on warm ranks (the quick suite): logits and greedy tokens, 80 channels over 3."""
     assert mamba().config.intermediate_size % 3
+    spec = ModelSpec(transformers.MambaForCausalLM, mamba().config, seed=3)
+    inputs = padded_batch([6, 3], seq=6, vocab_size=VOCAB, seed=5)
+    assert check_equivalence(spec, inputs, world_sizes=(3,), pools=rank_pools)[3]
+    prompt = {"input_ids": inputs["input_ids"][:1], "max_new_tokens": 8, "do_sample": False}
+    report = check_equivalence(spec, prompt, world_sizes=(3,), pools=rank_pools, method="generate", rtol=0)
+    assert all(diff == 0 for diff in report[3].values())
+
+
+@pytest.mark.slow  # a world of its own
+def test_mamba_channels_over_3_ranks_through_parallelize():
     served = tpcore.parallelize(mamba(), num_gpus=3, backend="gloo")
     try:
         matches_unsplit(served)

@@ -63,6 +63,7 @@ def test_sam_through_parallelize_over_2_ranks():
         served.deparallelize()
 
 
+@pytest.mark.slow  # a world of its own (the directory matrix below has it too)
 def test_qwen2_5_vl_from_a_directory_over_3_ranks_answers_and_generates(tmp_path):
     model, _ = reference("Qwen2.5-VL")
     model.save_pretrained(tmp_path)
