@@ -1,7 +1,8 @@
 """SAM, SigLIP2 and the vision towers of Qwen2-VL, Qwen2.5-VL, Idefics3 and SmolVLM split and equal to the
 unsplit model, on the user's path: ``tpcore.parallelize(model)`` and ``tpcore.parallelize(directory)``
 over 2 ranks and 3 (the shrunk configs' 12 heads over 3: 4 each; SAM's mask decoder and the VLMs' text
-towers alike), greedy ``generate()`` for the VLMs, and ``tpcore check CLASS`` for every family.
+towers alike), and uneven over 3 ranks (shrunk for 2: 4 heads dealt 2, 1, 1), greedy ``generate()`` for the
+VLMs, and ``tpcore check CLASS`` for every family.
 
 Each model is ``tpcore check``'s: its class's default config shrunk by :func:`tpcore.testing.samples.small_config`
 for world sizes 2 and 3, with the inputs :func:`~tpcore.testing.samples.sample_inputs` builds for it (SAM's
@@ -18,7 +19,7 @@ import torch
 from torch import nn
 
 import tpcore
-from tpcore.testing import compare_outputs
+from tpcore.testing import check_equivalence, compare_outputs
 from tpcore.testing.samples import sample_inputs
 from tpcore.tools.check import resolve, run_check
 
@@ -104,6 +105,14 @@ def test_through_parallelize_of_a_directory_over_3_ranks(tmp_path, family):
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_tpcore_check_passes(rank_pools, capsys, family):
     assert run_check(FAMILIES[family], WORLD_SIZES, pools=rank_pools) == 0, capsys.readouterr().out
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_uneven_heads_over_3_ranks(rank_pools, family):
+    """Each model shrunk for 2 ranks (4 heads a block) over 3 on the shared rank pools: heads dealt 2, 1, 1."""
+    spec = resolve(FAMILIES[family], (2,))
+    model = spec.build()
+    assert check_equivalence(spec, sample_inputs(model), world_sizes=(3,), pools=rank_pools)[3]
 
 
 # -- what is split (pure) ----------------------------------------------------------------------------------
