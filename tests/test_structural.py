@@ -196,3 +196,13 @@ def test_an_attention_reshaping_to_its_width_gets_the_ranks_width_on_the_tiny_co
     model = transformers.YosoModel(config).eval()
     plan = plan_for(model, choose_policies(model), 2)
     assert plan.attributes["encoder.layer.0.attention.self.all_head_size"] == 32
+
+
+def test_a_two_tower_model_is_proven_on_token_ids_and_images(caplog):
+    """OwlViT (no plugin, no tp plan, no image token in its text): the proof feeds both towers."""
+    from tpcore.testing.samples import small_config
+
+    model = transformers.OwlViTModel(small_config(transformers.OwlViTConfig())).eval()
+    with caplog.at_level(logging.WARNING, logger="tpcore.plan"):
+        plan_for(model, choose_policies(model), 2)
+    assert "OwlViTModel over 2 ranks: split by OwlViTEncoderLayer (structural), proven" in caplog.text
