@@ -30,6 +30,7 @@ from tpcore.testing.samples import (
     PATCH_SIZE,
     RESERVED_IDS,
     VOCAB,
+    UnshrinkableConfig,
     _configs,
     sample_inputs,
     small_config,
@@ -60,6 +61,7 @@ def test_check_a_saved_model_directory_names_the_plugin(rank_pools, tmp_path, ca
 
 
 def test_check_an_uncovered_model_explains_and_fails(spawned, capsys):
+    """GPT-OSS: its tp plan splits no block; a model with a tp plan gets no structural policy in its place."""
     assert main(["check", "GptOssForCausalLM", "--world-sizes", "2", "4"]) == 2  # the command line, no rank started
     assert spawned == []
     assert "its tp plan splits no block" in capsys.readouterr().out
@@ -68,6 +70,57 @@ def test_check_an_uncovered_model_explains_and_fails(spawned, capsys):
 def test_check_rejects_what_is_neither_a_directory_nor_a_class():
     with pytest.raises(SystemExit, match="neither a saved model directory nor a transformers model class"):
         main(["check", "NoSuchModel"])
+
+
+def test_a_config_that_cannot_be_shrunk_is_said_so_not_raised(monkeypatch, spawned, capsys):
+    def refuses(config, world_sizes=(2,)):  # a config's own validation refusing the shrunk sizes
+        raise UnshrinkableConfig("cannot shrink BertConfig: hidden_size must be 768")
+
+    monkeypatch.setattr("tpcore.tools.check.small_config", refuses)
+    assert main(["check", "BertModel"]) == 2
+    assert main(["plugins", "--model", "BertModel"]) == 2
+    out = capsys.readouterr().out
+    assert "config: cannot shrink BertConfig: hidden_size must be 768 (nothing was split)" in out
+    assert "pass a saved directory instead" in out and spawned == []
+
+
+class PickyConfig(transformers.PretrainedConfig):
+    """A config whose own validation refuses small widths."""
+
+    def __init__(self, hidden_size=768, **kwargs):
+        if hidden_size % 96:
+            raise ValueError("hidden_size must be a multiple of 96")
+        self.hidden_size = hidden_size
+        super().__init__(**kwargs)
+
+
+def test_a_config_validator_refusing_the_shrunk_sizes_raises_unshrinkable_config():
+    with pytest.raises(UnshrinkableConfig, match="cannot shrink PickyConfig: hidden_size must be a multiple of 96"):
+        small_config(PickyConfig())
+
+
+def test_state_space_and_sam_configs_shrink_consistently():
+    mamba2 = small_config(transformers.Mamba2Config(), (2, 3))
+    assert mamba2.num_heads * mamba2.head_dim == mamba2.expand * mamba2.hidden_size
+    assert mamba2.num_heads % mamba2.n_groups == 0 and mamba2.n_groups % 6 == 0
+    sam = small_config(transformers.SamConfig())
+    width = sam.mask_decoder_config.hidden_size
+    assert sam.vision_config.output_channels == width == sam.prompt_encoder_config.hidden_size
+
+
+def test_an_unsplit_failure_of_the_shrunk_model_is_not_a_split_failure(monkeypatch, spawned, capsys):
+    class FailsUnsplit(nn.Module):
+        config = transformers.BertConfig()
+
+        def forward(self, input_ids):
+            raise RuntimeError("the size of tensor a (256) must match the size of tensor b (64)")
+
+    monkeypatch.setattr("tpcore.tools.check.resolve", lambda model, world_sizes: ModelSpec(FailsUnsplit, None))
+    monkeypatch.setattr(ModelSpec, "build", lambda self: FailsUnsplit())
+    assert run_check("Anything", [2], policies=[BertPolicy]) == 2
+    out = capsys.readouterr().out
+    assert "unsplit model: fails on its own inputs before any split (its config, not the split)" in out
+    assert "ranks:" not in out and spawned == []
 
 
 class ForgetsTheAllReduce(BertPolicy):
@@ -346,7 +399,7 @@ def test_check_passes_through_a_tp_plan_whose_gathers_tpcore_leaves_out(name, ra
     assert "2 ranks: PASS" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("name", ["SamModel", "SpeechT5ForSpeechToText"])
+@pytest.mark.parametrize("name", ["ResNetModel"])  # no plugin, no tp plan, no structural split
 def test_check_a_model_no_policy_covers_says_so_before_any_rank_starts(name, spawned, capsys):
     assert run_check(name, [2]) == 2
     out = capsys.readouterr().out

@@ -274,7 +274,8 @@ def test_derived_policy_shared_by_two_towers_gives_each_its_own_head_count(monke
         assert per_rank_heads(model) == {"text": (1, 16), "vision": (2, 32)}
 
 
-def test_a_composite_model_no_plan_covers_is_refused_naming_each_sub_model(no_plugins):
+def test_a_composite_model_no_plan_covers_is_refused_naming_each_sub_model(no_plugins, monkeypatch):
+    monkeypatch.setenv("TPCORE_STRUCTURAL", "0")  # nor its structure
     with pytest.raises(tpcore.UnsupportedModelError) as raised:
         AutoPolicy().get_policy(clip())
     message = str(raised.value)

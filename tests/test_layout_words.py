@@ -505,3 +505,134 @@ def test_splits_refuses_a_row_bias_dim_and_an_unknown_style():
         Layer(weight="w", bias="b", bias_dim=1).styled(ROW).splits()
     with pytest.raises(ValueError, match="unknown parallel style 'diagonal'"):
         Layer(weight="w").styled("diagonal").splits()
+
+
+# -- a depthwise convolution cut by channels -----------------------------------------------------------
+
+
+@FAST
+@given(
+    world=worlds,
+    per_rank=st.integers(1, 3),
+    extra=st.integers(0, 3),
+    multiplier=st.integers(1, 2),
+    kernel=st.integers(1, 4),
+    seed=seeds,
+)
+def test_a_depthwise_conv_cut_by_channels_gives_each_rank_the_conv_of_its_channels(
+    world, per_rank, extra, multiplier, kernel, seed
+):
+    """``depthwise_conv``: over channels dealt as a column cut deals them (even or not), each rank's conv
+    (its ``in_channels``/``groups`` following its weight) on its channels is the whole conv's output there."""
+    from tpcore import depthwise_conv
+    from tpcore.parallel.layers import set_layer_size
+
+    channels = per_rank * world + extra
+    torch.manual_seed(seed)
+    whole = nn.Conv1d(channels, channels * multiplier, kernel, groups=channels, padding=kernel - 1)
+    x = randn(2, channels, 5, seed=seed)
+    expected = whole(x)
+    weight_split, bias_split = depthwise_conv("conv", heads=channels).splits(SimpleNamespace())
+    start = 0
+    for rank in range(world):
+        conv = nn.Conv1d(channels, channels * multiplier, kernel, groups=channels, padding=kernel - 1)
+        conv.load_state_dict(whole.state_dict())
+        conv.weight.data = weight_split.shard(conv.weight.data, rank, world)
+        conv.bias.data = bias_split.shard(conv.bias.data, rank, world)
+        set_layer_size(conv)
+        mine = conv.groups
+        assert conv.in_channels == mine and conv.out_channels == mine * multiplier
+        got = conv(x[:, start : start + mine])
+        assert_close(got, expected[:, start * multiplier : (start + mine) * multiplier])
+        start += mine
+    assert start == channels
+
+
+# -- parts measured in different units -----------------------------------------------------------------
+
+
+@FAST
+@given(
+    world=worlds,
+    groups=st.integers(1, 4),
+    per_group=st.lists(st.integers(1, 3), min_size=2, max_size=5),
+    widths=st.lists(st.integers(1, 4), min_size=5, max_size=5),
+    seed=seeds,
+)
+def test_parts_of_different_widths_give_each_rank_the_same_groups_of_every_part(world, groups, per_group, widths, seed):
+    """``parts`` with ``widths`` (Mamba2's ``[z | x | B | C | dt]``): rank ``r``'s piece of each part is whole
+    units of that part's width, from the same groups in every part, and the ranks' pieces cover every part."""
+    parts = tuple(groups * count for count in per_group)
+    widths = tuple(widths[: len(parts)])
+    size = sum(p * w for p, w in zip(parts, widths, strict=True))
+    rows = randn(size, 3, seed=seed)
+    weight_split, _ = Layer(weight="w", style=COLUMN, parts=parts, widths=widths, groups=groups).splits(None)
+    starts = [sum(p * w for p, w in zip(parts[:i], widths[:i], strict=True)) for i in range(len(parts))]
+    covered = [set() for _ in parts]
+    for rank in range(world):
+        piece, offset = weight_split.shard(rows, rank, world), 0
+        held_groups = []
+        for index, (count, width) in enumerate(zip(parts, widths, strict=True)):
+            ranges, _ = weight_split.ranges(size, rank, world)
+            start, stop = ranges[index]
+            assert start >= starts[index] and stop <= starts[index] + count * width
+            assert (start - starts[index]) % width == 0 and (stop - start) % width == 0
+            units = range((start - starts[index]) // width, (stop - starts[index]) // width)
+            covered[index] |= set(units)
+            held_groups.append({unit // (count // groups) for unit in units})
+            assert torch.equal(piece[offset : offset + stop - start], rows[start:stop])
+            offset += stop - start
+        assert all(found == held_groups[0] for found in held_groups)
+    assert all(found == set(range(count)) for found, count in zip(covered, parts, strict=True))
+
+
+def test_parts_of_different_widths_that_do_not_add_up_name_the_sizes():
+    split, _ = Layer(weight="w", style=COLUMN, parts=(4, 4, 2), widths=(8, 8, 16), groups=2).splits(None)
+    with pytest.raises(ShardingError, match=r"size 90 is not the parts 4 x 8 \+ 4 x 8 \+ 2 x 16 = 96 it packs"):
+        split.check(90, 2)
+
+
+# -- a gated norm by groups over split channels ------------------------------------------------------------
+
+
+def gated_group_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Mamba2's ``MambaRMSNormGated``: ``w * u / rms(u)`` per group of ``group_size`` channels, ``u = x silu(z)``."""
+    u = x * nn.functional.silu(gate)
+    grouped = u.view(*u.shape[:-1], -1, group_size)
+    grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + 1e-6)
+    return weight * grouped.view(u.shape)
+
+
+@FAST
+@given(
+    world=worlds, groups=st.integers(1, 4), heads_per_group=st.integers(1, 4), head_dim=st.integers(1, 3), seed=seeds
+)
+def test_a_gated_norm_by_groups_over_split_heads_gives_each_rank_its_channels_of_the_whole_norm(
+    world, groups, heads_per_group, head_dim, seed
+):
+    """``ColumnSplitGatedRMSNorm``: heads dealt in their groups (whole groups, or each group's heads over the
+    ranks sharing it), every rank's output is the whole norm's on its channels (groups spanning ranks summed by
+    one all-reduce over threads acting as ranks)."""
+    from tpcore import gated_norm_class
+    from tpcore.cut.shares import runs
+    from tpcore.parallel.threads import ThreadGroup, run_ranks
+
+    heads = groups * heads_per_group
+    if heads_per_group < -(-world // groups):
+        return  # more ranks than heads in a group: the policy refuses it (a head on two ranks)
+    channels, group_size = heads * head_dim, heads_per_group * head_dim
+    x, gate, weight = randn(2, 3, channels, seed=seed), randn(2, 3, channels, seed=seed + 1), randn(channels, seed=seed)
+    expected = gated_group_norm(x, gate, weight, group_size)
+    group = ThreadGroup(world)
+
+    def rank_norm(rank: int) -> tuple[int, torch.Tensor]:
+        first, count = runs(heads, world, groups)[rank]
+        start, stop = first * head_dim, (first + count) * head_dim
+        norm = nn.Module()
+        norm.weight, norm.variance_epsilon, norm.group_size = nn.Parameter(weight[start:stop]), 1e-6, group_size
+        norm.__class__ = gated_norm_class(norm)
+        norm.tp_group, norm.first_channel, norm.num_groups, norm.groups_split = group, start, groups, groups < world
+        return start, norm(x[..., start:stop], gate[..., start:stop])
+
+    for start, got in run_ranks(group, rank_norm):
+        assert_close(got, expected[..., start : start + got.shape[-1]])

@@ -942,10 +942,11 @@ NOTEBOOK = textwrap.dedent(
 
 @pytest.mark.slow
 def test_a_policy_defined_in_main_works_from_a_script_and_from_stdin(tmp_path):
-    """No ``if __name__ == "__main__"`` guard, plugins off: only the ``__main__`` policy can split BERT."""
+    """No ``if __name__ == "__main__"`` guard, plugins and structural policies off: only the ``__main__`` policy
+    can split BERT."""
     script = tmp_path / "notebook.py"
     script.write_text(NOTEBOOK)
-    env = dict(os.environ, TPCORE_DISABLE_PLUGIN_AUTOLOAD="1")
+    env = dict(os.environ, TPCORE_DISABLE_PLUGIN_AUTOLOAD="1", TPCORE_STRUCTURAL="0")
     runs = {
         "python script.py": Script([sys.executable, str(script)], env=env, cwd=tmp_path),
         "python -": Script([sys.executable, "-"], stdin_text=NOTEBOOK, env=env, cwd=tmp_path),

@@ -9,7 +9,7 @@ import warnings
 from dataclasses import dataclass, field
 
 import pytest
-from transformers import BertConfig, BertModel, FNetConfig, FNetModel
+from transformers import BertConfig, BertModel, ResNetConfig, ResNetModel
 
 import tpcore
 from tpcore import AutoPolicy, Policy, UnsupportedModelError
@@ -441,9 +441,10 @@ def tiny_bert() -> BertModel:
     return BertModel(config)
 
 
-def tiny_uncovered() -> FNetModel:
-    """A model none of the repository's plugins covers (FNet mixes tokens by a Fourier transform: no heads)."""
-    return FNetModel(FNetConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, intermediate_size=32))
+def tiny_uncovered() -> ResNetModel:
+    """A model nothing covers: no plugin, no tp plan, and no attention or MLP of Linears for a structural policy
+    (ResNet's blocks are convolutions)."""
+    return ResNetModel(ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1]))
 
 
 def test_auto_policy_finds_bert_policy():
@@ -459,7 +460,8 @@ def test_auto_policy_on_an_uncovered_model_raises_a_helpful_error():
     with pytest.raises(UnsupportedModelError) as info:
         AutoPolicy().get_policy(tiny_uncovered())
     message = str(info.value)
-    assert "No installed tpcore policy covers FNetModel (model_type 'fnet')." in message
+    assert "No installed tpcore policy covers ResNetModel (model_type 'resnet')." in message
+    assert "No structural split of ResNetModel" in message
     installed = next(line for line in message.splitlines() if line.startswith("Installed plugins: "))
     assert f"tp-bert {importlib.metadata.version('tp-bert')}" in installed
     assert "pip install tp-" in message
@@ -486,9 +488,9 @@ def test_uncovered_model_error_lists_failed_plugins(monkeypatch):
 def test_uncovered_model_with_autoload_disabled_reports_no_plugins(monkeypatch):
     monkeypatch.setenv("TPCORE_DISABLE_PLUGIN_AUTOLOAD", "1")
     with pytest.raises(
-        UnsupportedModelError, match=r"covers BertModel \(model_type 'bert'\)\.\nInstalled plugins: none\."
+        UnsupportedModelError, match=r"covers ResNetModel \(model_type 'resnet'\)\.\nInstalled plugins: none\."
     ):
-        AutoPolicy().get_policy(tiny_bert())
+        AutoPolicy().get_policy(tiny_uncovered())
 
 
 class SameNamePolicy(Policy):

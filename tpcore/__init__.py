@@ -39,6 +39,7 @@ _EXPORTS = {
     "DecoderBlockPolicy": "tpcore.authoring.blocks",
     "EncoderBlockPolicy": "tpcore.authoring.blocks",
     "bert_attention": "tpcore.authoring.blocks",
+    "depthwise_conv": "tpcore.authoring.blocks",
     "keeping_local_attributes": "tpcore.authoring.blocks",
     "linear": "tpcore.authoring.blocks",
     "local_heads": "tpcore.authoring.blocks",
@@ -54,6 +55,8 @@ _EXPORTS = {
     "WorkerError": "tpcore.errors",
     "all_gather": "tpcore.parallel.comm",
     "all_reduce": "tpcore.parallel.comm",
+    "ColumnSplitGatedRMSNorm": "tpcore.parallel.gated_norm",
+    "gated_norm_class": "tpcore.parallel.gated_norm",
     "ColumnSplitRMSNorm": "tpcore.parallel.layers",
     "RowParallelLinear": "tpcore.parallel.layers",
     "column_split_norm_class": "tpcore.parallel.layers",
@@ -71,6 +74,7 @@ __all__ = [
     "BertLayoutPolicy",
     "BlockPolicy",
     "COLUMN",
+    "ColumnSplitGatedRMSNorm",
     "ColumnSplitRMSNorm",
     "DecoderBlockPolicy",
     "EncoderBlockPolicy",
@@ -95,9 +99,11 @@ __all__ = [
     "all_reduce",
     "bert_attention",
     "column_split_norm_class",
+    "depthwise_conv",
     "destroy_process_group",
     "divide",
     "experts_arguments",
+    "gated_norm_class",
     "hookimpl",
     "keeping_local_attributes",
     "linear",
@@ -153,6 +159,7 @@ if TYPE_CHECKING:
         DecoderBlockPolicy,
         EncoderBlockPolicy,
         bert_attention,
+        depthwise_conv,
         keeping_local_attributes,
         linear,
         local_heads,
@@ -170,6 +177,7 @@ if TYPE_CHECKING:
         WorkerError,
     )
     from tpcore.parallel.comm import all_gather, all_reduce
+    from tpcore.parallel.gated_norm import ColumnSplitGatedRMSNorm, gated_norm_class
     from tpcore.parallel.layers import (
         ColumnSplitRMSNorm,
         RowParallelLinear,

@@ -26,7 +26,7 @@ from typing import Any, ClassVar, NamedTuple
 from torch import nn
 
 from tpcore.authoring.counts import share
-from tpcore.authoring.layer import Layer
+from tpcore.authoring.layer import COLUMN, Layer
 from tpcore.authoring.policy import IfHeld, Policy
 from tpcore.parallel.reshapes import local_width_class
 
@@ -37,6 +37,7 @@ __all__ = [
     "DecoderBlockPolicy",
     "EncoderBlockPolicy",
     "bert_attention",
+    "depthwise_conv",
     "keeping_local_attributes",
     "linear",
     "local_heads",
@@ -83,6 +84,16 @@ def linear(path: str, *, optional: bool = False, **layout) -> Layer:
     """The :class:`~tpcore.Layer` of the ``nn.Linear`` at ``path``: its weight and bias (a Linear
     without bias is fine)."""
     return Layer(weight=f"{path}.weight", bias=f"{path}.bias", optional=optional, **layout)
+
+
+def depthwise_conv(path: str, *, optional: bool = False, **layout) -> Layer:
+    """The :class:`~tpcore.Layer` of a depthwise convolution at ``path`` (``groups == in_channels``, weight
+    ``(channels * m, 1, *kernel)``) cut by channels as its input is: rank ``r`` keeps its channels' filters
+    and biases (``COLUMN``: dim 0), and the module's ``in_channels``, ``out_channels`` and ``groups`` become
+    the rank's channel count (``m``, the channel multiplier, kept). ``heads=`` the channel count cuts it in
+    whole channels where ``m > 1``; the other layout words say what else the channels pack (Mamba2's
+    ``[x | B | C]``)."""
+    return Layer(weight=f"{path}.weight", bias=f"{path}.bias", style=COLUMN, optional=optional, **layout)
 
 
 def local_heads(config, world_size: int, name: str, groups: str | None = None, first: bool = False):

@@ -113,6 +113,10 @@ class Layer:
         dim: the weight's cut dimension, for tensors of any rank (negative counts from the end);
             overrides the style's default.
         bias_dim: the bias's cut dimension (default 0); a ``ROW`` bias stays whole.
+        widths: with ``parts``, each part's unit width (counts as for ``heads``) where the parts are
+            measured in different units: Mamba2's ``in_proj`` ``[z | x | B | C | dt]`` is
+            ``parts=(heads, heads, groups, groups, heads)`` of ``widths=(head_dim, head_dim, state, state, 1)``.
+            Default: one width, ``size / sum(parts)``.
 
     ``reversed`` and ``ignore_checker``, the predecessor's names of ``transposed`` and ``optional``,
     are accepted with a :class:`DeprecationWarning`, as is the predecessor's positional order
@@ -132,14 +136,16 @@ class Layer:
     interleaved: bool = False
     dim: int | None = None
     bias_dim: int | None = None
+    widths: tuple[Count, ...] | None = None
     reversed: InitVar[bool | None] = None
     ignore_checker: InitVar[bool | None] = None
 
     def __post_init__(self, reversed: bool | None, ignore_checker: bool | None) -> None:  # noqa: A002
         self._alias("transposed", "reversed", reversed)
         self._alias("optional", "ignore_checker", ignore_checker)
-        if isinstance(self.parts, list):
-            object.__setattr__(self, "parts", tuple(self.parts))
+        for field in ("parts", "widths"):
+            if isinstance(getattr(self, field), list):
+                object.__setattr__(self, field, tuple(getattr(self, field)))
         if self.style is not None:
             try:
                 object.__setattr__(self, "style", Style(self.style))
@@ -208,6 +214,7 @@ class Layer:
                 raise ValueError(f"{name}: n_fused={self.n_fused} disagrees with the {len(self.parts)} parts")
         if self.interleaved and self.heads is None and self.parts is None:
             raise ValueError(f"{name}: an interleaved pack needs heads= or parts= (what it interleaves)")
+        self._check_widths()
         if self.dim is not None and self.transposed:
             raise ValueError(f"{name}: dim= fixes the split dimension; transposed would have no effect")
         if self.bias_dim is not None and self.bias is None:
@@ -216,6 +223,17 @@ class Layer:
             raise ValueError(f"{name}: a PER_HEAD tensor is cut by its heads; give heads= (or parts=)")
         if self.style is ROW and self.bias_dim is not None:
             raise ValueError(f"{name}: a row-parallel bias is added whole; bias_dim does not apply")
+
+    def _check_widths(self) -> None:
+        name = self._name
+        if self.widths is None:
+            return
+        if self.parts is None or self.interleaved:
+            raise ValueError(f"{name}: widths= give the unit width of each of parts=, packed one after another")
+        if not isinstance(self.widths, tuple) or len(self.widths) != len(self.parts):
+            raise ValueError(f"{name}.widths must give one width per part ({len(self.parts)}), got {self.widths!r}")
+        if not all(map(_is_count, self.widths)):
+            raise TypeError(f"{name}.widths must be counts (ints, config attribute names or functions)")
 
     @property
     def module_path(self) -> str:
@@ -249,8 +267,9 @@ class Layer:
         groups = None if self.groups is None else self._count(self.groups, config, "groups")
         if groups is not None and groups == heads:
             groups = None  # one head per group: the default
+        widths = None if self.widths is None else tuple(self._count(w, config, "widths") for w in self.widths)
         layout = {"n_fused": self.n_fused, "heads": heads, "parts": parts, "interleaved": self.interleaved}
-        layout["groups"] = groups
+        layout |= {"groups": groups, "widths": widths}
         return Split(weight_dim, **layout), (None if bias_dim is None else Split(bias_dim, **layout))
 
     def _count(self, value: Count, config: Any, field: str) -> int:

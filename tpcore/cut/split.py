@@ -19,6 +19,7 @@ plain (``n_fused=1``)       the whole dimension             its ``S`` features
 ``n_fused=k`` (q|k|v)       ``k`` blocks of ``S / k``       ``S / k`` features, or ``heads``
 ``parts=(p1, ..., pk)``     ``k`` blocks of ``pi S / sum``  ``pi`` heads (head size ``S / sum``),
                                                             in ``gcd(p1, ..., pk)`` groups
+``parts`` + ``widths``      ``k`` blocks of ``pi wi``       ``pi`` units of ``wi`` features each
 ``interleaved`` (``heads``) the whole dimension             ``heads`` groups of ``n_fused`` tensors
 ``parts`` + ``interleaved``  as ``parts``, stored group by   as ``parts``; a rank's pieces follow
                             group                           the groups (below)
@@ -72,6 +73,9 @@ class Split(NamedTuple):
         groups: how many groups the heads form, dealt whole (the key/value heads of a query
             projection); must divide every head count. Default: each head its own group, or
             ``gcd(parts)`` for ``parts``.
+        widths: with ``parts``, the width of one unit of each part, where the parts are measured in
+            different units (Mamba2's ``[z | x | B | C | dt]``: head_dim, head_dim, state, state, 1); the
+            parts' sizes ``parts[i] * widths[i]`` must add up to the dimension.
     """
 
     dim: int
@@ -81,6 +85,7 @@ class Split(NamedTuple):
     parts: tuple[int, ...] | None = None
     interleaved: bool = False
     groups: int | None = None
+    widths: tuple[int, ...] | None = None
 
     def ranges(self, size: int, rank: int, world_size: int) -> tuple[list[tuple[int, int]], int]:
         """Which part of a dimension of ``size`` rank ``rank`` holds: the ``[start, stop)`` ranges to
@@ -167,12 +172,21 @@ class Split(NamedTuple):
                 raise ValueError(f"parts {self.parts} must be positive head counts")
             if self.heads is not None or self.n_fused not in (1, len(self.parts)):
                 raise ValueError(f"parts {self.parts} give the head counts; they take no heads or n_fused")
+        self._validate_widths()
         if self.interleaved and self.heads is None and self.parts is None:
             raise ValueError("an interleaved split needs heads or parts (what the tensor interleaves)")
         if self.groups is not None and self.heads is None and self.parts is None:
             raise ValueError("groups group heads: a split with groups needs heads or parts")
         if self.pad and (self.n_fused != 1 or self.heads is not None or self.parts or self.interleaved):
             raise ValueError("a padded split packs one tensor and no heads")
+
+    def _validate_widths(self) -> None:
+        if self.widths is None:
+            return
+        if self.parts is None or self.interleaved or len(self.widths) != len(self.parts):
+            raise ValueError(f"widths {self.widths} give one unit width per part of a packed, not interleaved, split")
+        if not all(isinstance(w, int) and w >= 1 for w in self.widths):
+            raise ValueError(f"widths {self.widths} must be positive ints")
 
     def _segments(self, size: int, world_size: int) -> list[tuple[int, int, int, int | None]]:
         """``(offset, length, units, groups)`` of each segment of a dimension of ``size`` (module docstring),
@@ -181,10 +195,16 @@ class Split(NamedTuple):
         groups = self.groups
         if self.parts is not None:
             counts = list(self.parts)
-            head_size, rest = divmod(size, sum(counts))
-            if rest:
-                raise ShardingError(f"size {size} cannot be split into {sum(counts)} heads (parts {self.parts})")
-            lengths = [count * head_size for count in counts]
+            if self.widths is not None:
+                lengths = [count * width for count, width in zip(counts, self.widths, strict=True)]
+                if sum(lengths) != size:
+                    sizes = " + ".join(f"{c} x {w}" for c, w in zip(counts, self.widths, strict=True))
+                    raise ShardingError(f"size {size} is not the parts {sizes} = {sum(lengths)} it packs")
+            else:
+                head_size, rest = divmod(size, sum(counts))
+                if rest:
+                    raise ShardingError(f"size {size} cannot be split into {sum(counts)} heads (parts {self.parts})")
+                lengths = [count * head_size for count in counts]
             groups = groups or math.gcd(*counts)
         elif self.interleaved:
             counts, lengths = [self.heads], [size]

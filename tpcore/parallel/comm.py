@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from tpcore.parallel import shm
 from tpcore.parallel.memfd import gathered_empty
+from tpcore.parallel.threads import ThreadGroup
 
 __all__ = ["all_gather", "all_reduce", "count_collectives", "group_rank", "group_size"]
 
@@ -40,11 +41,15 @@ def _counted(operation: str) -> None:
 
 def group_size(group: dist.ProcessGroup | None) -> int:
     """Ranks in ``group``; 1 when torch.distributed is not initialized."""
+    if isinstance(group, ThreadGroup):
+        return group.world_size
     return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
 
 
 def group_rank(group: dist.ProcessGroup | None) -> int:
     """This process's rank in ``group``; 0 when torch.distributed is not initialized."""
+    if isinstance(group, ThreadGroup):
+        return group.rank
     return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
 
 
@@ -52,6 +57,8 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.T
     """Sum ``tensor`` over ``group`` in place and return it; a no-op for a group of one."""
     if group_size(group) > 1:
         _counted("all_reduce")
+        if isinstance(group, ThreadGroup):
+            return group.all_reduce(tensor)
         fast = shm.for_group(group)
         if fast is not None and fast.fits(tensor):
             return fast.all_reduce(tensor)
@@ -65,6 +72,8 @@ def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None, dim: int =
     if world_size == 1:
         return tensor
     _counted("all_gather")
+    if isinstance(group, ThreadGroup):
+        return group.all_gather(tensor, dim)
     fast = shm.for_group(group)
     if fast is not None and fast.fits(tensor):
         return fast.all_gather(tensor, dim)

@@ -435,6 +435,21 @@ def set_layer_size(module: nn.Module) -> None:
         module.nx, module.nf = weight.shape
     elif isinstance(module, nn.Embedding):
         module.num_embeddings, module.embedding_dim = weight.shape
+    elif isinstance(module, nn.modules.conv._ConvNd) and not module.transposed:
+        set_conv_channels(module, weight.shape[0], weight.shape[1])
+
+
+def set_conv_channels(module: nn.modules.conv._ConvNd, out_channels: int, in_per_group: int) -> None:
+    """A convolution's channel attributes for its (sliced) weight ``(out, in / groups, *kernel)``. A depthwise
+    one (``groups == in_channels``: each channel its own filters, ``out = m * in`` for a channel multiplier
+    ``m``) cut by channels keeps ``m``: ``in_channels = groups = out / m``; any other takes
+    ``in_channels = in_per_group * groups``."""
+    if module.groups == module.in_channels and module.groups > 1:
+        multiplier = module.out_channels // module.groups
+        module.in_channels = module.groups = out_channels // multiplier
+    else:
+        module.in_channels = in_per_group * module.groups
+    module.out_channels = out_channels
 
 
 def bind_group(model: nn.Module, group) -> None:

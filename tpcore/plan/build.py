@@ -26,6 +26,7 @@ from tpcore.errors import ShardingError
 from tpcore.load.skeleton import named_tensors
 from tpcore.plan.apply import class_for
 from tpcore.plan.paths import MISSING, get_path, join
+from tpcore.plan.proof import check_by_proof, needs_proof
 from tpcore.plan.shard_plan import Replacement, ShardPlan, Whole
 from tpcore.plan.trial import check_by_trial
 from tpcore.plan.vocabulary import vocabulary_choices
@@ -70,7 +71,10 @@ def plan_for(
         def plan_tiny(tiny: nn.Module) -> ShardPlan:
             return plan_for(tiny, policies, world_size, vocab_parallel=vocab_parallel, trial=False)
 
-        check_by_trial(model, policies, world_size, plan_tiny, key=vocab_parallel)
+        if needs_proof(policies):  # a structural policy: equal outputs on a tiny copy, or no split
+            check_by_proof(model, policies, world_size, plan_tiny, key=vocab_parallel)
+        else:
+            check_by_trial(model, policies, world_size, plan_tiny, key=vocab_parallel)
     return builder.plan
 
 
@@ -289,6 +293,8 @@ class _Builder:
                 continue
             if split.heads is not None and weight.shape[split.dim] == split.heads * split.n_fused:
                 continue  # one feature per head (a per-head gate), dealt in whole heads by its split
+            if split.widths is not None:
+                continue  # parts of their own unit widths (Mamba2's [z | x | B | C | dt]): whole units by the split
             for size in piece_sizes(split, weight.shape[split.dim], plan.world_size):
                 if size % head_dim:
                     raise plan.error(

@@ -121,7 +121,9 @@ def describe(split: Split | None) -> str:
         words.append(f"{split.n_fused} packed")
     if split.heads is not None:
         words.append(f"{split.heads} heads" + (" interleaved" if split.interleaved else ""))
-    if split.parts:
+    if split.parts and split.widths:  # units of their own widths: "8x16/2x8" (Mamba2's heads and groups)
+        words.append("parts of " + "/".join(f"{p}x{w}" for p, w in zip(split.parts, split.widths, strict=True)))
+    elif split.parts:
         by_group = " by group" if split.interleaved else ""
         words.append("parts of " + "/".join(map(str, split.parts)) + " heads" + by_group)
     if split.groups is not None:

@@ -65,6 +65,9 @@ _DERIVED = {"layer_types", "transformers_version", "model_type", "architectures"
 #: the token ids of the trial's input
 _IDS = torch.tensor([[5, 9, 13, 17, 21], [6, 10, 14, 18, 22]])
 
+#: config fields of the token that stands for image features in the text (vision-language models)
+_IMAGE_TOKEN_FIELDS = ("image_token_id", "image_token_index")
+
 _outcomes: dict[tuple, str | None] = {}
 
 
@@ -133,14 +136,29 @@ def _trial(model: nn.Module, world_size: int, plan_tiny: Callable[[nn.Module], S
 
 
 def trial_inputs(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Two rows of five token ids (and a mask, decoder ids) for what ``model.forward`` accepts."""
+    """Two rows of five token ids (and a mask, decoder ids) for what ``model.forward`` accepts; for an image
+    encoder (``pixel_values`` and no ``input_ids``), two random images at its (vision) config's size; for a
+    model of both that places no image tokens in the text (CLIP-like two towers), both."""
     accepted = set(inspect.signature(model.forward).parameters)
+    if "pixel_values" in accepted and "input_ids" not in accepted:
+        return {"pixel_values": _images(model.config)}
     inputs = {"input_ids": _IDS.clone()}
     if "attention_mask" in accepted:
         inputs["attention_mask"] = torch.ones_like(_IDS)
     if "decoder_input_ids" in accepted:
         inputs["decoder_input_ids"] = _IDS[:, :3].clone()
+    if "pixel_values" in accepted and not any(hasattr(model.config, name) for name in _IMAGE_TOKEN_FIELDS):
+        inputs["pixel_values"] = _images(model.config)
     return inputs
+
+
+def _images(config: Any) -> torch.Tensor:
+    """``(2, channels, H, W)`` seeded random pixels at ``image_size`` (an int or a pair; 224 if unset)."""
+    vision = getattr(config, "vision_config", None) or config
+    size = getattr(vision, "image_size", 224)
+    height, width = (size, size) if isinstance(size, int) else tuple(size)[-2:]
+    channels = getattr(vision, "num_channels", 3)
+    return torch.randn(2, channels, height, width, generator=torch.Generator().manual_seed(0))
 
 
 def tiny_config(config: Any, world_size: int) -> Any:

@@ -3,6 +3,10 @@
 The rule, per layer class: a registered plugin policy for the class if there is one; otherwise the
 policy derived from the tp plan of the class's sub-model (:mod:`tpcore.select.tp_plan`), unless its
 blocks contain, or lie inside, a layer a plugin policy covers (both would split the same tensors).
+A model with neither (no plugin policy, and no tp plan in any of its configs) gets the policies its
+structure gives (:mod:`tpcore.select.structural`),
+which :func:`~tpcore.plan.plan_for` uses only once a tiny random copy split by them computes the
+unsplit outputs (:mod:`tpcore.plan.proof`).
 LLaVA with tp-gpt installed: tp-gpt's Llama policy splits the language model; its CLIP vision
 tower, which neither a plugin nor a tp plan covers, stays whole on every rank.
 """
@@ -26,6 +30,7 @@ from tpcore.select.plugins import (
     plugin_infos,
     registered_policies,
 )
+from tpcore.select.structural import STRUCTURAL_ORIGIN, StructuralError, StructuralPolicy, structural_policies
 from tpcore.select.tp_plan import TpPlanError, derive_policies, sub_model_plans
 
 __all__ = [
@@ -61,11 +66,13 @@ class AutoPolicy:
         try:
             derived = derive_policies(model)
         except TpPlanError as error:
-            if not plugin_policies:
-                raise UnsupportedModelError(
-                    unsupported_message(model, f"No policy could be derived: {error}.")
-                ) from None
-            derived = []
+            note = f"No policy could be derived: {error}."
+            if plugin_policies:
+                derived = []
+            elif any(getattr(plan.config, "base_model_tp_plan", None) for plan in sub_model_plans(model)):
+                raise UnsupportedModelError(unsupported_message(model, note)) from None  # a plan, not followed
+            else:
+                return _structural_or_refused(model, note)
         chosen = plugin_policies + _not_overlapping(model, derived, plugin_policies)
         if logger.isEnabledFor(logging.INFO):
             logger.info("AutoPolicy chose for %s: %s", type(model).__name__, describe_policies(chosen))
@@ -74,6 +81,26 @@ class AutoPolicy:
     def available(self) -> list[PolicyEntry]:
         """Every registered policy."""
         return registered_policies()
+
+
+def _structural_or_refused(model: nn.Module, plan_note: str) -> list[type[Policy]]:
+    """The structural policies of ``model`` (proven where they are planned), or
+    :class:`UnsupportedModelError` saying why neither a plugin, a tp plan nor its structure splits it."""
+    try:
+        chosen = structural_policies(model)
+    except StructuralError as error:
+        raise UnsupportedModelError(unsupported_message(model, f"{plan_note}\n{_sentence(error)}.")) from None
+    logger.info(
+        "no plugin or tp plan covers %s: its structure gives %s, to be proven on a tiny copy when planned",
+        type(model).__name__,
+        describe_policies(chosen),
+    )
+    return chosen
+
+
+def _sentence(error: Exception) -> str:
+    text = str(error)
+    return text[:1].upper() + text[1:]
 
 
 def as_policy_list(policies: Any) -> list[type[Policy]]:
@@ -99,6 +126,8 @@ def policy_origin(policy: type[Policy]) -> str:
     entry = next((entry for entry in registered_policies() if entry.policy is policy), None)
     if entry is not None:
         return f"{entry.distribution} {entry.version}"
+    if issubclass(policy, StructuralPolicy):
+        return STRUCTURAL_ORIGIN
     if issubclass(policy, PlanPolicy):
         return TP_PLAN_ORIGIN
     return "custom_policies"

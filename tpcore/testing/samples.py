@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["VOCAB", "sample_inputs", "small_config", "special_token_ids"]
+__all__ = ["VOCAB", "UnshrinkableConfig", "sample_inputs", "small_config", "special_token_ids"]
 
 HEAD_DIM = 16
 LAYERS = 2
@@ -33,11 +33,17 @@ IMAGE_SIZE, PATCH_SIZE = 32, 8
 REGIONS = 4
 #: Whisper-like encoders take ``2 * max_source_positions`` feature frames
 AUDIO_POSITIONS = 16
+#: the M-RoPE sections Qwen2-VL's rotary embedding takes where its config names none
+MROPE_SECTION = (16, 24, 24)
 _IMAGE_TOKEN_FIELDS = ("image_token_id", "image_token_index")
 #: config fields some default configs leave ``None`` although the model reads them as numbers (CTC heads: vocab_size)
 _UNSET_IN_DEFAULTS = {"head_dim", "num_experts_per_tok", "vocab_size"}
 #: config fields that follow from others and are recomputed when a sub-config is rebuilt
 _DERIVED = {"layer_types", "head_dim", "transformers_version", "model_type", "architectures"}
+
+
+class UnshrinkableConfig(ValueError):
+    """The config cannot be rebuilt small: its own validation refuses the shrunk values."""
 
 
 def small_sizes(world_sizes: Sequence[int]) -> dict[str, int]:
@@ -60,6 +66,10 @@ def small_sizes(world_sizes: Sequence[int]) -> dict[str, int]:
         "d_head": HEAD_DIM,
     }
     sizes |= {"rotary_dim": HEAD_DIM // 2}  # GPT-J / CodeGen: rotary features per head
+    sizes |= {"out_hidden_size": hidden}  # Qwen2.5-VL: the vision merger's output, the text width
+    # SAM: the vision neck's channels are the prompt encoder's and mask decoder's width
+    sizes |= {"output_channels": hidden, "iou_head_hidden_dim": hidden, "mlp_dim": 2 * hidden}
+    sizes |= {"num_pos_feats": hidden // 2}  # its positional embedding: sines and cosines of this many
     sizes |= {"vocab_size": VOCAB, "max_position_embeddings": POSITIONS, "max_target_positions": POSITIONS}
     sizes |= {"max_source_positions": AUDIO_POSITIONS, "image_size": IMAGE_SIZE, "patch_size": PATCH_SIZE}
     # mixture of experts: 8 experts of the hidden width, 2 per token (DeepSeek: in 2 groups, 1 chosen)
@@ -76,8 +86,13 @@ def small_config(config, world_sizes: Sequence[int] = (2,)):
     """``config`` rebuilt small (see :func:`small_sizes`), its sub-configs alike, special token
     ids inside the small vocabulary. Only fields the config has are set; a field holding a
     tuple (``image_size=(224, 224)``) gets the small value in every place; multi-head attention
-    stays multi-head (``num_key_value_heads = num_attention_heads``)."""
-    small = _shrunk(config, small_sizes(world_sizes))
+    stays multi-head (``num_key_value_heads = num_attention_heads``). A config whose own validation
+    refuses the shrunk values raises :class:`UnshrinkableConfig` naming it and the reason."""
+    try:
+        small = _shrunk(config, small_sizes(world_sizes))
+    except Exception as error:  # a config's validators raise their own types (huggingface_hub's strict dataclasses)
+        reason = str(error).strip().splitlines()[-1].strip() if str(error).strip() else type(error).__name__
+        raise UnshrinkableConfig(f"cannot shrink {type(config).__name__}: {reason}") from error
     _move_special_ids(small)
     return small
 
@@ -104,9 +119,34 @@ def _shrunk(config, sizes: dict[str, int]):
     heads, kv_heads = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
     if "num_key_value_heads" in kwargs and (kv_heads is None or kv_heads == heads):
         kwargs["num_key_value_heads"] = kwargs.get("num_attention_heads", kv_heads)
+    _state_space_heads(config, kwargs, sizes)
+    _multimodal_rope(config, kwargs, sizes["head_dim"] // 2)
+    if _has_int(config, "embed_dim") and _has_int(config, "num_heads"):  # Qwen2-VL's vision width (not Swin's list)
+        kwargs["embed_dim"] = sizes["hidden_size"]
     for name in _sub_config_names(config):
         kwargs[name] = _shrunk(getattr(config, name), sizes)
     return type(config)(**kwargs)
+
+
+def _multimodal_rope(config, kwargs: dict, rotary_pairs: int) -> None:
+    """Qwen2-VL's M-RoPE (a config that names ``mrope_section`` among its rope keys): the rotary pairs of
+    time, height and width scaled to sum to the small head's ``head_dim / 2`` pairs."""
+    rope = kwargs.get("rope_parameters", getattr(config, "rope_parameters", None))
+    if not isinstance(rope, dict) or "mrope_section" not in getattr(config, "ignore_keys_at_rope_validation", ()):
+        return
+    sections = rope.get("mrope_section") or MROPE_SECTION
+    scaled = [max(1, section * rotary_pairs // sum(sections)) for section in sections]
+    scaled[0] += rotary_pairs - sum(scaled)
+    kwargs["rope_parameters"] = {**rope, "mrope_section": scaled}
+
+
+def _state_space_heads(config, kwargs: dict, sizes: dict[str, int]) -> None:
+    """Mamba2: ``num_heads * head_dim == expand * hidden_size`` and ``n_groups`` (of B and C) dividing the heads,
+    as many groups as the grouped KV heads (so every world size divides them)."""
+    if not all(_has_int(config, name) for name in ("num_heads", "expand", "head_dim", "n_groups")):
+        return
+    kwargs["num_heads"] = config.expand * kwargs.get("hidden_size", config.hidden_size) // sizes["head_dim"]
+    kwargs["n_groups"] = sizes["num_key_value_heads"]
 
 
 def _sub_config_names(config) -> list[str]:
@@ -207,9 +247,42 @@ def _pixels(model, accepted, inputs, batch, seq, generator) -> dict:
     if "pixel_values" not in accepted:
         return {}
     vision = getattr(model.config, "vision_config", None) or model.config
+    if "spatial_shapes" in accepted:
+        return _patches(vision, batch, generator)
+    if "image_grid_thw" in accepted:
+        return _grid_patches(vision, batch, generator)
+    if "pixel_attention_mask" in accepted:  # Idefics3, SmolVLM: (batch, images, channels, H, W)
+        height, width = _pair(getattr(vision, "image_size", IMAGE_SIZE))
+        channels = getattr(vision, "num_channels", 3)
+        return {"pixel_values": torch.randn(batch, 1, channels, height, width, generator=generator)}
     height, width = _pair(getattr(vision, "image_size", IMAGE_SIZE))
     channels = getattr(vision, "num_channels", 3)
     return {"pixel_values": torch.randn(batch, channels, height, width, generator=generator)}
+
+
+def _patches(vision, batch, generator) -> dict:
+    """SigLIP2's patchified images of any aspect ratio: ``pixel_values (batch, P, channels * patch^2)`` of a
+    ``4 x 4`` grid of ``P = 16`` patches, row 0 a ``2 x 4`` image padded to them (``pixel_attention_mask``)."""
+    grid, channels = 4, getattr(vision, "num_channels", 3)
+    patches = torch.randn(batch, grid * grid, channels * vision.patch_size**2, generator=generator)
+    shapes = torch.tensor([[grid, grid]] * batch)
+    shapes[0, 0] = grid // 2
+    mask = torch.ones(batch, grid * grid, dtype=torch.long)
+    mask[0, grid * grid // 2 :] = 0
+    return {"pixel_values": patches * mask[..., None], "pixel_attention_mask": mask, "spatial_shapes": shapes}
+
+
+def _grid_patches(vision, batch, generator) -> dict:
+    """Qwen2-VL's and Qwen2.5-VL's flattened patches: one image per row of a ``1 x 4 x 4`` grid (``t x h x w``,
+    ``h`` and ``w`` multiples of the ``spatial_merge_size``), ``pixel_values (batch * 16, channels * t_patch *
+    patch^2)`` and ``image_grid_thw (batch, 3)``."""
+    grid = 2 * getattr(vision, "spatial_merge_size", 2)
+    channels = getattr(vision, "in_channels", 0) or getattr(vision, "num_channels", 3)
+    features = channels * getattr(vision, "temporal_patch_size", 1) * vision.patch_size**2
+    return {
+        "pixel_values": torch.randn(batch * grid * grid, features, generator=generator),
+        "image_grid_thw": torch.tensor([[1, grid, grid]] * batch),
+    }
 
 
 def _audio_features(model, accepted, inputs, batch, seq, generator) -> dict:
@@ -260,12 +333,15 @@ def _text(model, accepted, inputs, batch, seq, generator) -> dict:
     ids = _token_ids(config, text, (batch, seq), generator)
     image_token = next((getattr(config, n) for n in _IMAGE_TOKEN_FIELDS if _has_int(config, n)), None)
     if image_token is not None and "pixel_values" in inputs:
-        per_row = _image_feature_count(model, inputs["pixel_values"]) // batch
+        images = {name: inputs[name] for name in ("pixel_values", "image_grid_thw") if name in inputs}
+        per_row = _image_feature_count(model, images) // batch
         ids = torch.cat([torch.full((batch, per_row), image_token), ids], dim=1)
     mask = torch.ones_like(ids)
     mask[0, ids.shape[1] - seq // 2 :] = 0  # right padding on row 0, image tokens kept
     pad = text.pad_token_id if _has_int(text, "pad_token_id") else 0
     result = {"input_ids": torch.where(mask.bool(), ids, pad)}
+    if "mm_token_type_ids" in accepted and image_token is not None and "pixel_values" in inputs:
+        result["mm_token_type_ids"] = (result["input_ids"] == image_token).long()  # Qwen2-VL's M-RoPE: 1 at images
     if "attention_mask" in accepted:
         result["attention_mask"] = mask
     return result
@@ -309,10 +385,11 @@ def _token_ids(config, text, shape, generator) -> torch.Tensor:
     return allowed[torch.randint(len(allowed), shape, generator=generator)]
 
 
-def _image_feature_count(model, pixel_values: torch.Tensor) -> int:
-    """How many image features (so image tokens) the model makes of ``pixel_values``, all images together."""
+def _image_feature_count(model, images: dict[str, torch.Tensor]) -> int:
+    """How many image features (so image tokens) the model makes of ``images`` (``pixel_values`` and, where
+    there are, the image grids), all images together."""
     with torch.inference_mode():
-        features = model.get_image_features(pixel_values=pixel_values)
+        features = model.get_image_features(**images)
     features = getattr(features, "pooler_output", features)  # transformers >= 5.x returns an output object
     if isinstance(features, torch.Tensor):
         return features.shape[:-1].numel()

@@ -6,7 +6,9 @@ sub-config alike (:func:`tpcore.testing.samples.small_config`). The inputs follo
 forward accepts: token ids, pixel values, audio features or waveforms, decoder ids
 (:func:`tpcore.testing.samples.sample_inputs`). Everything that can be checked in this process (the
 model builds, the inputs build, a policy applies, the sizes split) is, before a rank starts; a
-rank's exception is reported as its own type.
+rank's exception is reported as its own type. A model that cannot be checked at all (a config that cannot
+be shrunk, a shrunk model that does not build or fails unsplit on its inputs) is told apart from a split
+failure: exit code 2, and the step that failed.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from tpcore.testing import EquivalenceError, ModelSpec, PoolCache, SavedModelSpec, check_equivalence
-from tpcore.testing.samples import sample_inputs, small_config
+from tpcore.testing.samples import UnshrinkableConfig, sample_inputs, small_config
 
 
 def resolve(model: str, world_sizes: Sequence[int] = (2,)) -> Any:
@@ -44,58 +48,95 @@ def _policy_origins(model, policies: list | None) -> dict:
     return {policy: "custom_policies" if policies else policy_origin(policy) for policy in chosen}
 
 
-def run_check(
-    model: str, world_sizes: Sequence[int], policies: list | None = None, pools: PoolCache | None = None
-) -> int:
-    """Print the report; return the process exit code (0: every world size equivalent, 1: some
-    world size refused or not equivalent, 2: no policy applies or no inputs can be built).
+class NotCheckable(Exception):
+    """Why a model cannot be checked at all, before any split: its config cannot be shrunk, it does not build,
+    no policy applies, no inputs can be built, or it fails unsplit (exit code 2, not a split failure)."""
 
-    ``policies`` replaces the installed ones (``custom_policies``); ``pools`` are rank pools to
-    reuse (a fresh :class:`PoolCache`, closed at the end, by default)."""
-    from tpcore.errors import ShardingError, UnsupportedModelError
-    from tpcore.plan import plan_for
 
-    spec = resolve(model, world_sizes)
-    built = spec.build()
+def prepare(model: str, world_sizes: Sequence[int], policies: list | None = None) -> tuple[Any, Any, dict, dict]:
+    """``(spec, built model, {policy: origin}, inputs)``, the model proven to run unsplit on the inputs, or
+    :class:`NotCheckable` saying which step failed."""
+    from tpcore.errors import UnsupportedModelError
+
+    try:
+        spec = resolve(model, world_sizes)
+    except UnshrinkableConfig as error:
+        raise NotCheckable(f"config: {error} (nothing was split)") from error
+    try:
+        built = spec.build()
+    except Exception as error:
+        raise NotCheckable(f"unsplit model: does not build from its config: {_first_line(error)}") from error
     print(f"model: {type(built).__name__} ({sum(p.numel() for p in built.parameters()):,} parameters)")
     try:
         origins = _policy_origins(built, policies)
     except UnsupportedModelError as error:
-        print(error)
-        print("FAIL")
-        return 2
+        raise NotCheckable(str(error)) from error
     for policy, origin in origins.items():
         print(f"  policy {policy.policy_name()} from {origin}")
     try:
         inputs = sample_inputs(built)
     except ValueError as error:
-        print(f"inputs: {error}")
+        raise NotCheckable(f"inputs: {error}") from error
+    print("  inputs: " + ", ".join(f"{name} {tuple(value.shape)}" for name, value in inputs.items()))
+    try:
+        with torch.inference_mode():
+            built.eval()(**inputs)
+    except Exception as error:
+        raise NotCheckable(
+            f"unsplit model: fails on its own inputs before any split (its config, not the split): {_first_line(error)}"
+        ) from error
+    return spec, built, origins, inputs
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def run_check(
+    model: str, world_sizes: Sequence[int], policies: list | None = None, pools: PoolCache | None = None
+) -> int:
+    """Print the report; return the process exit code (0: every world size equivalent, 1: some
+    world size refused or not equivalent, 2: the model cannot be checked: its config cannot be shrunk,
+    it does not build or fails unsplit, no policy applies or no inputs can be built).
+
+    ``policies`` replaces the installed ones (``custom_policies``); ``pools`` are rank pools to
+    reuse (a fresh :class:`PoolCache`, closed at the end, by default)."""
+    try:
+        spec, built, origins, inputs = prepare(model, world_sizes, policies)
+    except NotCheckable as error:
+        print(error)
         print("FAIL")
         return 2
-    print("  inputs: " + ", ".join(f"{name} {tuple(value.shape)}" for name, value in inputs.items()))
-    failed = False
     own_pools = pools is None
     pools = pools or PoolCache()
     try:
-        for world_size in world_sizes:
-            try:
-                plan_for(built, list(origins), world_size)  # before any rank starts
-            except ShardingError as error:
-                failed = True
-                print(f"  {world_size} ranks: REFUSED {error}")
-                continue
-            try:
-                diffs = check_equivalence(spec, inputs, world_sizes=(world_size,), policies=policies, pools=pools)
-                worst = max(diffs[world_size].items(), key=lambda item: item[1])
-                print(f"  {world_size} ranks: PASS (largest difference {worst[1]:.2e} in {worst[0]})")
-            except EquivalenceError as error:
-                failed = True
-                print(f"  {world_size} ranks: FAIL {error}")
-            except Exception as error:  # a rank's own exception (check_equivalence re-raises it as its type)
-                failed = True
-                print(f"  {world_size} ranks: ERROR {type(error).__name__}: {str(error).splitlines()[0]}")
+        failed = [not _check_world(spec, built, origins, inputs, n, policies, pools) for n in world_sizes]
     finally:
         if own_pools:
             pools.close()
-    print("FAIL" if failed else "PASS")
-    return 1 if failed else 0
+    print("FAIL" if any(failed) else "PASS")
+    return 1 if any(failed) else 0
+
+
+def _check_world(spec, built, origins: dict, inputs: dict, world_size: int, policies, pools: PoolCache) -> bool:
+    """Print one world size's line; whether its split is equivalent."""
+    from tpcore.errors import ShardingError
+    from tpcore.plan import plan_for
+
+    try:
+        plan_for(built, list(origins), world_size)  # before any rank starts
+    except ShardingError as error:
+        print(f"  {world_size} ranks: REFUSED {error}")
+        return False
+    try:
+        diffs = check_equivalence(spec, inputs, world_sizes=(world_size,), policies=policies, pools=pools)
+    except EquivalenceError as error:
+        print(f"  {world_size} ranks: FAIL {error}")
+        return False
+    except Exception as error:  # a rank's own exception (check_equivalence re-raises it as its type)
+        print(f"  {world_size} ranks: ERROR {_first_line(error)}")
+        return False
+    worst = max(diffs[world_size].items(), key=lambda item: item[1])
+    print(f"  {world_size} ranks: PASS (largest difference {worst[1]:.2e} in {worst[0]})")
+    return True

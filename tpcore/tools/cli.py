@@ -55,9 +55,14 @@ def _applying(args: argparse.Namespace) -> int:
     from tpcore.errors import ShardingError, UnsupportedModelError
     from tpcore.plan import as_json, plan_for, replicated_warning, report
     from tpcore.select import choose_policies
+    from tpcore.testing.samples import UnshrinkableConfig
     from tpcore.tools.check import resolve
 
-    model = resolve(args.model).build()
+    try:
+        model = resolve(args.model).build()
+    except UnshrinkableConfig as error:
+        print(f"{error} (a class name is built from its default config shrunk; pass a saved directory instead)")
+        return 2
     try:
         policies = choose_policies(model)
     except UnsupportedModelError as error:

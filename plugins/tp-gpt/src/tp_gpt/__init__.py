@@ -7,6 +7,6 @@ __version__ = "0.1.0"
 
 @tpcore.hookimpl
 def tpcore_register_policies():
-    from tp_gpt import moe, policies  # imported here so that listing plugins stays cheap
+    from tp_gpt import moe, policies, state_space  # imported here so that listing plugins stays cheap
 
-    return [*policies.POLICIES, *moe.POLICIES]
+    return [*policies.POLICIES, *moe.POLICIES, *state_space.POLICIES]

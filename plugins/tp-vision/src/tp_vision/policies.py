@@ -29,6 +29,7 @@ position embeddings, the class tokens, the norms and the task heads stay whole. 
 from __future__ import annotations
 
 import copy
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -143,6 +144,62 @@ class SiglipEncoderLayerPolicy(CLIPEncoderLayerPolicy):
     layer_class = transformers_class("siglip", "SiglipEncoderLayer")
 
 
+class Siglip2EncoderLayerPolicy(CLIPEncoderLayerPolicy):
+    """SigLIP2's blocks, as SigLIP's; its vision tower reads patches of any aspect ratio (its inputs differ,
+    not its blocks)."""
+
+    layer_class = transformers_class("siglip2", "Siglip2EncoderLayer")
+
+
+# -- the vision towers of vision-language models ------------------------------------------------------------
+
+
+class Idefics3EncoderLayerPolicy(CLIPEncoderLayerPolicy):
+    """A block of Idefics3's SigLIP-like vision tower (its language model is tp-gpt's or its tp plan's)."""
+
+    layer_class = transformers_class("idefics3", "Idefics3EncoderLayer")
+
+
+class SmolVLMEncoderLayerPolicy(CLIPEncoderLayerPolicy):
+    """A block of SmolVLM's vision tower: Idefics3's."""
+
+    layer_class = transformers_class("smolvlm", "SmolVLMEncoderLayer")
+
+
+class Qwen2VLVisionBlockPolicy(BlockPolicy):
+    """A block of Qwen2-VL's vision tower over the flattened patches of every image: ``attn.qkv`` packs
+    ``[q | k | v]`` of ``num_heads`` heads of ``embed_dim / num_heads`` features, ``attn.proj`` row parallel;
+    the MLP ``fc1``/``fc2``. The patch embedding and the patch merger into the text width stay whole."""
+
+    layer_class = transformers_class("qwen2_vl", "Qwen2VLVisionBlock")
+    heads = "num_heads"
+    attentions = (Attention("attn", projections=("qkv",), output="proj", counts=("num_heads",), packed=3),)
+    mlp_inputs: ClassVar[tuple[str, ...]] = ("mlp.fc1",)
+    mlp_outputs = ("mlp.fc2",)
+
+
+class Qwen2_5_VLVisionBlockPolicy(Qwen2VLVisionBlockPolicy):
+    """Qwen2.5-VL's vision block: Qwen2-VL's attention, a gated MLP (``gate_proj``, ``up_proj`` -> ``down_proj``)."""
+
+    layer_class = transformers_class("qwen2_5_vl", "Qwen2_5_VLVisionBlock")
+    mlp_inputs = ("mlp.gate_proj", "mlp.up_proj")
+    mlp_outputs = ("mlp.down_proj",)
+
+
+class Qwen2VLPatchMergerPolicy(BlockPolicy):
+    """Qwen2-VL's patch merger into the text width: its MLP (``mlp.0`` column, ``mlp.2`` row) over each group of
+    ``spatial_merge_size^2`` patches (its ``hidden_size``, the width it views its input as, stays whole)."""
+
+    layer_class = transformers_class("qwen2_vl", "PatchMerger")
+    attentions = ()
+    mlp_inputs = ("mlp.0",)
+    mlp_outputs = ("mlp.2",)
+
+
+class Qwen2_5_VLPatchMergerPolicy(Qwen2VLPatchMergerPolicy):
+    layer_class = transformers_class("qwen2_5_vl", "Qwen2_5_VLPatchMerger")
+
+
 # -- BLIP ------------------------------------------------------------------------------------------------
 
 
@@ -181,6 +238,45 @@ class BlipTextLayerPolicy(BertLayoutPolicy):
     layer_class = transformers_class("blip", "BlipTextLayer", "blip_text")
 
 
+# -- SAM ---------------------------------------------------------------------------------------------------
+
+
+class SamVisionAttentionPolicy(BlockPolicy):
+    """SAM's image encoder attention: ``qkv`` packs ``[q | k | v]`` (each cut by heads), ``proj`` row parallel.
+    Its relative position tables ``rel_pos_h``/``rel_pos_w`` are ``(positions, head_dim)``, shared by every
+    head: they stay whole."""
+
+    layer_class = transformers_class("sam", "SamVisionAttention")
+    attentions = (Attention("", projections=("qkv",), output="proj", counts=("num_attention_heads",), packed=3),)
+    mlp_inputs = ()
+    mlp_outputs = ()
+
+
+class SamVisionSdpaAttentionPolicy(SamVisionAttentionPolicy):
+    """The same attention under ``attn_implementation="sdpa"`` (transformers' default)."""
+
+    layer_class = transformers_class("sam", "SamVisionSdpaAttention")
+
+
+class SamAttentionPolicy(BlockPolicy):
+    """An attention of SAM's two-way mask decoder (self, token-to-image, image-to-token, and the final one):
+    ``{q,k,v}_proj`` into ``hidden / downsample`` features of the decoder's heads, ``out_proj`` back."""
+
+    layer_class = transformers_class("sam", "SamAttention")
+    attentions = (Attention("", counts=("num_attention_heads",)),)
+    mlp_inputs = ()
+    mlp_outputs = ()
+
+
+class SamMLPBlockPolicy(BlockPolicy):
+    """SAM's MLP, in the image encoder's blocks and the mask decoder's: ``lin1`` column, ``lin2`` row."""
+
+    layer_class = transformers_class("sam", "SamMLPBlock")
+    attentions = ()
+    mlp_inputs = ("lin1",)
+    mlp_outputs = ("lin2",)
+
+
 # -- DETR --------------------------------------------------------------------------------------------------
 
 
@@ -212,8 +308,19 @@ POLICIES = (
     SwinLayerPolicy,
     CLIPEncoderLayerPolicy,
     SiglipEncoderLayerPolicy,
+    Siglip2EncoderLayerPolicy,
+    Idefics3EncoderLayerPolicy,
+    SmolVLMEncoderLayerPolicy,
+    Qwen2VLVisionBlockPolicy,
+    Qwen2_5_VLVisionBlockPolicy,
+    Qwen2VLPatchMergerPolicy,
+    Qwen2_5_VLPatchMergerPolicy,
     BlipEncoderLayerPolicy,
     BlipTextLayerPolicy,
+    SamVisionAttentionPolicy,
+    SamVisionSdpaAttentionPolicy,
+    SamAttentionPolicy,
+    SamMLPBlockPolicy,
     DetrEncoderLayerPolicy,
     DetrDecoderLayerPolicy,
 )
