@@ -8,7 +8,8 @@ tpcore and the plugins by name from that folder alone (``--no-index --find-links
 
 1. the folder holds one wheel and one sdist of each package, of the version in its ``__version__``; each sdist
    carries its package, README and license metadata, and older builds of these packages were removed;
-2. with only tpcore installed, a BertModel is unsupported, and the error names the model and ``pip install tp-``;
+2. with only tpcore installed and the structural fallback off (``TPCORE_STRUCTURAL=0``), a BertModel is
+   unsupported, and the error names the model and ``pip install tp-``;
 3. after installing tp-bert, ``tpcore plugins`` lists it, the policy for the model comes from its entry point,
    tp_bert is imported from the venv's site-packages, and a one-rank engine reproduces the unsplit model;
 4. two gloo ranks under ``torch.distributed.run`` reproduce BertForMaskedLM's logits;
@@ -52,6 +53,8 @@ CONFIG = "BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_at
 
 UNSUPPORTED_SCRIPT = f"""
 import json
+import os
+os.environ["TPCORE_STRUCTURAL"] = "0"  # no structural fallback: only a plugin could split it
 import tpcore
 from transformers import BertConfig, BertModel
 
