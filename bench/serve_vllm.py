@@ -38,7 +38,7 @@ from pathlib import Path
 import httpx
 import torch
 from _common import common_arguments, markdown_table, plain_table, write_result
-from serve import CLIENTS, load, measure, smollm2_shaped
+from serve import CLIENTS, SENTENCES, load, measure, minilm, smollm2_shaped
 
 from tpcore.serve import free_port
 
@@ -57,7 +57,7 @@ def vllm_environment(tp: int) -> dict[str, str]:
     return {"VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB, "VLLM_CPU_OMP_THREADS_BIND": bind}
 
 
-def vllm_command(python: str, directory: str, tp: int, port: int, args) -> list[str]:
+def vllm_command(python: str, directory: str, tp: int, port: int, args, extra: tuple[str, ...] = ()) -> list[str]:
     command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", directory, "--served-model-name"]
     command += ["bench", "--host", "127.0.0.1", "--port", str(port)]
     command += ["--tensor-parallel-size", str(tp), "--dtype", "float32", "--max-model-len", str(args.max_model_len)]
@@ -66,7 +66,7 @@ def vllm_command(python: str, directory: str, tp: int, port: int, args) -> list[
         command += ["--distributed-executor-backend", "mp"]
     if args.enforce_eager:
         command.append("--enforce-eager")
-    return command
+    return command + list(extra)
 
 
 def vllm_versions(python: str) -> dict[str, str] | None:
@@ -103,10 +103,10 @@ def last_error(text: str) -> str:
     return lines[-1].split(" [type=")[0] if lines else "no error line in its log"
 
 
-def measure_vllm(python: str, directory: str, tp: int, make_body, per_client: int, args) -> tuple[dict, float, str]:
+def measure_vllm(python: str, directory: str, tp: int, path: str, make_body, per_client: int, args, extra=()):
     """``({clients: (requests/s, p50 s, p95 s)}, seconds to /health, command line)`` for vLLM's server."""
     port = free_port()
-    command = vllm_command(python, directory, tp, port, args)
+    command = vllm_command(python, directory, tp, port, args, extra)
     environment = vllm_environment(tp)
     shown = " ".join(f"{k}={v}" for k, v in environment.items()) + " " + shlex.join(command)
     print(f"  {shown}", flush=True)
@@ -134,10 +134,10 @@ def measure_vllm(python: str, directory: str, tp: int, make_body, per_client: in
             time.sleep(2)
         startup = time.perf_counter() - started
         print(f"  vLLM tp={tp} healthy after {startup:.0f} s", flush=True)
-        load(url, "/v1/completions", [make_body(0)], 1)  # warm-up
+        load(url, path, [make_body(0)], 1)  # warm-up
         for clients in CLIENTS:
             bodies = [make_body(i) for i in range(per_client * clients)]
-            seconds, latencies = load(url, "/v1/completions", bodies, clients)
+            seconds, latencies = load(url, path, bodies, clients)
             quantiles = statistics.quantiles(latencies, n=20) if len(latencies) > 1 else latencies * 19
             figures[clients] = (len(bodies) / seconds, statistics.median(latencies), quantiles[18])
             print(f"  vLLM tp={tp} {clients:>2} clients: {figures[clients][0]:.2f} req/s", flush=True)
@@ -172,6 +172,8 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true", help="vLLM without torch.compile")
     parser.add_argument("--start-timeout", type=float, default=900, help="seconds for vLLM's server to get healthy")
     parser.add_argument("--skip-tpcore", action="store_true", help="measure vLLM only")
+    parser.add_argument("--embeddings", action="store_true", help="also all-MiniLM-L6-v2 embeddings")
+    parser.add_argument("--skip-generation", action="store_true", help="no generation section")
     common_arguments(parser, "serve_vllm", "2 layers, 8 new tokens, 1 request a client")
     args = parser.parse_args()
     versions = vllm_versions(args.vllm_python) if Path(args.vllm_python).exists() else None
@@ -187,44 +189,63 @@ def main() -> None:
         return {"model": "bench", "prompt": prompts[i % len(prompts)], "max_tokens": new_tokens,
                 "temperature": 0, "ignore_eos": True}  # fmt: skip
 
-    columns, commands, startups, failures = {}, [], [], []
+    sections = []
     with tempfile.TemporaryDirectory() as parent:
-        directory = str(Path(parent) / "smollm2_shaped")
-        smollm2_shaped(Path(directory), layers)
-        print(f"generation: SmolLM2-shaped Llama, {layers} layers, {new_tokens} new tokens")
-        if not args.skip_tpcore:
-            columns["tpcore whole"] = measure(directory, 0, "/v1/completions", body, per_client)
-            columns["tpcore N=2"] = measure(directory, 2, "/v1/completions", body, per_client)
-        for tp in args.tp:
-            environment = " ".join(f"{k}={v}" for k, v in vllm_environment(tp).items())
-            command = " ".join(vllm_command("python", "<model dir>", tp, 0, args))
-            shown = f"{environment} {command}".replace("--port 0", "--port <free port>")
-            try:
-                figures, startup, shown = measure_vllm(args.vllm_python, directory, tp, body, per_client, args)
-            except RuntimeError as error:  # say why, measure the rest
-                print(f"  vLLM tp={tp} not measured: {error}", flush=True)
-                failures.append(f"- vLLM tp={tp} not measured (`{shown}`): {error}")
-                continue
-            columns[f"vLLM tp={tp}"] = figures
-            shown = shown.replace(directory, "<model dir>").replace(args.vllm_python, "python")
-            commands.append(re.sub(r"--port \d+", "--port <free port>", shown))
-            startups.append(f"tp={tp}: {startup:.0f} s")
-    header, rows = table(columns)
-    print(plain_table(header, rows))
-    title = f"Generation: SmolLM2-135M-shaped Llama (random init, {layers} layers), {new_tokens} new tokens, greedy"
+        if not args.skip_generation:
+            directory = str(Path(parent) / "smollm2_shaped")
+            smollm2_shaped(Path(directory), layers)
+            print(f"generation: SmolLM2-shaped Llama, {layers} layers, {new_tokens} new tokens")
+            title = f"Generation: SmolLM2-135M-shaped Llama (random init, {layers} layers), {new_tokens} new tokens"
+            sections += compare(f"{title}, greedy", directory, "/v1/completions", body, per_client, args)
+        if args.embeddings:
+            print("embeddings: all-MiniLM-L6-v2")
+            title = "Embeddings: all-MiniLM-L6-v2 (real weights), one sentence a request"
+            pooling = ("--runner", "pooling")
+            own_length = argparse.Namespace(**{**vars(args), "max_model_len": 256})  # MiniLM's max_seq_length
+            sections += compare(title, minilm(), "/v1/embeddings", embedding_body, 8, own_length, pooling)
     settings = ["vLLM's venv (pip, `-c` a constraints file `torch==2.13.0`, then torchvision, torchaudio and"]
     settings += ["torchcodec uninstalled, see serve_vllm.py):", ""]
     settings += [f"- {name}: {version}" for name, version in versions.items()]
-    settings += ["", "vLLM command lines (`<model dir>`: the model directory this script builds):", ""]
-    settings += [f"    {command}" for command in commands]
-    settings += ["", f"vLLM start to /health (loading, compiling, warm-up): {', '.join(startups) or 'none started'}."]
-    settings += ["vLLM ran with its default compilation (no `--enforce-eager`) and without the libtcmalloc/libiomp"]
+    settings += ["", "vLLM ran with its default compilation (no `--enforce-eager`) and without the libtcmalloc/libiomp"]
     settings += ["`LD_PRELOAD` its CPU documentation recommends (it warns of lower performance without them)."]
     settings += ["tpcore: `Limits(max_batch=16, max_queue=256)` as in serve.py; the whole model on"]
-    settings += [f"{torch.get_num_threads()} torch threads, each N=2 rank on its share of the cores.", ""]
-    settings += failures
-    sections = [f"## {title}\n\n{markdown_table(header, rows)}", "\n".join(settings)]
+    settings += [f"{torch.get_num_threads()} torch threads, each N=2 rank on its share of the cores."]
+    sections.append("## Settings\n\n" + "\n".join(settings))
     write_result("serve_vllm", "tpcore serve against vLLM's CPU build", sections, "gloo", args.note, args.output)
+
+
+def embedding_body(i: int) -> dict:
+    return {"model": "bench", "input": SENTENCES[i % len(SENTENCES)]}
+
+
+def compare(title: str, directory: str, path: str, body, per_client: int, args, extra=()) -> list[str]:
+    """tpcore whole and N=2, then vLLM at each ``--tp``, on the model of ``directory``: a section and its
+    settings (vLLM's command lines, its start times, what could not be measured and why)."""
+    columns, commands, startups, failures = {}, [], [], []
+    if not args.skip_tpcore:
+        columns["tpcore whole"] = measure(directory, 0, path, body, per_client)
+        columns["tpcore N=2"] = measure(directory, 2, path, body, per_client)
+    for tp in args.tp:
+        environment = " ".join(f"{k}={v}" for k, v in vllm_environment(tp).items())
+        command = " ".join(vllm_command("python", "<model dir>", tp, 0, args, extra))
+        shown = f"{environment} {command}".replace("--port 0", "--port <free port>")
+        try:
+            figures, startup, shown = measure_vllm(args.vllm_python, directory, tp, path, body, per_client, args, extra)
+        except RuntimeError as error:  # say why, measure the rest
+            print(f"  vLLM tp={tp} not measured: {error}", flush=True)
+            failures.append(f"- vLLM tp={tp} not measured (`{shown}`): {error}")
+            continue
+        columns[f"vLLM tp={tp}"] = figures
+        shown = shown.replace(directory, "<model dir>").replace(args.vllm_python, "python")
+        commands.append(re.sub(r"--port \d+", "--port <free port>", shown))
+        startups.append(f"tp={tp}: {startup:.0f} s")
+    header, rows = table(columns)
+    print(plain_table(header, rows))
+    notes = ["vLLM command lines (`<model dir>`: the model directory):", ""]
+    notes += [f"    {command}" for command in commands]
+    notes += ["", f"vLLM start to /health (loading, compiling, warm-up): {', '.join(startups) or 'none started'}."]
+    notes += ["", *failures] if failures else []
+    return [f"## {title}\n\n{markdown_table(header, rows)}\n\n" + "\n".join(notes)]
 
 
 if __name__ == "__main__":
