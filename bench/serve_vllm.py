@@ -19,6 +19,7 @@ Same bodies as ``serve.py``: 32 prompt token ids, 64 new tokens, greedy, ``ignor
 Writes ``bench/results/serve_vllm.md``.
 
     python bench/serve_vllm.py --vllm-python /tmp/vllm-venv/bin/python --layers 6
+    python bench/serve_vllm.py --vllm-python /tmp/vllm-venv/bin/python --layers 6 --embeddings  # + all-MiniLM-L6-v2
 """
 
 from __future__ import annotations
