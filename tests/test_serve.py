@@ -261,14 +261,18 @@ def wait_healthy(url: str, process: subprocess.Popen, seconds: float = 240) -> N
     raise AssertionError("the server did not come up")
 
 
+def start_tpcore_serve(directory) -> tuple[subprocess.Popen, str]:
+    """``tpcore serve`` of a tiny Llama saved in ``directory``, over 2 ranks, in a process of its own."""
+    llama().save_pretrained(directory)
+    chat_tokenizer().save_pretrained(directory)
+    port = free_port()
+    command = [sys.executable, "-m", "tpcore", "serve", str(directory), "--num-gpus", "2", "--port", str(port)]
+    return subprocess.Popen(command, stderr=subprocess.PIPE, text=True), f"http://127.0.0.1:{port}"
+
+
 @pytest.mark.slow  # a fresh interpreter and its ranks
 def test_tpcore_serve_stops_its_ranks_on_sigterm_and_a_dead_rank_gives_503(tmp_path):
-    llama().save_pretrained(tmp_path)
-    chat_tokenizer().save_pretrained(tmp_path)
-    port = free_port()
-    command = [sys.executable, "-m", "tpcore", "serve", str(tmp_path), "--num-gpus", "2", "--port", str(port)]
-    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
+    process, url = start_tpcore_serve(tmp_path)
     try:
         wait_healthy(url, process)
         body = {"model": tmp_path.name, "prompt": "w5 w7", "max_tokens": 3, "temperature": 0}
@@ -313,12 +317,7 @@ def test_a_server_on_another_address_than_loopback_warns_and_says_whether_a_key_
 
 @pytest.mark.slow  # a fresh interpreter and its ranks
 def test_sigterm_lets_a_request_in_flight_end_and_leaves_no_process(tmp_path):
-    llama().save_pretrained(tmp_path)
-    chat_tokenizer().save_pretrained(tmp_path)
-    port = free_port()
-    command = [sys.executable, "-m", "tpcore", "serve", str(tmp_path), "--num-gpus", "2", "--port", str(port)]
-    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
+    process, url = start_tpcore_serve(tmp_path)
     try:
         wait_healthy(url, process)
         ranks = [pid for pid in children(process.pid) if "tpcore" in open(f"/proc/{pid}/cmdline").read()]
