@@ -170,14 +170,24 @@ def change_on_rank_one_then_echo(context, tensor):
     return tensor
 
 
-def gather_rows_into_shared_memory(context, rows):
-    """All-gather ``(rows, 64)`` of the rank's number as a served forward on rank 0 does; return the
-    result and whether it lives in a shared-memory segment."""
+def gather_rows_into_shared_memory(context, rows, offset=0.0, reused_max=None):
+    """All-gather ``(rows, 64)`` of the rank's number (plus ``offset``) as a served forward on rank 0 does; return
+    the result and its segment (``None``: not in shared memory). ``reused_max``: memfd.REUSED_MAX_BYTES here."""
     from tpcore.parallel import comm, memfd
 
+    if reused_max is not None:
+        memfd.REUSED_MAX_BYTES = reused_max
     with memfd.gathered_outputs_shared():
-        gathered = comm.all_gather(torch.full((rows, 64), float(context.rank)), context.group)
-    return gathered, memfd.segment_of(gathered) is not None
+        gathered = comm.all_gather(torch.full((rows, 64), float(context.rank) + offset), context.group)
+    return gathered, memfd.segment_of(gathered)
+
+
+def fail_on_rank_one_after_rank_zero_answered(context):
+    """Rank 0 answers at once; rank 1 raises once rank 0's answer is surely sent (no collective in between)."""
+    if context.rank == 1:
+        time.sleep(0.5)
+        raise ValueError("rank 1 failed after the others answered")
+    return "rank 0's result"
 
 
 def echo_through_device(context, value):

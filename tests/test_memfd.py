@@ -141,3 +141,36 @@ def test_a_one_element_view_with_a_stride_travels(pair):
         encoded.send(sender)
     received = wire.recv(receiver)
     assert all(torch.equal(received[name], tensor) for name, tensor in message.items())
+
+
+def test_a_reused_segment_comes_back_once_its_tensor_and_views_are_gone_and_is_written_again(pair):
+    """The receiver copies a reused segment out as it reads the message, keeping one mapping of it: the
+    sender's next use of the segment leaves the received tensor as it was."""
+    sender, receiver = pair
+    tensor = memfd.empty((256, 128), torch.float32, reused=True).fill_(1.0)
+    segment = memfd.segment_of(tensor)
+    assert segment is not None and segment.reused and segment.nbytes == 2**17  # a power of two
+    with wire.encode({"logits": tensor}) as encoded:
+        assert [place[0] for place in pickle.loads(encoded.frames[0])[1]] == ["copy"]
+        encoded.send(sender)
+    received = wire.recv(receiver)["logits"]
+    view = tensor[3:]
+    del tensor
+    gc.collect()
+    assert memfd.segment_of(view).fd == segment.fd  # a view keeps the segment taken
+    assert memfd.segment_of(memfd.empty((256, 128), torch.float32, reused=True)).fd != segment.fd
+    del view
+    gc.collect()
+    again = memfd.empty((250, 128), torch.float32, reused=True).fill_(2.0)  # fits the same size class
+    assert memfd.segment_of(again).fd == segment.fd
+    mappings = len(memfd._MAPPINGS._mappings)
+    wire.send(sender, again)
+    assert torch.equal(wire.recv(receiver), again) and len(memfd._MAPPINGS._mappings) == mappings  # mapped once
+    assert torch.equal(received, torch.ones(256, 128))  # a copy: the segment's second use left it alone
+
+
+def test_gathered_outputs_past_the_reused_size_get_a_segment_of_their_own(monkeypatch):
+    monkeypatch.setattr(memfd, "REUSED_MAX_BYTES", 2**16)
+    with memfd.gathered_outputs_shared():
+        segment = memfd.segment_of(memfd.gathered_empty(torch.ones(2**14, 1), -1, 2))
+    assert segment is not None and not segment.reused

@@ -241,13 +241,48 @@ def test_small_tensors_travel_as_their_bytes_not_through_torch_serialization(mon
     assert torch.equal(back[1], plain[1] + 1)
 
 
-def test_a_tensor_gathered_into_shared_memory_travels_without_a_copy(pool):
-    rows = 2**20 // (4 * 64) + 1  # the gathered logits pass memfd.GATHERED_MIN_BYTES
-    results = pool.run(rank_helpers.gather_rows_into_shared_memory, rows)
-    for gathered, in_segment in results:
-        assert in_segment  # a segment of its own on each rank, sent by its descriptor
-        expected = torch.cat([torch.full((rows, 64), float(rank)) for rank in range(2)], dim=-1)
-        assert torch.equal(gathered, expected)
+def test_gathered_outputs_travel_in_shared_memory_reused_call_after_call_and_large_ones_in_their_own(pool):
+    """A served step's gathered logits: written into the same segment at every call (no new pages), copied out by
+    the caller, so that an earlier call's result is not overwritten by the next; past memfd.REUSED_MAX_BYTES a
+    segment of its own, which the caller maps."""
+    from tpcore.parallel import memfd
+
+    rows = memfd.GATHERED_MIN_BYTES // (4 * 64)  # the gathered (rows, 128) pass memfd.GATHERED_MIN_BYTES
+
+    def expected(offset):
+        return torch.cat([torch.full((rows, 64), rank + offset) for rank in range(2)], dim=-1)
+
+    first = pool.run(rank_helpers.gather_rows_into_shared_memory, rows, 0.0)
+    second = pool.run(rank_helpers.gather_rows_into_shared_memory, rows, 10.0)
+    for (gathered, segment), (again, segment_again) in zip(first, second, strict=True):
+        assert segment.reused and segment_again.reused
+        assert segment_again.fd == segment.fd  # the same segment, free again once the first result was sent
+        assert torch.equal(gathered, expected(0.0)) and torch.equal(again, expected(10.0))
+    own = pool.run(rank_helpers.gather_rows_into_shared_memory, rows, 0.0, reused_max=1024)
+    for gathered, segment in own:
+        assert segment is not None and not segment.reused
+        assert torch.equal(gathered, expected(0.0))
+
+
+def test_run_first_returns_rank_0_s_result_and_the_next_call_raises_a_later_failure(pool):
+    """The other ranks' answers to a run_first are read with the next call: a rank that failed after rank 0
+    answered is reported there, every rank having answered, and the pool goes on."""
+    assert pool.run_first(rank_helpers.fail_on_rank_one_after_rank_zero_answered) == "rank 0's result"
+    with pytest.raises(WorkerError, match="rank 1 failed after the others answered") as caught:
+        pool.run(rank_helpers.whoami)
+    assert caught.value.rank == 1 and caught.value.pool_consistent and pool.alive
+    assert [result[:2] for result in pool.run(rank_helpers.whoami)] == [(0, 2), (1, 2)]
+    assert pool.run_first(rank_helpers.all_reduce_sum, 1) == 3.0
+    assert pool.run(rank_helpers.all_reduce_sum, 1) == [3.0, 3.0]  # the owed answer read, not taken for this one
+
+
+def test_a_rank_that_dies_after_a_run_first_fails_the_next_call(pool):
+    pid = pool.pids[1]
+    assert pool.run_first(rank_helpers.whoami)[0] == 0
+    os.kill(pid, 9)
+    with pytest.raises(WorkerDiedError, match="rank 1 died"):
+        pool.run(rank_helpers.whoami)
+    assert not pool.alive
 
 
 def test_only_cpu_tensors_have_a_byte_view_and_a_cuda_rank_waits_for_its_kernels_before_replying(monkeypatch):

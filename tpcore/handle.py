@@ -11,6 +11,7 @@ travel through the CPU; the outputs come back on the device of the first input t
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import threading
@@ -211,13 +212,20 @@ class ParallelHandle:
         return [tuple(join_heads(list(pieces)) for pieces in zip(*each, strict=True)) for each in layers]
 
     def _run(self, function, *args):
-        """``function`` on every rank; rank 0's result, a rank's error raised as its own type."""
-        return self._run_on_all(function, *args)[0]
+        """``function`` on every rank; rank 0's result as soon as it is here (the others' replies are read with
+        the next call: :meth:`RankPool.run_first`), a rank's error raised as its own type."""
+        with self._rank_errors_raised():
+            return self.pool.run_first(function, *args, timeout=self.timeout)
 
     def _run_on_all(self, function, *args) -> list:
         """``function`` on every rank; every rank's result, a rank's error raised as its own type."""
-        try:
+        with self._rank_errors_raised():
             return self.pool.run(function, *args, timeout=self.timeout)
+
+    @contextlib.contextmanager
+    def _rank_errors_raised(self) -> Iterator[None]:
+        try:
+            yield
         except WorkerError as error:
             reraise(error)
         except WorkerDiedError as error:

@@ -10,11 +10,18 @@ Two ways in:
 - :func:`write`: the bytes of buffers that already exist, copied once into a new segment;
 - :func:`empty`: a tensor allocated in a segment of its own, which then travels with no copy at
   all. Inside :func:`gathered_outputs_shared`, tpcore's all-gathers allocate their outputs so
-  (:func:`gathered_empty`): rank 0 of a served call gathers the logits straight into memory the
-  caller maps.
+  (:func:`gathered_empty`): rank 0 of a served call gathers the logits straight into shared memory.
 
 A receiver maps segments copy-on-write (``MAP_PRIVATE``): a rank that changes an input in place
 changes its own pages only, never the caller's or another rank's.
+
+A new segment's pages are allocated (and zeroed) by the kernel as they are first written: for a decode
+step's logits (``8 x 49152`` floats, 1.5 MiB) that costs milliseconds, more than the step's round trip.
+So gathered outputs up to :data:`REUSED_MAX_BYTES` go to *reused* segments (:func:`empty` with
+``reused=True``), which a process keeps mapped and writes again call after call; the receiver copies
+such a segment's bytes out as it reads the message (:func:`copy_out`, through a mapping it keeps too),
+since the sender's next call overwrites them. Larger outputs (a long prompt's logits) keep a segment of
+their own, which the receiver maps without a copy.
 """
 
 from __future__ import annotations
@@ -27,14 +34,17 @@ import os
 import sys
 import threading
 import weakref
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
+import numpy
 import torch
 
 __all__ = [
     "AVAILABLE",
     "Segment",
+    "copy_out",
     "empty",
     "gathered_empty",
     "gathered_outputs_shared",
@@ -47,8 +57,12 @@ __all__ = [
 AVAILABLE = sys.platform == "linux" and hasattr(os, "memfd_create")
 #: where each buffer starts in a segment (a cache line, and every dtype's alignment)
 ALIGNMENT = 64
-#: gathered outputs smaller than this are plain tensors (a segment costs a few system calls)
-GATHERED_MIN_BYTES = 2**20
+#: gathered outputs smaller than this are plain tensors (they travel inside the message: wire.RAW_TENSOR_BYTES)
+GATHERED_MIN_BYTES = 64 * 2**10
+#: gathered outputs up to this size go to reused segments, copied out by the receiver; larger ones to new segments
+REUSED_MAX_BYTES = 64 * 2**20
+#: free reused segments a process keeps (and mappings of others' reused segments a receiver keeps), in bytes
+KEPT_BYTES = 128 * 2**20
 #: segments :func:`empty` keeps open at once; past it, allocations are plain tensors (each segment holds a descriptor)
 MAX_LIVE_SEGMENTS = 64
 
@@ -57,14 +71,23 @@ _UNTRACKED = {"trackfd": False} if sys.version_info >= (3, 13) else {}
 
 
 class Segment(NamedTuple):
-    """A segment's descriptor and size, and where a tensor's bytes start in it."""
+    """A segment's descriptor and size, where a tensor's bytes start in it, and whether the segment is
+    reused (its bytes are to be copied out by a receiver, not kept mapped)."""
 
     fd: int
     nbytes: int
     offset: int
+    reused: bool = False
 
 
-_live: dict[int, tuple[int, int, weakref.ref]] = {}  # storage data_ptr -> (fd, nbytes, mapping)
+class _Live(NamedTuple):
+    fd: int
+    nbytes: int
+    owner: weakref.ref  # the object whose death frees the segment (the mapping, or a reused segment's array)
+    reused: bool
+
+
+_live: dict[int, _Live] = {}  # storage data_ptr -> the segment behind it
 _live_lock = threading.Lock()
 _sharing_gathered = contextvars.ContextVar("tpcore_gathered_outputs_shared", default=False)
 
@@ -110,12 +133,17 @@ def map_private(fd: int) -> torch.Tensor:
     return torch.from_file(f"/proc/self/fd/{fd}", shared=False, size=nbytes, dtype=torch.uint8)
 
 
-def empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+def empty(shape: Sequence[int], dtype: torch.dtype, reused: bool = False) -> torch.Tensor:
     """An uninitialized CPU tensor in a segment of its own (:func:`segment_of` finds it); a plain tensor
-    where segments are unavailable or :data:`MAX_LIVE_SEGMENTS` are in use."""
+    where segments are unavailable or :data:`MAX_LIVE_SEGMENTS` are in use.
+
+    ``reused``: in a segment this process wrote before (up to :data:`REUSED_MAX_BYTES`), which goes back
+    to :data:`_REUSED` once the tensor and its views are gone; a receiver copies its bytes out."""
     nbytes = math.prod(shape) * dtype.itemsize
     if not AVAILABLE or nbytes == 0 or len(_live) >= MAX_LIVE_SEGMENTS:
         return torch.empty(shape, dtype=dtype)
+    if reused and nbytes <= REUSED_MAX_BYTES:
+        return _REUSED.take(nbytes).view(dtype).view(tuple(shape))
     fd = _new(nbytes)
     try:  # the mapping object tells when the tensor is gone (it dups the descriptor before Python 3.13)
         mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE, **_UNTRACKED)
@@ -125,17 +153,114 @@ def empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     tensor = torch.frombuffer(mapping, dtype=torch.uint8).view(dtype).view(tuple(shape))
     key = tensor.untyped_storage().data_ptr()
     with _live_lock:
-        _live[key] = (fd, nbytes, weakref.ref(mapping))
+        _live[key] = _Live(fd, nbytes, weakref.ref(mapping), reused=False)
     # The tensor's storage holds the mapping; once it is gone, so is the descriptor.
     weakref.finalize(mapping, _release, key, fd)
     return tensor
 
 
 def _release(key: int, fd: int) -> None:
-    with _live_lock:
-        if _live.get(key, (None,))[0] == fd:
-            del _live[key]
+    _forget(key, fd)
     os.close(fd)
+
+
+def _forget(key: int, fd: int) -> None:
+    with _live_lock:
+        entry = _live.get(key)
+        if entry is not None and entry.fd == fd:
+            del _live[key]
+
+
+class _ReusedSegments:
+    """This process's reused segments: each kept mapped, taken for one tensor at a time, and back in the
+    free ones (up to :data:`KEPT_BYTES`, by size class) once that tensor and its views are gone.
+
+    A segment's size is a power of two, so that one serves the next call's slightly larger output (a
+    growing batch). Safe to write again because a segment travels only in a reply, whose receiver copies
+    it out before it sends the next call (:func:`copy_out`)."""
+
+    def __init__(self):
+        self._free: dict[int, list[tuple[int, mmap.mmap]]] = {}
+        self._free_bytes = 0
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A ``uint8`` tensor of ``nbytes`` at the start of a free segment (a new one if none fits)."""
+        size = max(mmap.PAGESIZE, 1 << (nbytes - 1).bit_length())
+        with self._lock:
+            free = self._free.get(size)
+            fd, mapping = free.pop() if free else (None, None)
+            if fd is not None:
+                self._free_bytes -= size
+        if fd is None or mapping is None:
+            fd = _new(size)
+            try:
+                mapping = mmap.mmap(
+                    fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE, **_UNTRACKED
+                )
+            except BaseException:
+                os.close(fd)
+                raise
+        # The array is the tensor's owner: it dies with the tensor's last view, and the segment comes back.
+        array = numpy.frombuffer(mapping, dtype=numpy.uint8, count=nbytes)
+        tensor = torch.from_numpy(array)
+        key = tensor.untyped_storage().data_ptr()
+        with _live_lock:
+            _live[key] = _Live(fd, size, weakref.ref(array), reused=True)
+        weakref.finalize(array, self._give_back, key, fd, mapping, size)
+        return tensor
+
+    def _give_back(self, key: int, fd: int, mapping: mmap.mmap, size: int) -> None:
+        _forget(key, fd)
+        with self._lock:
+            if self._free_bytes + size <= KEPT_BYTES:
+                self._free.setdefault(size, []).append((fd, mapping))
+                self._free_bytes += size
+                return
+        os.close(fd)  # the mapping goes with its last reference
+
+
+_REUSED = _ReusedSegments()
+
+
+class _Mappings:
+    """A receiver's mappings of senders' reused segments, by file identity, least recently used first;
+    at most :data:`KEPT_BYTES` in all (a kept mapping keeps its segment's memory)."""
+
+    def __init__(self):
+        self._mappings: OrderedDict[tuple[int, int], mmap.mmap] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def of(self, fd: int, end: int) -> mmap.mmap:
+        status = os.fstat(fd)
+        key = (status.st_dev, status.st_ino)
+        with self._lock:
+            mapping = self._mappings.get(key)
+            if mapping is not None and len(mapping) >= end:
+                self._mappings.move_to_end(key)
+                return mapping
+            if mapping is not None:
+                self._bytes -= len(self._mappings.pop(key))
+            mapping = mmap.mmap(fd, status.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, **_UNTRACKED)
+            self._mappings[key] = mapping
+            self._bytes += len(mapping)
+            while self._bytes > KEPT_BYTES and len(self._mappings) > 1:
+                _, oldest = self._mappings.popitem(last=False)
+                self._bytes -= len(oldest)
+            return mapping
+
+
+_MAPPINGS = _Mappings()
+
+
+def copy_out(fd: int, offset: int, nbytes: int) -> numpy.ndarray:
+    """A copy of ``nbytes`` at ``offset`` of the (reused) segment behind ``fd``, in this process's memory;
+    the segment stays mapped here for the next message that carries it."""
+    mapping = _MAPPINGS.of(fd, offset + nbytes)
+    copy = numpy.empty(nbytes, dtype=numpy.uint8)
+    copy[:] = numpy.frombuffer(mapping, dtype=numpy.uint8, count=nbytes, offset=offset)
+    return copy
 
 
 def segment_of(tensor: torch.Tensor) -> Segment | None:
@@ -144,10 +269,9 @@ def segment_of(tensor: torch.Tensor) -> Segment | None:
         return None
     storage = tensor.untyped_storage()
     entry = _live.get(storage.data_ptr())
-    if entry is None or entry[2]() is None:
+    if entry is None or entry.owner() is None:
         return None
-    fd, nbytes, _ = entry
-    return Segment(fd, nbytes, tensor.data_ptr() - storage.data_ptr())
+    return Segment(entry.fd, entry.nbytes, tensor.data_ptr() - storage.data_ptr(), entry.reused)
 
 
 @contextlib.contextmanager
@@ -167,5 +291,5 @@ def gathered_empty(like: torch.Tensor, dim: int, world_size: int) -> torch.Tenso
     shape[dim] *= world_size
     shareable = _sharing_gathered.get() and like.device.type == "cpu"
     if shareable and math.prod(shape) * like.element_size() >= GATHERED_MIN_BYTES:
-        return empty(shape, like.dtype)
+        return empty(shape, like.dtype, reused=True)
     return like.new_empty(shape)

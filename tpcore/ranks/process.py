@@ -121,6 +121,8 @@ class RankPool:
         self._conns: list = []
         self._procs: list[subprocess.Popen] = []
         self._answered: set[int] = set()  # the ranks that answered the current call
+        #: the ranks whose answer to the last call (a :meth:`run_first`) is still to be read, and that call's name
+        self._owed: tuple[list[int], str] = ([], "")
         self._stopping: threading.Thread | None = None  # the ranks of a failed call, being stopped
         #: each rank's device (``"cpu"``, ``"cuda:0"``), as the rank names it once it has joined
         self.devices: list[str] = []
@@ -172,7 +174,8 @@ class RankPool:
             self._conns = self._listener.accept_ranks(
                 self._authkey, self.world_size, self._deadline, self._check_started
             )
-            self.devices = self._collect(max(0.0, self._deadline - time.monotonic()), "start")
+            started = self._collect(max(0.0, self._deadline - time.monotonic()), "start")
+            self.devices = [started[rank] for rank in range(self.world_size)]
             logger.info("%r: every rank joined", self)
         except BaseException:
             self.close(timeout=3.0)
@@ -213,16 +216,40 @@ class RankPool:
         (the pool is torn down unless every rank answered), :class:`WorkerDiedError` if a rank died
         and ``TimeoutError`` past ``timeout`` seconds (both tear the pool down: :meth:`_tear_down`).
         """
+        return self._run(fn, args, kwargs, timeout, first_only=False)
+
+    def run_first(self, fn: Callable[..., Any], *args, timeout: float = CALL_TIMEOUT_S, **kwargs) -> Any:
+        """:meth:`run`, returning rank 0's result as soon as it is here: the other ranks' answers are read
+        at the start of the next call (or a failure meanwhile, at once), which raises a rank's error then.
+
+        For a call whose other results are not wanted (a served forward: rank 0 holds the output). The
+        caller then goes on while the other ranks' replies are under way, on a host with few cores
+        a wake-up of the caller's process per rank, each one a context switch of a core the ranks need."""
+        return self._run(fn, args, kwargs, timeout, first_only=True)[0]
+
+    def _run(self, fn: Callable[..., Any], args: tuple, kwargs: dict, timeout: float, first_only: bool) -> list[Any]:
         self._refuse_foreign_process()
         with self._lock:
             self._ready()
+            self._settle(timeout)
             what = getattr(fn, "__qualname__", repr(fn))
             message = _encoded((fn, args, kwargs, log.caller_level()), what)  # large tensors: one segment for all
             with self._torn_down_on_failure(keep_if_consistent=True):
                 with message:
                     for rank, conn in enumerate(self._conns):
                         self._send(rank, what, message.send, conn)
-                return self._collect(timeout, what)
+                results = self._collect(timeout, what, wanted=[0] if first_only else None)
+                self._owed = ([rank for rank in range(self.world_size) if rank not in results], what)
+                return [results.get(rank) for rank in range(self.world_size)]
+
+    def _settle(self, timeout: float) -> None:
+        """Read the answers the last call left owed (:meth:`run_first`); a failed one raises its error here."""
+        ranks, what = self._owed
+        if not ranks:
+            return
+        self._owed = ([], "")
+        with self._torn_down_on_failure(keep_if_consistent=True):
+            self._collect(timeout, what, ranks=ranks)
 
     def scatter(
         self,
@@ -244,6 +271,7 @@ class RankPool:
         self._refuse_foreign_process()
         with self._lock:
             self._ready()
+            self._settle(timeout)
             what = getattr(fn, "__qualname__", repr(fn))
             with self._torn_down_on_failure(keep_if_consistent=False):
                 for rank, conn in enumerate(self._conns):
@@ -252,7 +280,8 @@ class RankPool:
                     for tensor in tensors_for(rank) if tensors_for else ():
                         frame = byte_view(tensor.detach().contiguous()) if tensor.numel() else b""
                         self._send(rank, what, conn.send_bytes, frame)
-                return self._collect(timeout, what, on_progress)
+                results = self._collect(timeout, what, on_progress=on_progress)
+                return [results[rank] for rank in range(self.world_size)]
 
     def _refuse_foreign_process(self) -> None:
         """Refuse a call from a forked child: the ranks and their connections are its parent's."""
@@ -307,14 +336,24 @@ class RankPool:
         except OSError as error:
             raise self._died(rank, what) from error
 
-    def _collect(self, timeout: float, what: str, on_progress: Callable[[int, int], None] | None = None) -> list[Any]:
-        """One reply per rank, watching replies, deaths and the deadline; the events a rank sends before its reply
-        are handled on the way (log records re-emitted here, running counts given to ``on_progress``)."""
+    def _collect(
+        self,
+        timeout: float,
+        what: str,
+        ranks: list[int] | None = None,
+        wanted: list[int] | None = None,
+        on_progress: Callable[[int, int], None] | None = None,
+    ) -> dict[int, Any]:
+        """A reply from each of ``ranks`` (all by default), by rank, watching replies, deaths and the deadline; the
+        events a rank sends before its reply are handled on the way (log records re-emitted here, running counts
+        given to ``on_progress``). With ``wanted``, it returns once those ranks have answered (unless one failed:
+        then every rank gets its grace), leaving the others' replies to be read."""
         results: dict[int, Any] = {}
         errors: list[WorkerError] = []
         deadline = time.monotonic() + timeout
-        waiting = {conn: rank for rank, conn in enumerate(self._conns)}
-        while waiting:
+        waiting = {self._conns[rank]: rank for rank in (range(self.world_size) if ranks is None else ranks)}
+        wanted_conns = [self._conns[rank] for rank in wanted] if wanted is not None else list(waiting)
+        while waiting and (errors or any(conn in waiting for conn in wanted_conns)):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 if errors:
@@ -343,7 +382,7 @@ class RankPool:
             first = errors[0]
             first.pool_consistent = not waiting
             raise first
-        return [results[rank] for rank in range(self.world_size)]
+        return results
 
     def _died(self, rank: int, what: str) -> WorkerDiedError:
         process = self._procs[rank]

@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
 from tpcore.parallel import memfd
 
@@ -359,7 +360,8 @@ def encode(message) -> Encoded:
     segment), smaller ones follow the header as raw frames.
 
     The header is ``(pickled message, places, number of descriptors)``, a place per buffer:
-    ``("frame", nbytes)`` or ``("fd", descriptor index, offset, nbytes)``.
+    ``("frame", nbytes)``, ``("fd", descriptor index, offset, nbytes)`` (mapped by the receiver) or
+    ``("copy", descriptor index, offset, nbytes)`` (a reused segment: copied out by the receiver).
     """
     stream = io.BytesIO()
     pickler = _Pickler(stream)
@@ -372,7 +374,8 @@ def encode(message) -> Encoded:
         if segment is not None:
             if segment.fd not in fds:
                 fds.append(segment.fd)
-            places.append(("fd", fds.index(segment.fd), segment.offset, raw.nbytes))
+            kind = "copy" if segment.reused else "fd"  # the sender writes a reused segment again: copy it out
+            places.append((kind, fds.index(segment.fd), segment.offset, raw.nbytes))
         elif memfd.AVAILABLE and raw.nbytes >= SHARED_TENSOR_BYTES:
             copied.append((len(places), raw))
             places.append(())  # filled in below, once the segment is written
@@ -397,21 +400,26 @@ def send(conn: Connection, message) -> None:
 
 def recv(conn: Connection):
     payload, places, fd_count = pickle.loads(conn.recv_bytes())
-    segments = []
-    for fd in _recv_fds(conn, fd_count) if fd_count else ():
-        try:
-            segments.append(memfd.map_private(fd))
-        finally:
+    fds = _recv_fds(conn, fd_count) if fd_count else []
+    try:
+        mapped: dict[int, Any] = {}
+        buffers: list[Any] = []
+        for place in places:
+            if place[0] == "frame":
+                buffer = bytearray(place[1])
+                conn.recv_bytes_into(buffer)
+            elif place[0] == "copy":
+                _, index, offset, nbytes = place
+                buffer = memfd.copy_out(fds[index], offset, nbytes)
+            else:
+                _, index, offset, nbytes = place
+                if index not in mapped:
+                    mapped[index] = memfd.map_private(fds[index])
+                buffer = mapped[index][offset : offset + nbytes].numpy()  # the mapping lives while a view does
+            buffers.append(buffer)
+    finally:
+        for fd in fds:
             os.close(fd)
-    buffers = []
-    for place in places:
-        if place[0] == "frame":
-            buffer = bytearray(place[1])
-            conn.recv_bytes_into(buffer)
-        else:
-            _, index, offset, nbytes = place
-            buffer = segments[index][offset : offset + nbytes].numpy()  # the mapping lives while a view does
-        buffers.append(buffer)
     return pickle.loads(payload, buffers=buffers)
 
 
