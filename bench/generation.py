@@ -54,13 +54,13 @@ def ranks_steps(context, prompt: torch.Tensor, steps: int) -> float:
     """The median ms of a decode step run on the ranks (timed on rank 0): the forward alone."""
     from transformers import DynamicCache
 
-    model, cache = context.store["bench_model"], DynamicCache()
+    model, cache, keyword = context.store["bench_model"], DynamicCache(), cache_keyword()
     times = []
     with torch.inference_mode():
-        token = model(input_ids=prompt, **{cache_keyword(): cache}, use_cache=True).logits[:, -1:].argmax(-1)
+        token = model(input_ids=prompt, **{keyword: cache}, use_cache=True).logits[:, -1:].argmax(-1)
         for _ in range(steps):
             start = time.perf_counter()
-            token = model(input_ids=token, **{cache_keyword(): cache}, use_cache=True).logits[:, -1:].argmax(-1)
+            token = model(input_ids=token, **{keyword: cache}, use_cache=True).logits[:, -1:].argmax(-1)
             times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e3
 
@@ -108,12 +108,12 @@ def caller_steps(model, prompt: torch.Tensor, steps: int) -> float:
     the caller in one intra-op thread as in its ``generate()`` (the ranks hold the cores)."""
     from transformers import DynamicCache
 
-    cache, times = DynamicCache(), []
+    cache, times, keyword = DynamicCache(), [], cache_keyword()
     with torch.inference_mode(), model._tpcore_handle.one_thread():
-        token = model(input_ids=prompt, **{cache_keyword(): cache}, use_cache=True).logits[:, -1:].argmax(-1)
+        token = model(input_ids=prompt, **{keyword: cache}, use_cache=True).logits[:, -1:].argmax(-1)
         for _ in range(steps):
             start = time.perf_counter()
-            token = model(input_ids=token, **{cache_keyword(): cache}, use_cache=True).logits[:, -1:].argmax(-1)
+            token = model(input_ids=token, **{keyword: cache}, use_cache=True).logits[:, -1:].argmax(-1)
             times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e3
 
