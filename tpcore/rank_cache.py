@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 import torch
 
 from tpcore.cache_batches import OPERATIONS
+from tpcore.ranks.transfer import each_item
 
 __all__ = [
     "CacheRef",
@@ -125,11 +126,7 @@ class RankCaches:
                     raise KeyError(f"the ranks hold no cache {value.id}: it was freed, or made by other ranks")
                 self.caches[value.id] = value.template
             return self.caches[value.id]
-        if isinstance(value, dict):
-            return type(value)({key: self.resolve(item) for key, item in value.items()})
-        if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-            return type(value)(self.resolve(item) for item in value)
-        return value
+        return each_item(value, self.resolve, named_tuples=False)
 
     def tensors(self, cache_id: int, part: str | None) -> list[tuple[Any, Any]]:
         """This rank's ``(keys, values)`` of each layer of cache ``cache_id`` (of its ``part``): its heads."""
@@ -156,11 +153,7 @@ class RankCaches:
                 cache_id = next(self._ids)
                 self.caches[cache_id] = output
             return _Reported(cache_id, CacheState.of(output))
-        if isinstance(output, dict):
-            return type(output)(**{key: self.report(item) for key, item in output.items()})
-        if isinstance(output, (list, tuple)) and not hasattr(output, "_fields"):
-            return type(output)(self.report(item) for item in output)
-        return output
+        return each_item(output, self.report, named_tuples=False)
 
     def states(self, ids: set[int]) -> dict[int, CacheState]:
         return {cache_id: CacheState.of(self.caches[cache_id]) for cache_id in ids if cache_id in self.caches}
@@ -392,11 +385,7 @@ class CallerCaches:
             self._free_when_dropped(value, cache_id)
             sent[cache_id] = value
             return CacheRef(cache_id, template)
-        if isinstance(value, dict):
-            return type(value)({key: self.outgoing(item, sent) for key, item in value.items()})
-        if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-            return type(value)(self.outgoing(item, sent) for item in value)
-        return value
+        return each_item(value, lambda item: self.outgoing(item, sent), named_tuples=False)
 
     def incoming(self, value: Any, sent: dict[int, Any], states: dict[int, CacheState]) -> Any:
         """The ranks' output with each cache report turned into its stand-in: the caller's own object for
@@ -414,11 +403,7 @@ class CallerCaches:
             stand_in = new_stand_in(value.id, value.state, self.ranks)
             self._free_when_dropped(stand_in, value.id)
             return stand_in
-        if isinstance(value, dict):
-            return type(value)(**{key: self._stand_ins_in(item, sent) for key, item in value.items()})
-        if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-            return type(value)(self._stand_ins_in(item, sent) for item in value)
-        return value
+        return each_item(value, lambda item: self._stand_ins_in(item, sent), named_tuples=False)
 
     def _free_when_dropped(self, cache: Any, cache_id: int) -> None:
         weakref.finalize(cache, self._freed.append, cache_id)

@@ -16,6 +16,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from tpcore.ranks.transfer import each_item
+
 __all__ = ["KEEP_BYTES", "CallerTensors", "Kept", "RankTensors"]
 
 #: the smallest tensor worth keeping on the ranks (smaller ones cost less to send than to track)
@@ -42,11 +44,7 @@ class RankTensors:
             if value.tensor is not None:
                 self.kept[value.id] = value.tensor
             return self.kept[value.id]
-        if isinstance(value, dict):
-            return type(value)({key: self.resolve(item) for key, item in value.items()})
-        if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-            return type(value)(self.resolve(item) for item in value)
-        return value
+        return each_item(value, self.resolve, named_tuples=False)
 
     def free(self, ids: tuple[int, ...]) -> None:
         for tensor_id in ids:
@@ -71,11 +69,7 @@ class CallerTensors:
         """``value`` with each large tensor sent before unchanged replaced by its :class:`Kept`."""
         if isinstance(value, torch.Tensor):
             return self._sent(value) if value.numel() * value.element_size() >= KEEP_BYTES else value
-        if isinstance(value, dict):
-            return type(value)({key: self.outgoing(item) for key, item in value.items()})
-        if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-            return type(value)(self.outgoing(item) for item in value)
-        return value
+        return each_item(value, self.outgoing, named_tuples=False)
 
     def _sent(self, tensor: torch.Tensor) -> Any:
         seen = self._seen.get(id(tensor))

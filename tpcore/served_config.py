@@ -17,34 +17,36 @@ class ConfigWatch:
 
     def __init__(self, config: Any):
         self.config = config
-        self.sent = _snapshot(config)
+        self.sent: dict[str, dict[str, Any]] = {}
+        self.changes()
 
     def changes(self) -> dict[str, dict[str, Any]]:
-        """``{sub-config path: {attribute: value}}`` changed since the last call (``""``: the config itself)."""
-        now = _snapshot(self.config)
+        """``{sub-config path: {attribute: value}}`` changed since the last call (``""``: the config itself).
+
+        Each attribute is compared with a copy of what was sent (so that a container changed in place is seen),
+        and copied again only when it changed: a served call runs this every time."""
+        from transformers import PretrainedConfig
+
         changed: dict[str, dict[str, Any]] = {}
-        for path, attributes in now.items():
-            before = self.sent.get(path, {})
-            diff = {name: value for name, value in attributes.items() if name not in before or before[name] != value}
-            if diff:
-                changed[path] = diff
-        self.sent = now
+        for path, config in _configs(self.config, PretrainedConfig):
+            sent = self.sent.setdefault(path, {})
+            for name, value in vars(config).items():
+                if isinstance(value, PretrainedConfig):
+                    continue
+                if name not in sent or sent[name] != value:
+                    changed.setdefault(path, {})[name] = value
+                    sent[name] = _copied(value)
         return changed
 
 
-def _snapshot(config: Any, path: str = "") -> dict[str, dict[str, Any]]:
-    """Each (sub-)config's plain attributes by path; sub-configs are walked, not compared."""
-    from transformers import PretrainedConfig
-
-    if not isinstance(config, PretrainedConfig):
-        return {}
-    found: dict[str, dict[str, Any]] = {path: {}}
+def _configs(config: Any, config_class: type, path: str = ""):
+    """``(path, config)`` of the config and each sub-config inside it, walked through their attributes."""
+    if not isinstance(config, config_class):
+        return
+    yield path, config
     for name, value in vars(config).items():
-        if isinstance(value, PretrainedConfig):
-            found.update(_snapshot(value, f"{path}.{name}" if path else name))
-        else:
-            found[path][name] = _copied(value)
-    return found
+        if isinstance(value, config_class):
+            yield from _configs(value, config_class, f"{path}.{name}" if path else name)
 
 
 def _copied(value: Any) -> Any:

@@ -6,36 +6,60 @@ tuple the same named tuple.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-__all__ = ["first_device", "to_cpu", "to_device"]
+__all__ = ["each_item", "first_device", "to_cpu", "to_device"]
+
+
+def each_item(value: Any, function: Callable[[Any], Any], named_tuples: bool = True) -> Any:
+    """``value`` with ``function`` applied to each item, when it is a dict, list or tuple (a named tuple
+    only with ``named_tuples``), else ``value`` as it is; a dict's item that ``function`` turns into ``None`` is
+    left out.
+
+    A container whose items all come back as they were is returned itself, not built again: a served call
+    walks its inputs and outputs several times, and building a ``ModelOutput`` (a dataclass) again costs
+    tens of microseconds each time."""
+    if isinstance(value, dict):
+        items, same = {}, True
+        for key, item in value.items():
+            new = function(item)
+            if new is not item:
+                same = False
+                if new is None:
+                    continue
+            items[key] = new
+        if same:
+            return value
+        return type(value)(**items) if dataclasses.is_dataclass(value) else type(value)(items)  # ModelOutput: both
+    if isinstance(value, (list, tuple)) and (named_tuples or not hasattr(value, "_fields")):
+        listed, same = [], True
+        for item in value:
+            new = function(item)
+            same = same and new is item
+            listed.append(new)
+        return value if same else _rebuilt(value, listed)
+    return value
 
 
 def to_device(value: Any, device) -> Any:
     """Every tensor inside ``value`` moved to ``device``."""
     if isinstance(value, torch.Tensor):
         return value.to(device)
-    if isinstance(value, dict):
-        return type(value)({k: to_device(v, device) for k, v in value.items()})
-    if isinstance(value, (list, tuple)):
-        return _rebuilt(value, [to_device(v, device) for v in value])
-    return value
+    return each_item(value, lambda item: to_device(item, device))
 
 
 def to_cpu(value: Any) -> Any:
     """Every tensor inside ``value`` detached on the CPU; a KV cache (it holds a rank's own heads
     only) is dropped rather than sent back."""
     if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
+        return value if value.device.type == "cpu" and not value.requires_grad else value.detach().cpu()
     if _is_cache(value):
         return None
-    if isinstance(value, dict):  # ModelOutput is a dict (and a dataclass)
-        return type(value)(**{k: v for k, v in ((k, to_cpu(v)) for k, v in value.items()) if v is not None})
-    if isinstance(value, (list, tuple)):
-        return _rebuilt(value, [to_cpu(v) for v in value])
-    return value
+    return each_item(value, to_cpu)
 
 
 def first_device(value: Any) -> torch.device | None:
