@@ -144,6 +144,29 @@ def test_a_value_if_held_is_set_only_in_the_layer_instances_holding_its_module()
     assert [layer.attention.self.tag for layer in shard.encoder.layer] == ["whole", "cut"]
 
 
+class GroupsIfHeldPolicy(BertPolicy):
+    """Rewrites ``attention.self.groups`` where the layer has that attribute (a layer of another version)."""
+
+    @staticmethod
+    def replace_arguments(config, world_size):
+        return {
+            **BertPolicy.replace_arguments(config, world_size),
+            "attention.self.groups": IfHeld(1, "attention.self.groups"),
+        }
+
+
+def test_a_value_if_held_is_set_only_in_the_layer_instances_holding_its_attribute():
+    model = bert()
+    model.encoder.layer[0].attention.self.groups = 2
+    plan = plan_for(model, [GroupsIfHeldPolicy], 2)  # layer 1 lacks the attribute: no error, left alone
+    assert {path: value for path, value in plan.attributes.items() if path.endswith(".groups")} == {
+        "encoder.layer.0.attention.self.groups": 1
+    }
+    shard = apply_plan(plan, copy.deepcopy(model), 0)
+    assert shard.encoder.layer[0].attention.self.groups == 1
+    assert not hasattr(shard.encoder.layer[1].attention.self, "groups")
+
+
 def test_heads_that_do_not_stay_whole_are_refused_before_anything_changes():
     model = bert()  # 6 heads of width 4; 24 features cut in 4 are 6 each: one and a half heads
     before = state(model)

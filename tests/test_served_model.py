@@ -380,3 +380,15 @@ def test_an_unmerged_lora_and_an_adapter_directory_are_refused_naming_the_layer_
         compare_outputs(reference(PROMPTS, attention_mask=MASK).logits, model(PROMPTS, attention_mask=MASK).logits)
     finally:
         model.deparallelize()
+
+
+def test_a_count_in_a_fresh_cache_is_not_a_held_tensor():
+    """transformers 5.25's linear-attention cache layers start with a 0-dim token count: a fresh cache still."""
+    from types import SimpleNamespace
+
+    from tpcore.rank_cache import _holds_tensors
+
+    fresh = SimpleNamespace(layers=[SimpleNamespace(cumulative_length_linear=torch.tensor(0), conv_states={})])
+    assert not _holds_tensors(fresh)
+    fresh.layers[0].conv_states = [torch.zeros(1, 4, 3)]
+    assert _holds_tensors(fresh)

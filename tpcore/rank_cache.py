@@ -420,8 +420,10 @@ def _stand_in_id(value: Any) -> int | None:
 
 
 def _holds_tensors(cache: Any) -> bool:
-    """Whether a cache holds any tensor already (filled, or allocated up front as a static cache is)."""
-    return any(isinstance(item, torch.Tensor) and item.numel() for item in _tensors(cache))
+    """Whether a cache holds any tensor already (filled, or allocated up front as a static cache is). A
+    0-dim tensor is a count, not a state (transformers 5.25's linear-attention layers start at
+    ``cumulative_length_linear = tensor(0)``)."""
+    return any(isinstance(item, torch.Tensor) and item.dim() and item.numel() for item in _tensors(cache))
 
 
 def _tensors(value: Any, depth: int = 0) -> Iterator[Any]:

@@ -28,8 +28,9 @@ __all__ = ["IfHeld", "Policy"]
 
 class IfHeld(NamedTuple):
     """A :meth:`Policy.replace_arguments` value set only in the layer instances that hold ``module``
-    (a path in the layer); the others keep theirs. For stacks whose blocks of one class hold
-    different modules (hybrid stacks: an attention in some blocks, a linear attention in others)."""
+    (a path in the layer: a module, or an attribute); the others keep theirs. For stacks whose blocks of
+    one class hold different modules (hybrid stacks: an attention in some blocks, a linear attention in
+    others), and for attributes that some transformers versions' layers have and others lack."""
 
     value: Any
     module: str
@@ -73,7 +74,7 @@ class Policy:
         :class:`~tpcore.PerRank`, which each rank reads its own entry of), or :func:`~tpcore.divide`
         where only equal splits are right, so that a world size that does not divide them fails
         before anything is sliced. A value wrapped in :class:`IfHeld` is set only where the layer
-        instance holds the module it names.
+        instance holds the module (or attribute) it names.
         """
         return {}
 

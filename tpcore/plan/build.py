@@ -170,11 +170,13 @@ class _Builder:
         return classes
 
     def add_attributes(self, target: Target, arguments: dict[str, Any], replaced: dict[str, type[nn.Module]]) -> None:
-        """Record the per-rank attribute values (an :class:`~tpcore.IfHeld` one where its module is)."""
+        """Record the per-rank attribute values (an :class:`~tpcore.IfHeld` one where its module or
+        attribute is)."""
         for path, value in arguments.items():
             if isinstance(value, IfHeld):
-                if not isinstance(get_path(target.layer, value.module), nn.Module):
-                    continue  # this instance lacks the module (a block of a hybrid stack)
+                held = get_path(target.layer, value.module)
+                if held is MISSING or held is None:
+                    continue  # this instance lacks it (a block of a hybrid stack, a layer of another version)
                 value = value.value
             owner, _, attribute = path.rpartition(".")
             declared = owner in replaced and hasattr(replaced[owner], attribute)  # by the class it is given

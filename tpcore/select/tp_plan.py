@@ -30,6 +30,10 @@ linear layer inside the repeated blocks at ``<prefix>``; this module turns those
 ``mla_kv_a_proj``, ``local_params``        a module on local tensors)
 =========================================  ====================================================
 
+Fused experts that the config's ``base_model_ep_plan`` dispatches (``ep_dispatch_experts``) and its tp
+plan leaves out are cut the same way, as ``moe_tp_experts`` rules would cut them: transformers 5.25
+dropped those rules from the tp plans, leaving the experts to expert parallelism (:func:`_ep_plan_experts`).
+
 Any other style (``moe_identity_expert``) means the plan cannot be followed, and the model needs a
 plugin. Attention projections are dealt in whole heads, so world sizes that do not divide the head
 counts work too. Key/value projections narrower than the query projection carry grouped KV heads,
@@ -81,6 +85,8 @@ _KEPT_WHOLE = {
 }
 #: a module whose output is all-reduced: what the ``rowwise`` rules inside it already make it
 _REDUCED_OUTPUT = {"moe_tp_experts", "all_reduce"}
+#: an ep plan's fused experts module, its tokens dispatched to the ranks holding their experts
+_EP_EXPERTS = "ep_dispatch_experts"
 
 
 #: model types whose forward no split of their planned tensors keeps: the plan is not followed
@@ -111,7 +117,7 @@ def sub_model_plans(model: nn.Module) -> list[SubModelPlan]:
     for name, module in sub_models(model).items():
         config = config_of(model, name)
         plan = getattr(config, "base_model_tp_plan", None)
-        if not plan:
+        if not plan and not getattr(config, "base_model_ep_plan", None):
             plans.append(SubModelPlan(name, config, whole=f"{_describe(module, config)} has no base_model_tp_plan"))
             continue
         if getattr(config, "model_type", None) in UNFOLLOWABLE_PLANS:
@@ -130,6 +136,7 @@ def sub_model_plans(model: nn.Module) -> list[SubModelPlan]:
         base_name = next(n for n, m in module.named_modules() if m is base)
         prefix = ".".join(part for part in (name, base_name) if part)
         try:
+            plan = {**_ep_plan_experts(base, config), **(plan or {})}
             rules = _block_rules(base, plan)
         except TpPlanError as error:
             plans.append(SubModelPlan(name, config, whole=f"{_describe(module, config)}: {error}"))
@@ -211,6 +218,64 @@ def _block_rules(base: nn.Module, plan: dict[str, str]) -> dict[str, dict[str, s
             raise TpPlanError(f"its tp plan names blocks {prefix!r}, which the model lacks") from None
         rules.setdefault(prefix, {})[path] = style
     return rules
+
+
+def _ep_plan_experts(base: nn.Module, config: Any) -> dict[str, str]:
+    """Tp plan rules for the fused experts that the config's ``base_model_ep_plan`` dispatches
+    (``ep_dispatch_experts``) and its tp plan leaves out: ``gate_up_proj`` (or ``up_proj``) column and
+    ``down_proj`` row parallel, along the intermediate features (transformers 5.25 moved the experts'
+    ``moe_tp_experts`` rules out of the tp plans; expert parallelism is how it splits them now). Experts
+    of other parameters (biases, a norm after each expert) or with gate and up interleaved get no rule:
+    they stay whole."""
+    tp_plan = getattr(config, "base_model_tp_plan", None) or {}
+    rules: dict[str, str] = {}
+    for pattern, style in (getattr(config, "base_model_ep_plan", None) or {}).items():
+        if style != _EP_EXPERTS or any(other == pattern or other.startswith(f"{pattern}.") for other in tp_plan):
+            continue
+        for parameter, split in _experts_styles(_first_held(base, pattern)).items():
+            rules[f"{pattern}.{parameter}"] = split
+    return rules
+
+
+def _first_held(base: nn.Module, pattern: str) -> nn.Module | None:
+    """The module that ``<blocks>.*.<path>`` names in the first block holding it (MoE stacks may begin with
+    dense blocks)."""
+    prefix, star, path = pattern.partition(".*.")
+    try:
+        blocks = base.get_submodule(prefix)
+    except AttributeError:
+        return None
+    for block in blocks.children() if star and "*" not in path else ():
+        try:
+            return block.get_submodule(path)
+        except AttributeError:
+            continue
+    return None
+
+
+def _experts_styles(experts: nn.Module | None) -> dict[str, str]:
+    """``{parameter: tp plan style}`` of a fused experts module, ``{}`` when its layout is not the two
+    tensors that a cut along the intermediate features keeps: ``gate_up_proj (E, 2I, H)`` with gate and
+    up concatenated, or ``up_proj (E, I, H)``, and ``down_proj (E, H, I)``; or both stored transposed
+    (``is_transposed``, else read from their shapes)."""
+    if experts is None:
+        return {}
+    names = {name for name, _ in experts.named_parameters()}
+    if names not in ({"gate_up_proj", "down_proj"}, {"up_proj", "down_proj"}):
+        return {}
+    down = experts.get_parameter("down_proj")
+    if not getattr(experts, "is_concatenated", True) or down.dim() != 3:
+        return {}
+    transposed = getattr(experts, "is_transposed", None)
+    if not isinstance(transposed, bool):
+        size = getattr(experts, "intermediate_dim", None)
+        rows, features = down.shape[1:]
+        if size not in (rows, features) or rows == features:
+            return {}
+        transposed = size == rows
+    column, row = ("rowwise", "colwise") if transposed else ("colwise", "rowwise")
+    styles = {"gate_up_proj": f"packed_{column}", "up_proj": column, "down_proj": row}
+    return {name: styles[name] for name in sorted(names)}
 
 
 def _followed(paths: dict[str, str]) -> dict[str, tuple[str, int, int, bool]]:

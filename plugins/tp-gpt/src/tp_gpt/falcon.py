@@ -17,11 +17,14 @@ piece is again such a pack of its own groups, or, with fewer groups than ranks, 
 one group beside that group's key and value head (Falcon-7B's 71 heads over any world up to 71).
 
 With ``alibi``, ``FalconModel`` folds one bias of all ``H`` heads into the attention mask,
-``[batch, H, queries, keys]``, and hands it (and the bias, ``[batch, H, 1, keys]``) to every layer;
-a rank's attention holds the query heads ``[f, f + h)`` (``first_head``) and must add only theirs.
+``[batch, H, queries, keys]``, and hands it to every layer (before transformers 5.25, the bias,
+``[batch * H, 1, keys]``, too, as the attention's ``alibi`` argument); a rank's attention holds the
+query heads ``[f, f + h)`` (``first_head``) and must add only theirs.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 from transformers.models.falcon.modeling_falcon import FalconAttention
@@ -39,18 +42,25 @@ def own_heads(tensor: torch.Tensor | None, first_head: int, local_heads: int, ba
     return local_alibi(tensor, first_head, local_heads, tensor.shape[0] // batch)
 
 
+#: the arguments of ``FalconAttention.forward`` after ``hidden_states`` (``alibi`` among them before 5.25)
+_ARGUMENTS = tuple(inspect.signature(FalconAttention.forward).parameters)[2:]
+#: the arguments that carry the all-heads bias
+_BIASED = ("alibi", "attention_mask")
+
+
 class FalconAttentionTP(FalconAttention):
-    """``FalconAttention`` that adds only its own heads' ALiBi bias (in ``alibi`` and in the mask it is
-    folded into); the math is Falcon's."""
+    """``FalconAttention`` that adds only its own heads' ALiBi bias (in ``alibi`` where the attention
+    takes it, and in the mask it is folded into); the math is Falcon's."""
 
     first_head = 0
 
-    def forward(self, hidden_states: torch.Tensor, alibi: torch.Tensor | None, attention_mask, *args, **kwargs):
-        if alibi is not None:
-            batch = hidden_states.shape[0]
-            alibi = own_heads(alibi, self.first_head, self.num_heads, batch)
-            attention_mask = own_heads(attention_mask, self.first_head, self.num_heads, batch)
-        return super().forward(hidden_states, alibi, attention_mask, *args, **kwargs)
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+        arguments = dict(zip(_ARGUMENTS[: len(args)], args, strict=True)) | kwargs
+        batch = hidden_states.shape[0]
+        for name in _BIASED:
+            if name in arguments:
+                arguments[name] = own_heads(arguments[name], self.first_head, self.num_heads, batch)
+        return super().forward(hidden_states, **arguments)
 
 
 def attention_class(module: FalconAttention) -> type[FalconAttention] | None:

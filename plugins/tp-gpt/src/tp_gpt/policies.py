@@ -35,6 +35,7 @@ from __future__ import annotations
 from tpcore import (
     Attention,
     BlockPolicy,
+    IfHeld,
     Layer,
     Policy,
     RowParallelLinear,
@@ -209,9 +210,13 @@ class FalconPolicy(Policy):
     def replace_arguments(config, world_size):
         groups = _falcon_key_value_heads(config)
         heads = share(config.num_attention_heads, world_size, "num_attention_heads", groups=groups)
+        kv_heads = share(groups, world_size, "key/value heads")
         arguments = {
             "self_attention.num_heads": heads,
-            "self_attention.num_kv_heads": share(groups, world_size, "key/value heads"),
+            "self_attention.num_kv_heads": kv_heads,
+            # transformers 5.25's attention (its shared attention functions) repeats each key/value head
+            # for its group of query heads; earlier ones broadcast them and have no such attribute
+            "self_attention.num_key_value_groups": IfHeld(heads // kv_heads, "self_attention.num_key_value_groups"),
         }
         if config.alibi:
             first = share(config.num_attention_heads, world_size, "num_attention_heads", groups=groups, first=True)
