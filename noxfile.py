@@ -126,6 +126,8 @@ BENCH_SCRIPTS = (
     "partial_sums.py",
     "uneven.py",
     "tp_plan_coverage.py",
+    "generation.py",
+    "call_stages.py",
     "serve.py",
 )
 
