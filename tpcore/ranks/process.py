@@ -222,9 +222,9 @@ class RankPool:
         """:meth:`run`, returning rank 0's result as soon as it is here: the other ranks' answers are read
         at the start of the next call (or a failure meanwhile, at once), which raises a rank's error then.
 
-        For a call whose other results are not wanted (a served forward: rank 0 holds the output). The
-        caller then goes on while the other ranks' replies are under way, on a host with few cores
-        a wake-up of the caller's process per rank, each one a context switch of a core the ranks need."""
+        For a call whose other results are not wanted (a served forward: rank 0 holds the output): a reply that
+        comes after rank 0's is not waited for (a wake-up of the caller's process, on a host whose cores the
+        ranks hold), but read when the next call starts."""
         return self._run(fn, args, kwargs, timeout, first_only=True)[0]
 
     def _run(self, fn: Callable[..., Any], args: tuple, kwargs: dict, timeout: float, first_only: bool) -> list[Any]:
