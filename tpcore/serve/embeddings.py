@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from tpcore.serve.requests import Failed, Finished, InternalError, Request, Unavailable
+from tpcore.serve.requests import Failed, Finished, InternalError, Request
 from tpcore.serve.scheduler import RANKS_LOST, Scheduler
 from tpcore.serve.stats import Throughput
 
@@ -76,9 +76,7 @@ class EmbeddingScheduler(Scheduler):
                 self.throughput.idle()
                 self.wake.wait(timeout=1.0)
             if self.stopping:
-                for request in self.waiting:
-                    request.push(Failed(Unavailable("the server is shutting down")))
-                self.waiting.clear()
+                self._refuse_waiting()
                 return None
             taken: list[Request] = []
             inputs = 0

@@ -113,6 +113,12 @@ class Scheduler:
                     self._fail_running(InternalError(f"generation failed: {error}"))
         self._fail_running(Unavailable("the server is shutting down"))
 
+    def _refuse_waiting(self) -> None:
+        """Fail every request still waiting (the server is stopping); called holding ``wake``."""
+        for request in self.waiting:
+            request.push(Failed(Unavailable("the server is shutting down")))
+        self.waiting.clear()
+
     def _admissions(self) -> list[Request] | None:
         """The requests to admit now (waiting while there is nothing to do); ``None`` when stopping."""
         with self.wake:
@@ -120,9 +126,7 @@ class Scheduler:
                 self.throughput.idle()
                 self.wake.wait(timeout=1.0)
             if self.stopping:
-                for request in self.waiting:
-                    request.push(Failed(Unavailable("the server is shutting down")))
-                self.waiting.clear()
+                self._refuse_waiting()
                 return None
             room = max(0, self.max_batch - len(self.batch))
             return [self.waiting.popleft() for _ in range(min(room, len(self.waiting)))]
