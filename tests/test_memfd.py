@@ -144,8 +144,9 @@ def test_a_one_element_view_with_a_stride_travels(pair):
 
 
 def test_a_reused_segment_comes_back_once_its_tensor_and_views_are_gone_and_is_written_again(pair):
-    """The receiver copies a reused segment out as it reads the message, keeping one mapping of it: the
-    sender's next use of the segment leaves the received tensor as it was."""
+    """The receiver copies a reused segment out as it reads the message and keeps it mapped: the segment's
+    descriptor travels with the first message only, and the sender's next use of it leaves the received tensor
+    as it was."""
     sender, receiver = pair
     tensor = memfd.empty((256, 128), torch.float32, reused=True).fill_(1.0)
     segment = memfd.segment_of(tensor)
@@ -163,10 +164,32 @@ def test_a_reused_segment_comes_back_once_its_tensor_and_views_are_gone_and_is_w
     gc.collect()
     again = memfd.empty((250, 128), torch.float32, reused=True).fill_(2.0)  # fits the same size class
     assert memfd.segment_of(again).fd == segment.fd
-    mappings = len(memfd._MAPPINGS._mappings)
+    sent_headers = []
+    original_send_bytes = sender.send_bytes
+    sender.send_bytes = lambda data: (sent_headers.append(bytes(data)), original_send_bytes(data))[1]
     wire.send(sender, again)
-    assert torch.equal(wire.recv(receiver), again) and len(memfd._MAPPINGS._mappings) == mappings  # mapped once
+    del sender.send_bytes
+    _, places, fd_count, _ = pickle.loads(sent_headers[0])
+    assert [place[0] for place in places] == ["held"] and fd_count == 0  # named by its key, no descriptor
+    assert torch.equal(wire.recv(receiver), again)
     assert torch.equal(received, torch.ones(256, 128))  # a copy: the segment's second use left it alone
+
+
+def test_a_receiver_unmaps_a_reused_segment_once_its_sender_closes_it(pair, monkeypatch):
+    """A sender that keeps no free segment (``KEPT_BYTES`` 0) closes a reused one once its tensor is gone; its
+    next message tells the receiver, which drops its mapping, so no memory stays held for it."""
+    monkeypatch.setattr(memfd, "KEPT_BYTES", 0)
+    sender, receiver = pair
+    tensor = memfd.empty((64, 256), torch.float32, reused=True).fill_(3.0)
+    key = memfd.segment_of(tensor).key
+    wire.send(sender, tensor)
+    assert torch.equal(wire.recv(receiver), tensor) and key in wire._HELD[receiver]
+    del tensor
+    gc.collect()
+    assert not memfd.reused_held(key)
+    wire.send(sender, "next")
+    assert wire.recv(receiver) == "next" and key not in wire._HELD[receiver]
+    assert key not in wire._ANNOUNCED[sender]
 
 
 def test_gathered_outputs_past_the_reused_size_get_a_segment_of_their_own(monkeypatch):

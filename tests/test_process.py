@@ -180,6 +180,43 @@ def test_functions_and_classes_defined_in_main_travel_by_value(pool, monkeypatch
     assert pool.run(answer, 40) == [40, 41]
 
 
+def test_the_c_pickler_pickles_a_message_and_cloudpickle_only_one_with_code_to_send_by_value(monkeypatch):
+    """A served call and its reply hold importable code only: the C pickler, at half cloudpickle's cost. Code the
+    ranks cannot import (from ``__main__``, or a class made at run time under an importable class's name) is
+    found by the C pickler and the message goes to cloudpickle, which sends it by value."""
+    import pickle
+
+    import __main__
+
+    used = []
+    for name in ("_Pickler", "_CodePickler"):
+        pickler = getattr(wire, name)
+
+        def dump(self, obj, _name=name, _dump=pickler.dump):
+            used.append(_name)
+            return _dump(self, obj)
+
+        monkeypatch.setattr(wire, name, type(name, (pickler,), {"dump": dump}))
+
+    def pickled(message):
+        used.clear()
+        return pickle.loads(wire.encode(message).frames[0])[0]
+
+    call = (rank_helpers.echo, (torch.arange(3), {"mask": torch.ones(2, 2)}), {}, logging.INFO)
+    assert pickle.loads(pickled(call))[0] is rank_helpers.echo and used == ["_Pickler"]
+
+    def answer(context):
+        return 42
+
+    answer.__module__ = "__main__"
+    monkeypatch.setattr(__main__, "answer", answer, raising=False)
+    pickled((answer, (), {}, logging.INFO))
+    assert used == ["_Pickler", "_CodePickler"]  # by reference it would name a __main__ the ranks do not have
+
+    made_at_run_time = type("Tensor", (torch.Tensor,), {"__module__": "torch"})  # like tpcore's served classes
+    assert pickle.loads(pickled(made_at_run_time)) is made_at_run_time and used == ["_Pickler", "_CodePickler"]
+
+
 def test_large_tensors_travel_out_of_band_and_come_back_exact_and_writable(pool):
     import pickle
 
@@ -193,7 +230,7 @@ def test_large_tensors_travel_out_of_band_and_come_back_exact_and_writable(pool)
     ]
     assert tensors[0].numel() * 4 >= SHARED_TENSOR_BYTES > tensors[1].numel() * 4
     with encode(tensors) as message:
-        payload, places, fd_count = pickle.loads(message.frames[0])
+        payload, places, fd_count, _ = pickle.loads(message.frames[0])
         assert [place[0] for place in places] == ["fd", "frame", "frame"] and fd_count == len(message.fds) == 1
         assert len(message.frames) == 3 and len(payload) < 4096  # the big bytes are not in the pickled frame
     back = pool.run(rank_helpers.echo, *tensors)[0]  # in shared memory both ways
@@ -207,7 +244,7 @@ def test_large_tensors_travel_out_of_band_and_come_back_exact_and_writable(pool)
 
 def test_small_tensors_travel_as_their_bytes_not_through_torch_serialization(monkeypatch):
     """A small call's inputs, outputs and random state cost microseconds: no torch.save per tensor. What
-    cannot travel as bytes (autograd, a lazy conjugate, an empty tensor) still goes torch's way."""
+    cannot travel as bytes (autograd, a lazy conjugate) still goes torch's way."""
     import threading
     from multiprocessing import Pipe
 
@@ -218,8 +255,10 @@ def test_small_tensors_travel_as_their_bytes_not_through_torch_serialization(mon
         torch.arange(10)[::2],  # non-contiguous
         torch.tensor([True, False]),
         torch.get_rng_state(),
+        torch.zeros(0, 4),
+        torch.ones(3, dtype=torch.int8).expand(2, 3),  # a stride of 0
     ]
-    torch_way = [torch.ones(2, requires_grad=True), torch.randn(3, dtype=torch.complex64).conj(), torch.zeros(0, 4)]
+    torch_way = [torch.ones(2, requires_grad=True), torch.randn(3, dtype=torch.complex64).conj()]
     reduced = []
     original_reduce = torch.Tensor.__reduce_ex__
 

@@ -19,22 +19,22 @@ A new segment's pages are allocated (and zeroed) by the kernel as they are first
 step's logits (``8 x 49152`` floats, 1.5 MiB) that costs milliseconds, more than the step's round trip.
 So gathered outputs up to :data:`REUSED_MAX_BYTES` go to *reused* segments (:func:`empty` with
 ``reused=True``), which a process keeps mapped and writes again call after call; the receiver copies
-such a segment's bytes out as it reads the message (:func:`copy_out`, through a mapping it keeps too),
-since the sender's next call overwrites them. Larger outputs (a long prompt's logits) keep a segment of
-their own, which the receiver maps without a copy.
+such a segment's bytes out as it reads the message (:func:`copy_out`, through a mapping it keeps too,
+so that the segment's descriptor travels once), since the sender's next call overwrites them. Larger
+outputs (a long prompt's logits) keep a segment of their own, which the receiver maps without a copy.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import itertools
 import math
 import mmap
 import os
 import sys
 import threading
 import weakref
-from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
@@ -49,6 +49,8 @@ __all__ = [
     "gathered_empty",
     "gathered_outputs_shared",
     "map_private",
+    "map_shared",
+    "reused_held",
     "segment_of",
     "write",
 ]
@@ -61,7 +63,7 @@ ALIGNMENT = 64
 GATHERED_MIN_BYTES = 64 * 2**10
 #: gathered outputs up to this size go to reused segments, copied out by the receiver; larger ones to new segments
 REUSED_MAX_BYTES = 64 * 2**20
-#: free reused segments a process keeps (and mappings of others' reused segments a receiver keeps), in bytes
+#: free reused segments a process keeps, in bytes (a receiver keeps a mapping of each while its sender does)
 KEPT_BYTES = 128 * 2**20
 #: segments :func:`empty` keeps open at once; past it, allocations are plain tensors (each segment holds a descriptor)
 MAX_LIVE_SEGMENTS = 64
@@ -71,20 +73,24 @@ _UNTRACKED = {"trackfd": False} if sys.version_info >= (3, 13) else {}
 
 
 class Segment(NamedTuple):
-    """A segment's descriptor and size, where a tensor's bytes start in it, and whether the segment is
-    reused (its bytes are to be copied out by a receiver, not kept mapped)."""
+    """A segment's descriptor and size, where a tensor's bytes start in it, and for a reused segment (its bytes
+    are to be copied out by a receiver, not kept mapped) the key that names it while this process holds it."""
 
     fd: int
     nbytes: int
     offset: int
-    reused: bool = False
+    key: tuple[int, int] | None = None
+
+    @property
+    def reused(self) -> bool:
+        return self.key is not None
 
 
 class _Live(NamedTuple):
     fd: int
     nbytes: int
     owner: weakref.ref  # the object whose death frees the segment (the mapping, or a reused segment's array)
-    reused: bool
+    key: tuple[int, int] | None  # a reused segment's (process id, serial)
 
 
 _live: dict[int, _Live] = {}  # storage data_ptr -> the segment behind it
@@ -153,7 +159,7 @@ def empty(shape: Sequence[int], dtype: torch.dtype, reused: bool = False) -> tor
     tensor = torch.frombuffer(mapping, dtype=torch.uint8).view(dtype).view(tuple(shape))
     key = tensor.untyped_storage().data_ptr()
     with _live_lock:
-        _live[key] = _Live(fd, nbytes, weakref.ref(mapping), reused=False)
+        _live[key] = _Live(fd, nbytes, weakref.ref(mapping), key=None)
     # The tensor's storage holds the mapping; once it is gone, so is the descriptor.
     weakref.finalize(mapping, _release, key, fd)
     return tensor
@@ -177,11 +183,14 @@ class _ReusedSegments:
 
     A segment's size is a power of two, so that one serves the next call's slightly larger output (a
     growing batch). Safe to write again because a segment travels only in a reply, whose receiver copies
-    it out before it sends the next call (:func:`copy_out`)."""
+    it out before it sends the next call (:func:`copy_out`). Each is named by a key, ``(process id, serial)``,
+    which a receiver that keeps it mapped knows it by (:mod:`tpcore.ranks.wire` sends its descriptor once)."""
 
     def __init__(self):
-        self._free: dict[int, list[tuple[int, mmap.mmap]]] = {}
+        self._free: dict[int, list[tuple[int, mmap.mmap, tuple[int, int]]]] = {}
         self._free_bytes = 0
+        self._serials = itertools.count()
+        self._held: set[tuple[int, int]] = set()  # the keys of the segments this process holds
         self._lock = threading.Lock()
 
     def take(self, nbytes: int) -> torch.Tensor:
@@ -189,10 +198,10 @@ class _ReusedSegments:
         size = max(mmap.PAGESIZE, 1 << (nbytes - 1).bit_length())
         with self._lock:
             free = self._free.get(size)
-            fd, mapping = free.pop() if free else (None, None)
+            fd, mapping, segment_key = free.pop() if free else (None, None, None)
             if fd is not None:
                 self._free_bytes -= size
-        if fd is None or mapping is None:
+        if fd is None or mapping is None or segment_key is None:
             fd = _new(size)
             try:
                 mapping = mmap.mmap(
@@ -201,63 +210,49 @@ class _ReusedSegments:
             except BaseException:
                 os.close(fd)
                 raise
+            segment_key = (os.getpid(), next(self._serials))
+            with self._lock:
+                self._held.add(segment_key)
         # The array is the tensor's owner: it dies with the tensor's last view, and the segment comes back.
         array = numpy.frombuffer(mapping, dtype=numpy.uint8, count=nbytes)
         tensor = torch.from_numpy(array)
         key = tensor.untyped_storage().data_ptr()
         with _live_lock:
-            _live[key] = _Live(fd, size, weakref.ref(array), reused=True)
-        weakref.finalize(array, self._give_back, key, fd, mapping, size)
+            _live[key] = _Live(fd, size, weakref.ref(array), segment_key)
+        weakref.finalize(array, self._give_back, key, fd, mapping, size, segment_key)
         return tensor
 
-    def _give_back(self, key: int, fd: int, mapping: mmap.mmap, size: int) -> None:
+    def _give_back(self, key: int, fd: int, mapping: mmap.mmap, size: int, segment_key: tuple[int, int]) -> None:
         _forget(key, fd)
         with self._lock:
             if self._free_bytes + size <= KEPT_BYTES:
-                self._free.setdefault(size, []).append((fd, mapping))
+                self._free.setdefault(size, []).append((fd, mapping, segment_key))
                 self._free_bytes += size
                 return
+            self._held.discard(segment_key)
         os.close(fd)  # the mapping goes with its last reference
+
+    def holds(self, segment_key: tuple[int, int]) -> bool:
+        return segment_key in self._held
 
 
 _REUSED = _ReusedSegments()
 
 
-class _Mappings:
-    """A receiver's mappings of senders' reused segments, by file identity, least recently used first;
-    at most :data:`KEPT_BYTES` in all (a kept mapping keeps its segment's memory)."""
-
-    def __init__(self):
-        self._mappings: OrderedDict[tuple[int, int], mmap.mmap] = OrderedDict()
-        self._bytes = 0
-        self._lock = threading.Lock()
-
-    def of(self, fd: int, end: int) -> mmap.mmap:
-        status = os.fstat(fd)
-        key = (status.st_dev, status.st_ino)
-        with self._lock:
-            mapping = self._mappings.get(key)
-            if mapping is not None and len(mapping) >= end:
-                self._mappings.move_to_end(key)
-                return mapping
-            if mapping is not None:
-                self._bytes -= len(self._mappings.pop(key))
-            mapping = mmap.mmap(fd, status.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, **_UNTRACKED)
-            self._mappings[key] = mapping
-            self._bytes += len(mapping)
-            while self._bytes > KEPT_BYTES and len(self._mappings) > 1:
-                _, oldest = self._mappings.popitem(last=False)
-                self._bytes -= len(oldest)
-            return mapping
+def reused_held(key: tuple[int, int]) -> bool:
+    """Whether this process still holds the reused segment ``key`` (a receiver may keep it mapped)."""
+    return _REUSED.holds(key)
 
 
-_MAPPINGS = _Mappings()
+def map_shared(fd: int) -> mmap.mmap:
+    """A read-only mapping of the whole (reused) segment behind ``fd``, which sees what its sender writes
+    next: for :func:`copy_out`. The mapping holds no descriptor: close ``fd`` afterwards."""
+    return mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, **_UNTRACKED)
 
 
-def copy_out(fd: int, offset: int, nbytes: int) -> numpy.ndarray:
-    """A copy of ``nbytes`` at ``offset`` of the (reused) segment behind ``fd``, in this process's memory;
-    the segment stays mapped here for the next message that carries it."""
-    mapping = _MAPPINGS.of(fd, offset + nbytes)
+def copy_out(mapping: mmap.mmap, offset: int, nbytes: int) -> numpy.ndarray:
+    """A copy of ``nbytes`` at ``offset`` of a reused segment's mapping (:func:`map_shared`), in this process's
+    memory: the sender writes the segment again at its next call."""
     copy = numpy.empty(nbytes, dtype=numpy.uint8)
     copy[:] = numpy.frombuffer(mapping, dtype=numpy.uint8, count=nbytes, offset=offset)
     return copy
@@ -271,7 +266,7 @@ def segment_of(tensor: torch.Tensor) -> Segment | None:
     entry = _live.get(storage.data_ptr())
     if entry is None or entry.owner() is None:
         return None
-    return Segment(entry.fd, entry.nbytes, tensor.data_ptr() - storage.data_ptr(), entry.reused)
+    return Segment(entry.fd, entry.nbytes, tensor.data_ptr() - storage.data_ptr(), entry.key)
 
 
 @contextlib.contextmanager

@@ -5,11 +5,12 @@ challenge with ``HMAC-SHA256(key, challenge | rank)`` for the key it was started
 then a :class:`~multiprocessing.connection.Connection`. Connections that do not answer correctly
 within :data:`HANDSHAKE_TIMEOUT_S` are dropped while the caller keeps waiting for its ranks.
 
-A message is framed as the pickled message (cloudpickle: code from ``__main__`` travels by value)
-and where its out-of-band buffers are, then each raw frame. Plain CPU tensors travel as their bytes
-(pickle protocol 5), never through torch's own serialization (about 0.1 ms a tensor however small):
-small ones inside the pickle, large ones out of band with no copy into it; from a megabyte on they
-travel in shared memory (:mod:`tpcore.parallel.memfd`), the receiver mapping what the sender wrote, and a
+A message is framed as the pickled message and where its out-of-band buffers are, then each raw frame.
+The C pickler pickles it; cloudpickle only a message with code that must travel by value (from ``__main__``,
+local or dynamic), since its pickler costs twice as much. Plain CPU tensors travel as their bytes (pickle
+protocol 5), never through torch's own serialization (about 0.1 ms a tensor however small): small ones
+inside the pickle, large ones out of band with no copy into it; from a megabyte on they travel in shared
+memory (:mod:`tpcore.parallel.memfd`), the receiver mapping what the sender wrote, and a
 tensor the sender already holds in shared memory is not copied at all.
 """
 
@@ -27,10 +28,14 @@ import socket
 import sys
 import tempfile
 import time
+import types
+import weakref
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
+
+import numpy
 
 from tpcore.parallel import memfd
 
@@ -282,25 +287,102 @@ class _OutOfBand:
         return False
 
 
-class _Pickler(cloudpickle.Pickler):
-    """cloudpickle, with plain CPU tensors sent as their bytes: inside the pickle below
-    :data:`RAW_TENSOR_BYTES`, out of band from there on (as raw frames or in shared memory: :attr:`out_of_band`).
-    """
+class _ByValue(Exception):
+    """A function or class that the receiver cannot import: the message needs cloudpickle."""
 
-    def __init__(self, file):
-        self.out_of_band = _OutOfBand()
-        super().__init__(file, protocol=5, buffer_callback=self.out_of_band.keep)
+
+class _TensorBytes:
+    """Mixed into a pickler: plain CPU tensors sent as their bytes (:func:`_reduce_tensor`), anything else to the
+    pickler's :meth:`_reduce_other`."""
+
+    def __init__(self, file, out_of_band: _OutOfBand):
+        self.out_of_band = out_of_band
+        super().__init__(file, protocol=5, buffer_callback=out_of_band.keep)  # type: ignore[call-arg]  # a pickler
 
     def reducer_override(self, obj):
-        torch = sys.modules.get("torch")
-        if torch is not None and type(obj) is torch.Tensor and _bytes_sendable(obj):
-            data = obj.detach().contiguous()
-            buffer = pickle.PickleBuffer(byte_view(data))
-            if data.numel() * data.element_size() >= RAW_TENSOR_BYTES:
-                self.out_of_band.segment_of_buffer[id(buffer)] = (buffer, memfd.segment_of(data))
-            return _tensor_from_buffer, (buffer, data.dtype, tuple(data.shape))
-        parent = getattr(super(), "reducer_override", None)  # plain pickle (no cloudpickle) has none
-        return parent(obj) if parent is not None else NotImplemented
+        reduced = _reduce_tensor(obj, self.out_of_band)
+        return reduced if reduced is not None else self._reduce_other(obj)
+
+    def _reduce_other(self, obj):
+        return NotImplemented
+
+
+class _Pickler(_TensorBytes, pickle.Pickler):
+    """The C pickler: half the cost of cloudpickle's for a served call or its reply. It raises :class:`_ByValue`
+    at code that must travel by value (:func:`_travels_by_value`), and the message is pickled again by
+    :class:`_CodePickler`."""
+
+    def _reduce_other(self, obj):
+        if isinstance(obj, (type, types.FunctionType)) and _travels_by_value(obj):
+            raise _ByValue(obj)
+        return NotImplemented
+
+
+class _CodePickler(_TensorBytes, cloudpickle.Pickler):
+    """cloudpickle: functions and classes of ``__main__``, local or dynamic ones travel by value."""
+
+    def _reduce_other(self, obj):
+        parent = getattr(cloudpickle.Pickler, "reducer_override", None)  # plain pickle (no cloudpickle) has none
+        return parent(self, obj) if parent is not None else NotImplemented
+
+
+def _reduce_tensor(obj, out_of_band: _OutOfBand) -> tuple | None:
+    """A plain CPU tensor as its bytes: inside the pickle below :data:`RAW_TENSOR_BYTES`, out of band from there
+    on (as a raw frame, or in shared memory: ``out_of_band``); ``None`` for anything else.
+
+    Through numpy where it has the dtype: one ``Tensor.numpy()`` both checks the tensor (on the CPU, dense, no
+    autograd, no lazy bits) and gives its bytes. Each call into torch costs microseconds when a forward has just
+    left the caches cold, ten times its cost in a warm loop; this path makes three."""
+    torch = sys.modules.get("torch")
+    if torch is None or type(obj) is not torch.Tensor:
+        return None
+    try:
+        array = obj.numpy()
+    except (TypeError, RuntimeError):  # bf16 and other dtypes numpy lacks, or a tensor whose bytes are not its values
+        return _reduce_tensor_bytes(obj, out_of_band)
+    if not array.flags.c_contiguous:
+        array = numpy.ascontiguousarray(array)
+    buffer = pickle.PickleBuffer(array)
+    if array.nbytes >= RAW_TENSOR_BYTES:
+        out_of_band.segment_of_buffer[id(buffer)] = (buffer, memfd.segment_of(obj))
+    return _tensor_from_array, (buffer, array.dtype.str, array.shape)
+
+
+def _reduce_tensor_bytes(obj, out_of_band: _OutOfBand) -> tuple | None:
+    """:func:`_reduce_tensor` through the tensor's bytes (a dtype numpy lacks); ``None`` if they are not its values."""
+    if not _bytes_sendable(obj):
+        return None
+    data = obj.detach().contiguous()
+    buffer = pickle.PickleBuffer(byte_view(data))
+    if data.numel() * data.element_size() >= RAW_TENSOR_BYTES:
+        out_of_band.segment_of_buffer[id(buffer)] = (buffer, memfd.segment_of(data))
+    return _tensor_from_buffer, (buffer, data.dtype, tuple(data.shape))
+
+
+def _travels_by_value(code) -> bool:
+    """Whether cloudpickle would send a function or class by value: it lives in ``__main__``, in a module that
+    is not imported, or in one registered to travel by value. (Local and replaced ones make plain pickle fail.)"""
+    name = getattr(code, "__module__", None)
+    if name is None or name == "__main__" or name not in sys.modules:
+        return True
+    if cloudpickle is pickle:
+        return False
+    registered = cloudpickle.list_registry_pickle_by_value()
+    return any(name == module or name.startswith(module + ".") for module in registered)
+
+
+def _pickled(message) -> tuple[bytes, _OutOfBand]:
+    """``message`` pickled, and its out-of-band buffers: by the C pickler where it can, else by cloudpickle."""
+    try:
+        return _dump(_Pickler, message)
+    except Exception:  # code to send by value, or what neither pickler takes (cloudpickle raises it again)
+        return _dump(_CodePickler, message)
+
+
+def _dump(pickler_class: type, message) -> tuple[bytes, _OutOfBand]:
+    stream, out_of_band = io.BytesIO(), _OutOfBand()
+    pickler_class(stream, out_of_band).dump(message)
+    return stream.getvalue(), out_of_band
 
 
 def _bytes_sendable(tensor) -> bool:
@@ -324,22 +406,60 @@ def _tensor_from_buffer(buffer, dtype, shape):
     return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(shape)
 
 
-class Encoded:
-    """A message ready to send, to one receiver or several: its frames, and the shared-memory segments
-    its large tensors travel in (descriptors passed beside the frames). :meth:`close` once sent."""
+def _tensor_from_array(buffer, dtype: str, shape: tuple[int, ...]):
+    import torch
 
-    def __init__(self, frames: list, fds: list[int], owned: list[int]):
-        #: the header (the pickled message and where each out-of-band buffer is), then the socket frames
-        self.frames = frames
+    return torch.from_numpy(numpy.ndarray(shape, dtype, buffer))
+
+
+class Encoded:
+    """A message ready to send, to one receiver or several: the pickled message, where each out-of-band buffer
+    is (``places``), the raw frames, and the shared-memory segments its large tensors travel in (descriptors
+    passed beside the frames). :meth:`close` once sent.
+
+    :attr:`frames` is the header for a receiver that holds none of the message's reused segments, then the raw
+    frames; :meth:`send` names a reused segment that the receiver holds by its key, without its descriptor."""
+
+    def __init__(self, payload: bytes, places: list[tuple], frames: list, fds: list[int], owned: list[int]):
+        self.payload = payload
+        self.places = places
         self.fds = fds
+        self.frames = [pickle.dumps((payload, places, len(fds), []), protocol=5), *frames]
         self._owned = owned  # of ``fds``, the segments made for this message
 
     def send(self, conn: Connection) -> None:
-        conn.send_bytes(self.frames[0])
-        if self.fds:
-            _send_fds(conn, self.fds)
+        announced = _ANNOUNCED.setdefault(conn, set())
+        reused = any(place[0] == "copy" for place in self.places)
+        released = [key for key in announced if not memfd.reused_held(key)]
+        new_keys: list[tuple[int, int]] = []
+        if not reused and not released:
+            header, fds = self.frames[0], self.fds
+        else:
+            header, fds, new_keys = self._header_for(announced, released)
+        conn.send_bytes(header)
+        if fds:
+            _send_fds(conn, fds)
         for frame in self.frames[1:]:
             conn.send_bytes(frame)
+        announced.difference_update(released)
+        announced.update(new_keys)
+
+    def _header_for(self, announced: set, released: list) -> tuple[bytes, list[int], list]:
+        """The header for a receiver that holds the reused segments ``announced`` (less ``released``, which it
+        is told to unmap), the descriptors it needs, and the keys of the reused segments it gets now."""
+        held_fds = {self.fds[place[1]] for place in self.places if place[0] == "copy" and place[4] in announced}
+        fds = [fd for fd in self.fds if fd not in held_fds]
+        places, new_keys = [], []
+        for place in self.places:
+            if place[0] == "copy" and place[4] in announced:
+                places.append(("held", place[4], place[2], place[3]))
+            elif place[0] in ("copy", "fd"):
+                places.append((place[0], fds.index(self.fds[place[1]]), *place[2:]))
+                if place[0] == "copy":
+                    new_keys.append(place[4])
+            else:
+                places.append(place)
+        return pickle.dumps((self.payload, places, len(fds), released), protocol=5), fds, new_keys
 
     def close(self) -> None:
         """Close the segments made for this message (each receiver holds its own mapping)."""
@@ -354,19 +474,24 @@ class Encoded:
         self.close()
 
 
+#: per connection, the reused segments sent on it with their descriptor, which its receiver keeps mapped
+_ANNOUNCED: weakref.WeakKeyDictionary[Connection, set[tuple[int, int]]] = weakref.WeakKeyDictionary()
+#: per connection, the receiver's mappings of the sender's reused segments, by key
+_HELD: weakref.WeakKeyDictionary[Connection, dict[tuple[int, int], Any]] = weakref.WeakKeyDictionary()
+
+
 def encode(message) -> Encoded:
     """``message`` as an :class:`Encoded`: out-of-band buffers from :data:`SHARED_TENSOR_BYTES` on go
     through shared memory (one segment for all that are copied, none for a tensor already in a
     segment), smaller ones follow the header as raw frames.
 
-    The header is ``(pickled message, places, number of descriptors)``, a place per buffer:
-    ``("frame", nbytes)``, ``("fd", descriptor index, offset, nbytes)`` (mapped by the receiver) or
-    ``("copy", descriptor index, offset, nbytes)`` (a reused segment: copied out by the receiver).
+    The header is ``(pickled message, places, number of descriptors, released keys)``, a place per buffer:
+    ``("frame", nbytes)``, ``("fd", descriptor index, offset, nbytes)`` (mapped by the receiver),
+    ``("copy", descriptor index, offset, nbytes, key)`` (a reused segment: copied out by the receiver, which
+    keeps it mapped under ``key``) or ``("held", key, offset, nbytes)`` (a reused segment the receiver has
+    mapped); the released keys name reused segments the sender has closed, which the receiver unmaps.
     """
-    stream = io.BytesIO()
-    pickler = _Pickler(stream)
-    pickler.dump(message)
-    out_of_band = pickler.out_of_band
+    payload, out_of_band = _pickled(message)
     raws = [buffer.raw() for buffer in out_of_band.buffers]
     places: list[tuple] = []
     frames, fds, copied = [], [], []
@@ -374,8 +499,10 @@ def encode(message) -> Encoded:
         if segment is not None:
             if segment.fd not in fds:
                 fds.append(segment.fd)
-            kind = "copy" if segment.reused else "fd"  # the sender writes a reused segment again: copy it out
-            places.append((kind, fds.index(segment.fd), segment.offset, raw.nbytes))
+            if segment.key is not None:  # the sender writes a reused segment again: the receiver copies it out
+                places.append(("copy", fds.index(segment.fd), segment.offset, raw.nbytes, segment.key))
+            else:
+                places.append(("fd", fds.index(segment.fd), segment.offset, raw.nbytes))
         elif memfd.AVAILABLE and raw.nbytes >= SHARED_TENSOR_BYTES:
             copied.append((len(places), raw))
             places.append(())  # filled in below, once the segment is written
@@ -389,8 +516,7 @@ def encode(message) -> Encoded:
         fds.append(fd)
         for (index, raw), offset in zip(copied, offsets, strict=True):
             places[index] = ("fd", len(fds) - 1, offset, raw.nbytes)
-    header = pickle.dumps((stream.getvalue(), places, len(fds)), protocol=5)
-    return Encoded([header, *frames], fds, owned)
+    return Encoded(payload, places, frames, fds, owned)
 
 
 def send(conn: Connection, message) -> None:
@@ -399,7 +525,10 @@ def send(conn: Connection, message) -> None:
 
 
 def recv(conn: Connection):
-    payload, places, fd_count = pickle.loads(conn.recv_bytes())
+    payload, places, fd_count, released = pickle.loads(conn.recv_bytes())
+    held = _HELD.setdefault(conn, {})
+    for key in released:
+        held.pop(key, None)
     fds = _recv_fds(conn, fd_count) if fd_count else []
     try:
         mapped: dict[int, Any] = {}
@@ -409,8 +538,14 @@ def recv(conn: Connection):
                 buffer = bytearray(place[1])
                 conn.recv_bytes_into(buffer)
             elif place[0] == "copy":
-                _, index, offset, nbytes = place
-                buffer = memfd.copy_out(fds[index], offset, nbytes)
+                _, index, offset, nbytes, key = place
+                held[key] = memfd.map_shared(fds[index])
+                buffer = memfd.copy_out(held[key], offset, nbytes)
+            elif place[0] == "held":
+                _, key, offset, nbytes = place
+                if key not in held:
+                    raise OSError(f"a message names a shared-memory segment {key} this end does not hold")
+                buffer = memfd.copy_out(held[key], offset, nbytes)
             else:
                 _, index, offset, nbytes = place
                 if index not in mapped:
