@@ -116,6 +116,7 @@ class RankCaches:
     def __init__(self) -> None:
         self.caches: dict[int, Any] = {}
         self._ids = itertools.count(1 << 40)  # ids the ranks give; the caller's count from 1
+        self._reported: dict[int, CacheState] = {}  # the states the last report took, by cache id
 
     def resolve(self, value: Any) -> Any:
         """``value`` with every :class:`CacheRef` inside replaced by the cache it names (made from its
@@ -147,16 +148,27 @@ class RankCaches:
 
     def report(self, output: Any) -> Any:
         """``output`` with each cache inside (one a forward made or filled) replaced by ``(id, state)``."""
+        self._reported = {}
+        return self._report(output)
+
+    def _report(self, output: Any) -> Any:
         if _is_cache(output):
             cache_id = next((key for key, cache in self.caches.items() if cache is output), None)
             if cache_id is None:
                 cache_id = next(self._ids)
                 self.caches[cache_id] = output
-            return _Reported(cache_id, CacheState.of(output))
-        return each_item(output, self.report, named_tuples=False)
+            state = self._reported[cache_id] = CacheState.of(output)
+            return _Reported(cache_id, state)
+        return each_item(output, self._report, named_tuples=False, in_place=True)  # the forward's own output
 
     def states(self, ids: set[int]) -> dict[int, CacheState]:
-        return {cache_id: CacheState.of(self.caches[cache_id]) for cache_id in ids if cache_id in self.caches}
+        """The state of each cache of ``ids`` the ranks hold, after the forward whose output was just reported
+        (a state :meth:`report` took is not taken again)."""
+        return {
+            cache_id: self._reported.get(cache_id) or CacheState.of(self.caches[cache_id])
+            for cache_id in ids
+            if cache_id in self.caches
+        }
 
     def free(self, ids: list[int]) -> None:
         for cache_id in ids:
@@ -171,6 +183,8 @@ class _Reported(NamedTuple):
 
 
 def _is_cache(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):  # the common case, and a tensor's missing attribute is slow to look up
+        return False
     from transformers.cache_utils import Cache
 
     return isinstance(value, Cache) or all(hasattr(value, part) for part in PARTS) and hasattr(value, "is_updated")
@@ -403,7 +417,7 @@ class CallerCaches:
             stand_in = new_stand_in(value.id, value.state, self.ranks)
             self._free_when_dropped(stand_in, value.id)
             return stand_in
-        return each_item(value, lambda item: self._stand_ins_in(item, sent), named_tuples=False)
+        return each_item(value, lambda item: self._stand_ins_in(item, sent), named_tuples=False, in_place=True)
 
     def _free_when_dropped(self, cache: Any, cache_id: int) -> None:
         weakref.finalize(cache, self._freed.append, cache_id)

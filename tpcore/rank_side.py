@@ -109,8 +109,11 @@ def serve(context: RankContext, call: Call):
     apply_config_changes(model, call.config_changes)
     generator = device_generator(context.device)
     call.random_state.apply(generator)
-    random_before = torch.get_rng_state()
-    args, kwargs = caches.resolve(kept.resolve(to_device((call.args, call.kwargs), context.device)))
+    random_before = torch.get_rng_state() if context.rank == 0 else None  # rank 0 tells the caller if it moved
+    inputs = (call.args, call.kwargs)  # on the CPU, as they arrived
+    if context.device.type != "cpu":
+        inputs = to_device(inputs, context.device)
+    args, kwargs = caches.resolve(kept.resolve(inputs))
     target = model.get_submodule(call.path) if call.path else model
     if call.method:
         target = getattr(target, call.method)
@@ -129,9 +132,12 @@ def gather_attentions(output: Any, group: Any) -> Any:
     """``output`` with every attention map (``attentions``, ``cross_attentions``, ... ``(batch, heads, q, k)``)
     holding every head, in order: each rank's heads (a contiguous run, in rank order) gathered; a map every
     rank holds whole (of a part left unsplit) is kept as it is. Only when the caller asked for attentions."""
-    if not isinstance(output, dict) or group is None or dist.get_world_size(group) == 1:
+    if not isinstance(output, dict):
         return output
-    for key in [key for key in output if key.endswith("attentions") and isinstance(output[key], tuple)]:
+    keys = [key for key in output if key.endswith("attentions") and isinstance(output[key], tuple)]
+    if not keys or group is None or dist.get_world_size(group) == 1:
+        return output
+    for key in keys:
         output[key] = tuple(_every_head(attention, group) for attention in output[key])
     return output
 

@@ -15,25 +15,29 @@ import torch
 __all__ = ["each_item", "first_device", "to_cpu", "to_device"]
 
 
-def each_item(value: Any, function: Callable[[Any], Any], named_tuples: bool = True) -> Any:
+def each_item(value: Any, function: Callable[[Any], Any], named_tuples: bool = True, in_place: bool = False) -> Any:
     """``value`` with ``function`` applied to each item, when it is a dict, list or tuple (a named tuple
     only with ``named_tuples``), else ``value`` as it is; a dict's item that ``function`` turns into ``None`` is
     left out.
 
     A container whose items all come back as they were is returned itself, not built again: a served call
     walks its inputs and outputs several times, and building a ``ModelOutput`` (a dataclass) again costs
-    tens of microseconds each time."""
+    tens of microseconds each time. ``in_place``: a dict whose items change (none to ``None``) is changed
+    itself, for a container the walker owns (a forward's fresh output)."""
     if isinstance(value, dict):
-        items, same = {}, True
+        changed = {}
         for key, item in value.items():
             new = function(item)
             if new is not item:
-                same = False
-                if new is None:
-                    continue
-            items[key] = new
-        if same:
+                changed[key] = new
+        if not changed:
             return value
+        if in_place and None not in changed.values():
+            for key, new in changed.items():
+                value[key] = new  # a ModelOutput sets its attribute too
+            return value
+        items = {key: changed.get(key, item) for key, item in value.items()}
+        items = {key: item for key, item in items.items() if item is not None}
         return type(value)(**items) if dataclasses.is_dataclass(value) else type(value)(items)  # ModelOutput: both
     if isinstance(value, (list, tuple)) and (named_tuples or not hasattr(value, "_fields")):
         listed, same = [], True
