@@ -9,13 +9,15 @@ default) split over N=2 CPU ranks, greedy decoding of ``--new-tokens`` tokens at
   here and each forward step is one round trip to the ranks, which keep the KV cache.
 
 ms/token is ``(time with T new tokens - time with 1 new token) / (T - 1)``: the prefill cancels out. The two
-ways run interleaved in rounds; medians. Both give the same tokens (checked).
+ways run interleaved in rounds; ms/token from the medians, and the ratio as the median of each round's own
+ratio (a round runs both ways back to back, so a change in the machine's load falls on both), with its range.
+Both give the same tokens (checked).
 
 The overhead of a served call is measured apart, on bare decode steps (``model(next_token, cache=...)``, no
 ``generate()``): the median step timed in this process, against the median of the same steps run on the ranks
 and timed there (the forward alone). Writes ``bench/results/generation.md``.
 
-    python bench/generation.py            # about 3-4 minutes on 2 CPU cores
+    python bench/generation.py            # about 3 minutes on 2 CPU cores
     python bench/generation.py --quick    # a smoke run
 """
 
@@ -127,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     common_arguments(parser, "generation", "a few tokens, one round")
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args(argv)
     new_tokens, rounds, layers = (6, 1, 2) if args.quick else (args.new_tokens, args.rounds, args.layers)
     spec = spec_for(layers)
@@ -149,6 +151,16 @@ def main(argv: list[str] | None = None) -> None:
                     times["caller"][count].append(seconds)
                     assert torch.equal(ranks_tokens, caller_tokens), "the two loops gave different tokens"
             ms = {way: per_token_ms(t[new_tokens][1:], t[1][1:], new_tokens) for way, t in times.items()}
+            paired = [  # each round's caller / ranks ratio: the two ways ran back to back, under the same load
+                (caller_long - caller_short) / (ranks_long - ranks_short)
+                for caller_long, caller_short, ranks_long, ranks_short in zip(
+                    times["caller"][new_tokens][1:],
+                    times["caller"][1][1:],
+                    times["ranks"][new_tokens][1:],
+                    times["ranks"][1][1:],
+                    strict=True,
+                )
+            ]
             steps = {"ranks": [], "caller": []}
             for _ in range(rounds + 1):
                 steps["ranks"].append(pool.run(ranks_steps, inputs["input_ids"], new_tokens)[0])
@@ -159,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
                     str(batch),
                     f"{ms['ranks']:.1f}",
                     f"{ms['caller']:.1f}",
-                    f"{ms['caller'] / ms['ranks']:.3f}",
+                    f"{statistics.median(paired):.3f} ({min(paired):.3f}-{max(paired):.3f})",
                     f"{forward:.2f}",
                     f"{served_step:.2f}",
                     f"{served_step - forward:.2f}",
@@ -170,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
         "batch",
         "ranks' loop ms/token",
         "caller's loop ms/token",
-        "caller / ranks",
+        "caller / ranks: median of rounds (range)",
         "step on the ranks ms",
         "served step ms",
         "overhead per call ms",
@@ -178,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     print(plain_table(header, rows))
     sections = [
         f"Llama of SmolLM2-135M's widths, {layers} layers, N=2 gloo ranks, greedy, {new_tokens} new tokens after a "
-        f"16-token prompt, median of {rounds} rounds.",
+        f"16-token prompt, {rounds} rounds.",
         markdown_table(header, rows),
     ]
     write_result(
