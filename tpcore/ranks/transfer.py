@@ -32,7 +32,7 @@ def each_item(value: Any, function: Callable[[Any], Any], named_tuples: bool = T
                 changed[key] = new
         if not changed:
             return value
-        if in_place and None not in changed.values():
+        if in_place and all(new is not None for new in changed.values()):  # `is`: no array compared with None
             for key, new in changed.items():
                 value[key] = new  # a ModelOutput sets its attribute too
             return value
