@@ -428,12 +428,11 @@ class Encoded:
         self._owned = owned  # of ``fds``, the segments made for this message
 
     def send(self, conn: Connection) -> None:
-        announced = _ANNOUNCED.setdefault(conn, set())
-        reused = any(place[0] == "copy" for place in self.places)
+        announced = _ANNOUNCED.get(conn) or set()
         released = [key for key in announced if not memfd.reused_held(key)]
         new_keys: list[tuple[int, int]] = []
-        if not reused and not released:
-            header, fds = self.frames[0], self.fds
+        if not released and not any(place[0] == "copy" for place in self.places):
+            header, fds = self.frames[0], self.fds  # the common message: the header made once for every receiver
         else:
             header, fds, new_keys = self._header_for(announced, released)
         conn.send_bytes(header)
@@ -441,8 +440,8 @@ class Encoded:
             _send_fds(conn, fds)
         for frame in self.frames[1:]:
             conn.send_bytes(frame)
-        announced.difference_update(released)
-        announced.update(new_keys)
+        if released or new_keys:
+            _ANNOUNCED[conn] = (announced - set(released)) | set(new_keys)
 
     def _header_for(self, announced: set, released: list) -> tuple[bytes, list[int], list]:
         """The header for a receiver that holds the reused segments ``announced`` (less ``released``, which it
