@@ -88,9 +88,9 @@ class CacheState:
             type(cache),
             seq_lengths=tuple(_seq_length(cache, layer) for layer in layers),
             batch_size=_safe(lambda: cache.batch_size, -1),
-            is_sliding=tuple(cache.is_sliding),
-            is_linear=tuple(cache.is_linear),
-            is_dummy=tuple(cache.is_dummy),
+            is_sliding=_flags(cache, "is_sliding"),
+            is_linear=_flags(cache, "is_linear"),
+            is_dummy=_flags(cache, "is_dummy"),
             is_croppable=_safe(lambda: cache.is_croppable, False),
             is_initialized=_safe(lambda: cache.is_initialized, False),
         )
@@ -101,6 +101,11 @@ def _safe(read: Callable[[], Any], default: Any) -> Any:
         return read()
     except (ValueError, AttributeError):
         return default
+
+
+def _flags(cache: Any, name: str) -> tuple[bool, ...]:
+    """The per-layer flags ``cache.<name>``; ``()`` where this transformers has none (``is_dummy`` came in 5.2x)."""
+    return tuple(_safe(lambda: getattr(cache, name), ()))
 
 
 def _seq_length(cache: Any, layer: int) -> int:

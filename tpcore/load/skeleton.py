@@ -149,9 +149,10 @@ def register_output_recording(model: nn.Module) -> None:
         from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
     except ImportError:  # transformers versions without output capturing need nothing
         return
+    by_class_name = type(_CAN_RECORD_REGISTRY) is dict  # before 5.2x: a plain dict keyed on str(class)
     for module in model.modules():
         if hasattr(module, "_can_record_outputs") and hasattr(module, "config"):
-            _CAN_RECORD_REGISTRY[module] = module._can_record_outputs
+            _CAN_RECORD_REGISTRY[str(type(module)) if by_class_name else module] = module._can_record_outputs
 
 
 def portable(model: nn.Module) -> nn.Module:
