@@ -1,6 +1,7 @@
 """Developer and CI sessions for tpcore and its plugins.
 
-    nox                        # = nox -s tests: the whole CPU suite (gloo ranks), the README's test command and CI's
+    nox                        # = nox -s tests: the whole CPU suite (gloo ranks), the README's test command and CI's;
+                               #   then the user's path on the oldest transformers that pyproject.toml accepts
     nox -s quick               # the suite without the tests marked slow: the edit-test loop (minutes)
     nox -s tests -- -k slicer  # pytest arguments go after "--" (for quick too)
     nox -s lint                # ruff check + ruff format --check + mypy over tpcore/
@@ -16,6 +17,7 @@ Sessions build their virtualenvs with uv (``pip install nox uv``). Every install
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -30,6 +32,20 @@ PLUGINS = sorted(f"plugins/{path.parent.name}" for path in ROOT.glob("plugins/*/
 LINT_PATHS = [
     p for p in ("tpcore", "plugins", "examples", "tests", "bench", "tools", "noxfile.py") if (ROOT / p).exists()
 ]
+
+#: the oldest transformers tpcore accepts (its ``transformers>=`` in pyproject.toml)
+OLDEST_TRANSFORMERS = re.search(r'"transformers>=([0-9.]+)', (ROOT / "pyproject.toml").read_text()).group(1)
+#: what ``nox -s tests`` runs again on that transformers: the paths whose transformers internals change between
+#: releases (the served model's caches, output capture and generate loop; sentence-transformers; serving)
+USER_PATH_TESTS = (
+    "tests/test_served_model.py",
+    "tests/test_parallelize.py",
+    "tests/test_sentence_transformers.py",
+    "tests/test_caller_threads.py",
+    "tests/test_serve.py",
+    "tests/test_cache_batches.py",
+    "tests/test_resent.py",
+)
 
 nox.options.default_venv_backend = "uv"
 nox.options.sessions = ["tests"]
@@ -69,10 +85,16 @@ def install_for_tests(session: nox.Session) -> None:
 
 
 @nox.session(reuse_venv=True)
-def tests(session: nox.Session) -> None:
-    """The CPU test suite (tests/ and plugins/*/tests, see [tool.pytest.ini_options]): under 40 minutes on 2 cores."""
+@nox.parametrize("transformers", ["newest", "oldest"])
+def tests(session: nox.Session, transformers: str) -> None:
+    """``newest``: the CPU test suite (tests/ and plugins/*/tests, see [tool.pytest.ini_options]); ``oldest``: the
+    user's path again on the oldest transformers tpcore accepts. Both under 40 minutes on 2 cores."""
     install_for_tests(session)
-    session.run("pytest", *session.posargs)
+    if transformers == "newest":
+        session.run("pytest", *session.posargs)
+        return
+    install(session, f"transformers=={OLDEST_TRANSFORMERS}.*")
+    session.run("pytest", "-m", "not slow", *USER_PATH_TESTS, *session.posargs)
 
 
 @nox.session(reuse_venv=True)
