@@ -101,8 +101,8 @@ class ParallelHandle:
         self.random = CallerRandomState()
         self.caches = CallerCaches(Ranks(self.mutate_cache, self.cache_tensors))
         self.tensors = CallerTensors()
-        #: CPU ranks of this host hold its cores: the caller's generate() works in one thread meanwhile
-        self.one_thread = OneThreadWhileServing(torch.device(self.device).type == "cpu")
+        #: the caller's generate() works in one thread between the ranks' steps (tpcore.ranks.threads)
+        self.one_thread = OneThreadWhileServing(True)
         self.config = ConfigWatch(getattr(model, "config", None))
         self._lock = threading.Lock()
         self._policies = describe_policies(plan.policies)
@@ -324,8 +324,7 @@ def _served_apply(model: nn.Module, fn, recurse: bool = True) -> nn.Module:
 
 
 def _served_generate(model_class: type):
-    """The model's own ``generate``, run with the caller in one intra-op thread while the ranks are CPU ranks
-    (:mod:`tpcore.ranks.threads`)."""
+    """The model's own ``generate``, run with the caller in one intra-op thread (:mod:`tpcore.ranks.threads`)."""
     own = getattr(model_class, "generate")  # noqa: B009  (a transformers model class)
 
     @functools.wraps(own)
