@@ -1,12 +1,14 @@
 """Decode ms/token of ``generate()`` on a split model: the loop in the caller against the loop on the ranks.
 
 A random-init Llama (SmolLM2-135M's widths: hidden 576, 9 query and 3 key/value heads, fewer layers by
-default) split over N=2 CPU ranks, greedy decoding of ``--new-tokens`` tokens at batch 1 and 8:
+default) split over ``--ranks`` ranks (2 CPU processes on gloo; ``--device cuda``: a GPU each, NCCL), greedy decoding
+of ``--new-tokens`` tokens at batch 1 and 8:
 
 - **ranks' loop**: ``model.generate()`` run on every rank of a ``RankPool`` (``ParallelEngine``), timed there:
   the loop tpcore served before generation moved to the caller, without its one round trip;
 - **caller's loop**: ``tpcore.parallelize(model).generate()``, timed in this process: transformers' loop runs
-  here and each forward step is one round trip to the ranks, which keep the KV cache.
+  here and each forward step is one round trip to the ranks, which keep the KV cache. The caller's tensors stay
+  on the CPU (with CUDA ranks too: the caller needs no CUDA context).
 
 ms/token is ``(time with T new tokens - time with 1 new token) / (T - 1)``: the prefill cancels out. The two
 ways run interleaved in rounds; ms/token from the medians, and the ratio as the median of each round's own
@@ -19,11 +21,13 @@ and timed there (the forward alone). Writes ``bench/results/generation.md``.
 
     python bench/generation.py            # about 3 minutes on 2 CPU cores
     python bench/generation.py --quick    # a smoke run
+    python bench/generation.py --device cuda --ranks 1   # a world of one GPU: the round trip against CUDA steps
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -32,6 +36,7 @@ from _common import common_arguments, markdown_table, plain_table, write_result
 
 import tpcore
 from tpcore.ranks.process import RankPool
+from tpcore.ranks.worker import synchronize
 from tpcore.testing import ModelSpec
 
 # --- run on the ranks (module-level, so cloudpickle sends them by value) -------------------------------
@@ -39,7 +44,10 @@ from tpcore.testing import ModelSpec
 
 def ranks_load(context, spec) -> None:
     model = spec.build()
-    tpcore.ParallelEngine(context.world_size, context.backend, process_group=context.group).parallelize(model)
+    engine = tpcore.ParallelEngine(
+        context.world_size, context.backend, process_group=context.group, device=context.device.type
+    )
+    engine.parallelize(model)
     context.store["bench_model"] = model
 
 
@@ -59,20 +67,25 @@ def ranks_steps(context, prompt: torch.Tensor, steps: int) -> float:
     model, cache, keyword = context.store["bench_model"], DynamicCache(), cache_keyword()
     times = []
     with torch.inference_mode():
-        token = model(input_ids=prompt, **{keyword: cache}, use_cache=True).logits[:, -1:].argmax(-1)
+        token = model(input_ids=prompt.to(context.device), **{keyword: cache}, use_cache=True)
+        token = token.logits[:, -1:].argmax(-1)
         for _ in range(steps):
             start = time.perf_counter()
             token = model(input_ids=token, **{keyword: cache}, use_cache=True).logits[:, -1:].argmax(-1)
+            synchronize(context.device)
             times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e3
 
 
 def ranks_generate(context, inputs: dict, new_tokens: int) -> tuple[float, torch.Tensor | None]:
     model = context.store["bench_model"]
+    inputs = {key: value.to(context.device) for key, value in inputs.items()}
+    synchronize(context.device)
     start = time.perf_counter()
     with torch.inference_mode():
         tokens = model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-    return time.perf_counter() - start, (tokens if context.rank == 0 else None)
+    synchronize(context.device)
+    return time.perf_counter() - start, (tokens.cpu() if context.rank == 0 else None)
 
 
 # --- caller side -------------------------------------------------------------------------------------
@@ -130,12 +143,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument(
+        "--caller-threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads of this process in its loops (default: what tpcore sets while it serves)",
+    )
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="where the ranks compute (cuda: NCCL, a GPU each)"
+    )
     args = parser.parse_args(argv)
     new_tokens, rounds, layers = (6, 1, 2) if args.quick else (args.new_tokens, args.rounds, args.layers)
     spec = spec_for(layers)
-    served = tpcore.parallelize(spec.build(), num_gpus=2)
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    served = tpcore.parallelize(spec.build(), num_gpus=args.ranks, backend=backend, device=args.device)
+    if args.caller_threads is not None:  # instead of tpcore's own setting (one thread while CPU ranks compute)
+        served._tpcore_handle.one_thread.enabled = False
+        torch.set_num_threads(args.caller_threads)
     rows = []
-    with RankPool(2, "gloo") as pool:
+    with RankPool(args.ranks, backend, device=args.device) as pool:
         pool.run(ranks_load, spec)
         for batch in (1, 8):
             inputs = prompts(batch)
@@ -177,6 +204,9 @@ def main(argv: list[str] | None = None) -> None:
                     f"{served_step - forward:.2f}",
                 ]
             )
+    caller_threads = (
+        f"{args.caller_threads} intra-op threads" if args.caller_threads is not None else "tpcore's thread setting"
+    )
     served.deparallelize()
     header = [
         "batch",
@@ -189,15 +219,16 @@ def main(argv: list[str] | None = None) -> None:
     ]
     print(plain_table(header, rows))
     sections = [
-        f"Llama of SmolLM2-135M's widths, {layers} layers, N=2 gloo ranks, greedy, {new_tokens} new tokens after a "
-        f"16-token prompt, {rounds} rounds.",
+        f"Llama of SmolLM2-135M's widths, {layers} layers, N={args.ranks} {backend} ranks on {args.device}, greedy, "
+        f"{new_tokens} new tokens after a 16-token prompt, {rounds} rounds; the caller's inputs and outputs on the "
+        f"CPU, {os.cpu_count()} CPU cores, {caller_threads} in the caller's loops.",
         markdown_table(header, rows),
     ]
     write_result(
         "generation",
         "Decode ms/token: the caller's loop against the ranks' loop",
         sections,
-        "gloo",
+        backend,
         args.note,
         args.output,
     )
