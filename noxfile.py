@@ -40,6 +40,7 @@ OLDEST_TRANSFORMERS = re.search(r'"transformers>=([0-9.]+)', (ROOT / "pyproject.
 USER_PATH_TESTS = (
     "tests/test_served_model.py",
     "tests/test_parallelize.py",
+    "tests/test_served_config.py",
     "tests/test_sentence_transformers.py",
     "tests/test_caller_threads.py",
     "tests/test_serve.py",

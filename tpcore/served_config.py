@@ -24,18 +24,24 @@ class ConfigWatch:
         """``{sub-config path: {attribute: value}}`` changed since the last call (``""``: the config itself).
 
         Each attribute is compared with a copy of what was sent (so that a container changed in place is seen),
-        and copied again only when it changed: a served call runs this every time."""
+        and copied again only when it changed. A served call runs this every time, so a config that did not
+        change is told by one comparison of its attributes with what was sent (sub-configs are kept there by
+        reference: each is compared on its own path)."""
         from transformers import PretrainedConfig
 
         changed: dict[str, dict[str, Any]] = {}
         for path, config in _configs(self.config, PretrainedConfig):
-            sent = self.sent.setdefault(path, {})
-            for name, value in vars(config).items():
+            values, sent = vars(config), self.sent.setdefault(path, {})
+            if values == sent:
+                continue
+            for name, value in values.items():
                 if isinstance(value, PretrainedConfig):
-                    continue
-                if name not in sent or sent[name] != value:
+                    sent[name] = value
+                elif name not in sent or (sent[name] is not value and sent[name] != value):
                     changed.setdefault(path, {})[name] = value
                     sent[name] = _copied(value)
+            for name in sent.keys() - values.keys():  # deleted since: the ranks keep theirs
+                del sent[name]
         return changed
 
 
