@@ -35,6 +35,7 @@ import torch
 from _common import common_arguments, markdown_table, plain_table, write_result
 
 import tpcore
+from tpcore.rank_cache import cache_keyword
 from tpcore.ranks.process import RankPool
 from tpcore.ranks.worker import synchronize
 from tpcore.testing import ModelSpec
@@ -51,20 +52,12 @@ def ranks_load(context, spec) -> None:
     context.store["bench_model"] = model
 
 
-def cache_keyword() -> str:
-    """The forward's name for the KV cache: ``cache`` from transformers 5.24 on, ``past_key_values`` before."""
-    import inspect
-
-    from transformers import LlamaForCausalLM
-
-    return "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
-
-
 def ranks_steps(context, prompt: torch.Tensor, steps: int) -> float:
     """The median ms of a decode step run on the ranks (timed on rank 0): the forward alone."""
     from transformers import DynamicCache
 
-    model, cache, keyword = context.store["bench_model"], DynamicCache(), cache_keyword()
+    model = context.store["bench_model"]
+    cache, keyword = DynamicCache(), cache_keyword(model)
     times = []
     with torch.inference_mode():
         token = model(input_ids=prompt.to(context.device), **{keyword: cache}, use_cache=True)
@@ -123,7 +116,7 @@ def caller_steps(model, prompt: torch.Tensor, steps: int) -> float:
     the caller in one intra-op thread as in its ``generate()`` (the ranks hold the cores)."""
     from transformers import DynamicCache
 
-    cache, times, keyword = DynamicCache(), [], cache_keyword()
+    cache, times, keyword = DynamicCache(), [], cache_keyword(model)
     with torch.inference_mode(), model._tpcore_handle.one_thread():
         token = model(input_ids=prompt, **{keyword: cache}, use_cache=True).logits[:, -1:].argmax(-1)
         for _ in range(steps):
@@ -158,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     spec = spec_for(layers)
     backend = "nccl" if args.device == "cuda" else "gloo"
     served = tpcore.parallelize(spec.build(), num_gpus=args.ranks, backend=backend, device=args.device)
-    if args.caller_threads is not None:  # instead of tpcore's own setting (one thread while CPU ranks compute)
+    if args.caller_threads is not None:  # instead of tpcore's own setting (one thread while the ranks compute)
         served._tpcore_handle.one_thread.enabled = False
         torch.set_num_threads(args.caller_threads)
     rows = []

@@ -20,6 +20,7 @@ dropped frees the ranks' cache with the next call. A cache that already holds te
 from __future__ import annotations
 
 import copy
+import inspect
 import itertools
 import weakref
 from collections.abc import Callable, Iterator
@@ -38,6 +39,7 @@ __all__ = [
     "RankCaches",
     "Ranks",
     "batch_operation",
+    "cache_keyword",
     "join_heads",
     "stand_in_class",
     "take_over",
@@ -94,6 +96,12 @@ class CacheState:
             is_croppable=_safe(lambda: cache.is_croppable, False),
             is_initialized=_safe(lambda: cache.is_initialized, False),
         )
+
+
+def cache_keyword(model: Any) -> str:
+    """The forward's name for the KV cache: ``cache`` (transformers >= 5.24) or ``past_key_values``."""
+    parameters = inspect.signature(type(model).forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
 
 
 def _safe(read: Callable[[], Any], default: Any) -> Any:

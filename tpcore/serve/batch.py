@@ -12,21 +12,14 @@ whose ranks keep the cache (:func:`tpcore.rank_cache.batch_operation`).
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
 from transformers import DynamicCache
 
-from tpcore.rank_cache import batch_operation
+from tpcore.rank_cache import batch_operation, cache_keyword
 
-__all__ = ["RunningBatch", "cache_keyword"]
-
-
-def cache_keyword(model: Any) -> str:
-    """The forward's name for the KV cache: ``cache`` (transformers >= 5.24) or ``past_key_values``."""
-    parameters = inspect.signature(type(model).forward).parameters
-    return "cache" if "cache" in parameters else "past_key_values"
+__all__ = ["RunningBatch"]
 
 
 class RunningBatch:
