@@ -4,12 +4,17 @@ KV caches are not sent back, and the caller learns which device its inputs were 
 from __future__ import annotations
 
 import collections
+import socket
+from multiprocessing.connection import Connection
 
 import pytest
 import rank_helpers
 import torch
 from transformers import DynamicCache
+from transformers.modeling_outputs import BaseModelOutput, CausalLMOutputWithPast
 
+from tpcore.parallel import memfd
+from tpcore.ranks import wire
 from tpcore.ranks.transfer import first_device, to_cpu, to_device
 
 Pair = collections.namedtuple("Pair", ["values", "extra"])
@@ -47,3 +52,43 @@ def test_a_named_tuple_makes_the_round_trip_through_a_rank(rank_pools):
 def test_the_first_input_tensor_names_the_device_of_the_outputs(value, device):
     found = first_device(value)
     assert (found.type if found is not None else None) == device
+
+
+def test_a_model_output_travels_as_itself_and_is_rebuilt_without_its_init(monkeypatch):
+    """Through the wire a ModelOutput keeps its class, items in order, attributes (those left ``None`` too) and
+    tensors, a nested one as well; the receiver does not run its ``__init__`` (a served reply's cost)."""
+    logits = torch.randn(2, 3, 5)
+    output = CausalLMOutputWithPast(logits=logits, hidden_states=(torch.ones(2), torch.zeros(2)))
+    message = {"output": output, "encoder": BaseModelOutput(last_hidden_state=torch.arange(6.0).view(2, 3))}
+    left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    sender, receiver = Connection(left.detach()), Connection(right.detach())
+
+    def refused(self):
+        raise AssertionError("a ModelOutput was rebuilt through its __init__")
+
+    try:
+        wire.send(sender, message)
+        monkeypatch.setattr(CausalLMOutputWithPast, "__post_init__", refused)
+        monkeypatch.setattr(BaseModelOutput, "__post_init__", refused)
+        back = wire.recv(receiver)
+    finally:
+        sender.close()
+        receiver.close()
+    got = back["output"]
+    assert type(got) is CausalLMOutputWithPast and list(got.keys()) == ["logits", "hidden_states"]
+    assert torch.equal(got.logits, logits) and got["logits"] is got.logits and got.loss is None
+    assert [torch.equal(a, b) for a, b in zip(got.hidden_states, output.hidden_states, strict=True)] == [True, True]
+    assert len(got.to_tuple()) == 2 and vars(got).keys() == vars(output).keys()
+    encoder = back["encoder"]
+    assert type(encoder) is BaseModelOutput and torch.equal(encoder[0], torch.arange(6.0).view(2, 3))
+
+
+def test_a_tensor_from_another_device_lands_in_a_reused_segment_only_where_outputs_are_shared():
+    large, small = torch.randn(64, 1024), torch.randn(4)  # 256 KiB: past the size of a shared output
+    plain = memfd.cpu_copy(large)
+    assert memfd.segment_of(plain) is None and torch.equal(plain, large)
+    with memfd.gathered_outputs_shared():
+        shared, kept_small = memfd.cpu_copy(large), memfd.cpu_copy(small)
+    segment = memfd.segment_of(shared)
+    assert memfd.AVAILABLE == (segment is not None and segment.reused)
+    assert torch.equal(shared, large) and memfd.segment_of(kept_small) is None and torch.equal(kept_small, small)

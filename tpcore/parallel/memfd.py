@@ -45,6 +45,7 @@ __all__ = [
     "AVAILABLE",
     "Segment",
     "copy_out",
+    "cpu_copy",
     "empty",
     "gathered_empty",
     "gathered_outputs_shared",
@@ -277,6 +278,16 @@ def gathered_outputs_shared() -> Iterator[None]:
         yield
     finally:
         _sharing_gathered.reset(token)
+
+
+def cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (on another device: a CUDA rank's logits) copied to the CPU: into a reused segment inside
+    :func:`gathered_outputs_shared` when it is large, as the CPU ranks' gathered outputs are, rather than into
+    a plain tensor that the reply would then write to a new segment."""
+    shareable = _sharing_gathered.get() and tensor.numel() * tensor.element_size() >= GATHERED_MIN_BYTES
+    if not shareable:
+        return tensor.cpu()
+    return empty(tuple(tensor.shape), tensor.dtype, reused=True).copy_(tensor)
 
 
 def gathered_empty(like: torch.Tensor, dim: int, world_size: int) -> torch.Tensor:

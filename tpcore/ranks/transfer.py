@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from tpcore.parallel import memfd
+
 __all__ = ["each_item", "first_device", "to_cpu", "to_device"]
 
 
@@ -57,10 +59,13 @@ def to_device(value: Any, device) -> Any:
 
 
 def to_cpu(value: Any) -> Any:
-    """Every tensor inside ``value`` detached on the CPU; a KV cache (it holds a rank's own heads
-    only) is dropped rather than sent back."""
+    """Every tensor inside ``value`` detached on the CPU (one from another device copied by
+    :func:`tpcore.parallel.memfd.cpu_copy`); a KV cache (it holds a rank's own heads only) is dropped
+    rather than sent back."""
     if isinstance(value, torch.Tensor):
-        return value if value.device.type == "cpu" and not value.requires_grad else value.detach().cpu()
+        if value.device.type == "cpu":
+            return value.detach() if value.requires_grad else value
+        return memfd.cpu_copy(value.detach())
     if _is_cache(value):
         return None
     return each_item(value, to_cpu)

@@ -11,11 +11,15 @@ local or dynamic), since its pickler costs twice as much. Plain CPU tensors trav
 protocol 5), never through torch's own serialization (about 0.1 ms a tensor however small): small ones
 inside the pickle, large ones out of band with no copy into it; from a megabyte on they travel in shared
 memory (:mod:`tpcore.parallel.memfd`), the receiver mapping what the sender wrote, and a
-tensor the sender already holds in shared memory is not copied at all.
+tensor the sender already holds in shared memory is not copied at all. A transformers ``ModelOutput`` (every
+reply of a served forward, an encoder's output in each decode step's inputs) travels as its class, items and
+attributes and is rebuilt from them, not through its ``__init__``: unpickled its own way, a ``CausalLMOutputWithPast``
+costs 70 us warm, several times that on caches a forward has just left cold.
 """
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import hmac
 import io
@@ -300,8 +304,12 @@ class _TensorBytes:
         super().__init__(file, protocol=5, buffer_callback=out_of_band.keep)  # type: ignore[call-arg]  # a pickler
 
     def reducer_override(self, obj):
-        reduced = _reduce_tensor(obj, self.out_of_band)
-        return reduced if reduced is not None else self._reduce_other(obj)
+        kind = type(obj)
+        if kind is not type and kind is not types.FunctionType:  # classes and functions: the other pickler's
+            reduced = _reduce_tensor(obj, self.out_of_band) if kind is _tensor_class() else _reduce_model_output(obj)
+            if reduced is not None:
+                return reduced
+        return self._reduce_other(obj)
 
     def _reduce_other(self, obj):
         return NotImplemented
@@ -318,6 +326,12 @@ class _Pickler(_TensorBytes, pickle.Pickler):
         return NotImplemented
 
 
+def _tensor_class() -> type | None:
+    """``torch.Tensor`` once torch is imported (a message of a process without torch holds no tensor)."""
+    torch = sys.modules.get("torch")
+    return None if torch is None else torch.Tensor
+
+
 class _CodePickler(_TensorBytes, cloudpickle.Pickler):
     """cloudpickle: functions and classes of ``__main__``, local or dynamic ones travel by value."""
 
@@ -327,15 +341,13 @@ class _CodePickler(_TensorBytes, cloudpickle.Pickler):
 
 
 def _reduce_tensor(obj, out_of_band: _OutOfBand) -> tuple | None:
-    """A plain CPU tensor as its bytes: inside the pickle below :data:`RAW_TENSOR_BYTES`, out of band from there
-    on (as a raw frame, or in shared memory: ``out_of_band``); ``None`` for anything else.
+    """A plain CPU tensor (of class ``torch.Tensor`` itself) as its bytes: inside the pickle below
+    :data:`RAW_TENSOR_BYTES`, out of band from there on (as a raw frame, or in shared memory: ``out_of_band``);
+    ``None`` if its bytes are not its values (torch's own pickling then sends it).
 
     Through numpy where it has the dtype: one ``Tensor.numpy()`` both checks the tensor (on the CPU, dense, no
     autograd, no lazy bits) and gives its bytes. Each call into torch costs microseconds when a forward has just
     left the caches cold, ten times its cost in a warm loop; this path makes three."""
-    torch = sys.modules.get("torch")
-    if torch is None or type(obj) is not torch.Tensor:
-        return None
     try:
         array = obj.numpy()
     except (TypeError, RuntimeError):  # bf16 and other dtypes numpy lacks, or a tensor whose bytes are not its values
@@ -359,16 +371,37 @@ def _reduce_tensor_bytes(obj, out_of_band: _OutOfBand) -> tuple | None:
     return _tensor_from_buffer, (buffer, data.dtype, tuple(data.shape))
 
 
+def _reduce_model_output(obj) -> tuple | None:
+    """A transformers ``ModelOutput`` (an ``OrderedDict`` of its set fields, each also an attribute) as its class,
+    items and attributes (:func:`_model_output` rebuilds it); ``None`` for anything else, or a subclass that
+    pickles its own way."""
+    generic = sys.modules.get("transformers.utils.generic")
+    model_output = getattr(generic, "ModelOutput", None)
+    if model_output is None or not isinstance(obj, model_output):
+        return None
+    if type(obj).__reduce__ is not model_output.__reduce__ or type(obj).__reduce_ex__ is not object.__reduce_ex__:
+        return None
+    return _model_output, (type(obj), tuple(obj.items()), vars(obj))
+
+
+def _model_output(cls: type[collections.OrderedDict], items: tuple, attributes: dict):
+    """The ``ModelOutput`` of class ``cls`` holding ``items`` and ``attributes``, as its ``__init__`` would leave it
+    (set without it: no ``__post_init__`` walk over the fields, no ``__setitem__`` of its own)."""
+    output = cls.__new__(cls)
+    for key, value in items:
+        collections.OrderedDict.__setitem__(output, key, value)
+    output.__dict__.update(attributes)
+    return output
+
+
 def _travels_by_value(code) -> bool:
     """Whether cloudpickle would send a function or class by value: it lives in ``__main__``, in a module that
     is not imported, or in one registered to travel by value. (Local and replaced ones make plain pickle fail.)"""
     name = getattr(code, "__module__", None)
     if name is None or name == "__main__" or name not in sys.modules:
         return True
-    if cloudpickle is pickle:
-        return False
-    registered = cloudpickle.list_registry_pickle_by_value()
-    return any(name == module or name.startswith(module + ".") for module in registered)
+    registered = () if cloudpickle is pickle else cloudpickle.list_registry_pickle_by_value()
+    return bool(registered) and any(name == module or name.startswith(module + ".") for module in registered)
 
 
 def _pickled(message) -> tuple[bytes, _OutOfBand]:
