@@ -315,6 +315,12 @@ def test_run_first_returns_rank_0_s_result_and_the_next_call_raises_a_later_fail
     assert pool.run(rank_helpers.all_reduce_sum, 1) == [3.0, 3.0]  # the owed answer read, not taken for this one
 
 
+def test_run_some_returns_the_results_of_the_ranks_asked_for_and_the_next_call_reads_the_others(pool):
+    assert [result[:2] for result in pool.run_some(rank_helpers.whoami, ranks=[1, 0])] == [(1, 2), (0, 2)]
+    assert pool.run_some(rank_helpers.all_reduce_sum, 1, ranks=[1]) == [3.0]
+    assert pool.run(rank_helpers.all_reduce_sum, 2) == [5.0, 5.0]  # rank 0's owed answer read, not taken for this
+
+
 def test_a_rank_that_dies_after_a_run_first_fails_the_next_call(pool):
     pid = pool.pids[1]
     assert pool.run_first(rank_helpers.whoami)[0] == 0

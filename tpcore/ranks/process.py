@@ -33,9 +33,11 @@ import atexit
 import contextlib
 import datetime
 import logging
+import math
 import os
 import pickle
 import secrets
+import select
 import signal
 import subprocess
 import sys
@@ -116,7 +118,7 @@ class RankPool:
         #: ``"cuda"`` or ``"cpu"``: what the ranks compute on (refused here, before any rank starts, if impossible)
         self.device = check_placement(self.backend, world_size, device)
         self._deadline = time.monotonic() + start_timeout
-        self._owner_pid = os.getpid()  # the one process that may stop the ranks (a forked child inherits the pool)
+        self._owner_pid = _process_id()  # the one process that may stop the ranks (a forked child inherits the pool)
         self._lock = threading.Lock()
         self._conns: list = []
         self._procs: list[subprocess.Popen] = []
@@ -216,7 +218,7 @@ class RankPool:
         (the pool is torn down unless every rank answered), :class:`WorkerDiedError` if a rank died
         and ``TimeoutError`` past ``timeout`` seconds (both tear the pool down: :meth:`_tear_down`).
         """
-        return self._run(fn, args, kwargs, timeout, first_only=False)
+        return self._run(fn, args, kwargs, timeout)
 
     def run_first(self, fn: Callable[..., Any], *args, timeout: float = CALL_TIMEOUT_S, **kwargs) -> Any:
         """:meth:`run`, returning rank 0's result as soon as it is here: the other ranks' answers are read
@@ -225,9 +227,18 @@ class RankPool:
         For a call whose other results are not wanted (a served forward: rank 0 holds the output): a reply that
         comes after rank 0's is not waited for (a wake-up of the caller's process, on a host whose cores the
         ranks hold), but read when the next call starts."""
-        return self._run(fn, args, kwargs, timeout, first_only=True)[0]
+        return self.run_some(fn, *args, ranks=[0], timeout=timeout, **kwargs)[0]
 
-    def _run(self, fn: Callable[..., Any], args: tuple, kwargs: dict, timeout: float, first_only: bool) -> list[Any]:
+    def run_some(
+        self, fn: Callable[..., Any], *args, ranks: Sequence[int], timeout: float = CALL_TIMEOUT_S, **kwargs
+    ) -> list[Any]:
+        """:meth:`run_first` for the results of ``ranks`` (in their order), the others' answers read later."""
+        results = self._run(fn, args, kwargs, timeout, wanted=list(ranks))
+        return [results[rank] for rank in ranks]
+
+    def _run(
+        self, fn: Callable[..., Any], args: tuple, kwargs: dict, timeout: float, wanted: list[int] | None = None
+    ) -> list[Any]:
         self._refuse_foreign_process()
         with self._lock:
             self._ready()
@@ -238,7 +249,7 @@ class RankPool:
                 with message:
                     for rank, conn in enumerate(self._conns):
                         self._send(rank, what, message.send, conn)
-                results = self._collect(timeout, what, wanted=[0] if first_only else None)
+                results = self._collect(timeout, what, wanted=wanted)
                 self._owed = ([rank for rank in range(self.world_size) if rank not in results], what)
                 return [results.get(rank) for rank in range(self.world_size)]
 
@@ -285,7 +296,7 @@ class RankPool:
 
     def _refuse_foreign_process(self) -> None:
         """Refuse a call from a forked child: the ranks and their connections are its parent's."""
-        if os.getpid() != self._owner_pid:
+        if _process_id() != self._owner_pid:
             raise WorkerDiedError(
                 f"this RankPool's ranks belong to process {self._owner_pid}, which this process was forked from; "
                 "parallelize again here to use a model in this process"
@@ -324,9 +335,10 @@ class RankPool:
         self._stopping.start()
 
     def _ready(self) -> None:
-        """Finish starting (a pool made with ``wait=False``); refuse a pool that is closed or lost a rank."""
+        """Finish starting (a pool made with ``wait=False``); refuse a pool that is closed or lost a rank (one that
+        died since the last call is found by the send to it: its end of the connection is closed)."""
         self.wait_started()
-        if not self.alive:
+        if not self._procs:
             raise WorkerDiedError("this RankPool is closed or lost a rank; create a new one")
 
     def _send(self, rank: int, what: str, send: Callable[..., None], *args) -> None:
@@ -353,13 +365,14 @@ class RankPool:
         deadline = time.monotonic() + timeout
         waiting = {self._conns[rank]: rank for rank in (range(self.world_size) if ranks is None else ranks)}
         wanted_conns = [self._conns[rank] for rank in wanted] if wanted is not None else list(waiting)
+        readable = _Readable(waiting)
         while waiting and (errors or any(conn in waiting for conn in wanted_conns)):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 if errors:
                     break
                 raise TimeoutError(f"{what}: ranks {sorted(waiting.values())} gave no answer within {timeout:.0f} s")
-            for ready in wait(list(waiting), timeout=remaining):
+            for ready in readable.wait(remaining):
                 rank = waiting.pop(ready)
                 try:
                     status, payload = recv(ready)
@@ -372,10 +385,12 @@ class RankPool:
                     elif on_progress is not None:
                         on_progress(rank, payload)
                 elif status == "error":
+                    readable.forget(ready)
                     self._answered.add(rank)
                     errors.append(WorkerError(rank, *payload))
                     deadline = min(deadline, time.monotonic() + ERROR_GRACE_S)
                 else:
+                    readable.forget(ready)
                     self._answered.add(rank)
                     results[rank] = payload
         if errors:
@@ -401,7 +416,7 @@ class RankPool:
         from the one that started the ranks, only this process's copies of the connections are closed: the
         ranks serve their parent on.
         """
-        if os.getpid() != self._owner_pid:
+        if _process_id() != self._owner_pid:
             self._release_inherited()
             return
         procs, conns, store = self._procs, self._conns, self._store
@@ -442,6 +457,39 @@ class RankPool:
 
 #: what a rank may send before its reply: a log record, a running count
 _EVENTS = ("log", "progress")
+
+
+class _Readable:
+    """The connections one collection of replies waits on, in one ``poll`` set made for it (a served call
+    waits once or twice: ``multiprocessing.connection.wait`` builds a selector each time, tens of
+    microseconds on caches the ranks' step left cold). Where the system has no ``poll``, that ``wait``."""
+
+    def __init__(self, connections):
+        self._by_fd = {conn.fileno(): conn for conn in connections}
+        self._poll = select.poll() if hasattr(select, "poll") else None
+        for fd in self._by_fd if self._poll is not None else ():
+            self._poll.register(fd, select.POLLIN)
+
+    def wait(self, timeout: float) -> list:
+        """The connections that can be read (a reply, an event, or a closed end) within ``timeout`` seconds."""
+        if self._poll is None:
+            return wait(list(self._by_fd.values()), timeout=timeout)
+        return [self._by_fd[fd] for fd, _ in self._poll.poll(math.ceil(timeout * 1000))]
+
+    def forget(self, conn) -> None:
+        """Stop waiting on ``conn`` (its reply is read)."""
+        if self._by_fd.pop(conn.fileno(), None) is not None and self._poll is not None:
+            self._poll.unregister(conn.fileno())
+
+
+def _process_id() -> int:
+    """This process's id, as of the last fork (``os.getpid`` is a system call, made here once per process)."""
+    return _pid[0]
+
+
+_pid = [os.getpid()]
+if hasattr(os, "register_at_fork"):  # elsewhere (Windows) no process is forked
+    os.register_at_fork(after_in_child=lambda: _pid.__setitem__(0, os.getpid()))
 
 
 def _encoded(message: Any, what: str):
