@@ -108,6 +108,23 @@ def test_generate_is_the_model_s_own_and_gives_the_unsplit_tokens(served, refere
     assert torch.equal(served.generate(PROMPTS, attention_mask=MASK, max_new_tokens=7, **mode), expected)
 
 
+def test_one_rank_alone_serves_sampling_and_the_cache_it_also_reports(reference):
+    """With one rank, rank 0 returns the output and the states the last rank reports in a larger world."""
+    model = tpcore.parallelize(llama(), num_gpus=1)
+    try:
+        torch.manual_seed(3)
+        expected = reference.generate(PROMPTS, attention_mask=MASK, max_new_tokens=5, do_sample=True, top_k=20)
+        torch.manual_seed(3)
+        assert torch.equal(
+            model.generate(PROMPTS, attention_mask=MASK, max_new_tokens=5, do_sample=True, top_k=20), expected
+        )
+        output = model(PROMPTS, attention_mask=MASK, use_cache=True)
+        assert isinstance(output.past_key_values, DynamicCache) and output.past_key_values.get_seq_length() == 5
+        compare_outputs(reference(PROMPTS, attention_mask=MASK).logits, output.logits)
+    finally:
+        model.deparallelize()
+
+
 def test_assisted_decoding_with_prompt_lookup_crops_the_ranks_cache(served, reference):
     prompt = torch.tensor([[5, 7, 9, 5, 7, 9, 5, 7]])
     expected = reference.generate(prompt, max_new_tokens=8, prompt_lookup_num_tokens=3)

@@ -4,8 +4,8 @@
 ``deparallelize()``, moves that end the parallelization first, and a ``repr`` that begins with the
 split; :class:`ParallelHandle` (``model._tpcore_handle``) holds the ranks and the plan.
 
-Each call carries the caller's random state (:mod:`tpcore.ranks.rng`) to every rank and takes rank
-0's back, so seeded sampling draws what the unsplit model draws and the ranks never diverge. Inputs
+Each call carries the caller's random state (:mod:`tpcore.ranks.rng`) to every rank and takes theirs
+back, so seeded sampling draws what the unsplit model draws and the ranks never diverge. Inputs
 travel through the CPU; the outputs come back on the device of the first input tensor.
 """
 
@@ -25,7 +25,16 @@ from tpcore.load.saving import save_gathered
 from tpcore.load.skeleton import install_tensors
 from tpcore.plan import ShardPlan, bytes_summary
 from tpcore.rank_cache import CacheState, CallerCaches, Ranks, join_heads
-from tpcore.rank_side import Call, cache_tensors, memory, memory_detail, mutate_cache, serve, shard_tensors
+from tpcore.rank_side import (
+    Call,
+    cache_tensors,
+    memory,
+    memory_detail,
+    mutate_cache,
+    reporting_rank,
+    serve,
+    shard_tensors,
+)
 from tpcore.ranks.failures import reraise
 from tpcore.ranks.process import RankPool, ranks_text
 from tpcore.ranks.rng import CallerRandomState
@@ -191,7 +200,7 @@ class ParallelHandle:
                 self.tensors.take_freed(),
             )
             try:
-                output, random_state, states = self._run(serve, request)
+                output, random_state, states = self._serve(request)
             except BaseException:
                 self.tensors.reset()
                 raise
@@ -210,6 +219,14 @@ class ParallelHandle:
             per_rank = self._run_on_all(cache_tensors, cache_id, part)
         layers = zip(*per_rank, strict=True)  # per layer: each rank's (keys, values)
         return [tuple(join_heads(list(pieces)) for pieces in zip(*each, strict=True)) for each in layers]
+
+    def _serve(self, request: Call) -> tuple:
+        """``(output, random state, cache states)`` of a served call: rank 0's output and the reporting rank's
+        states (:func:`tpcore.rank_side.serve`)."""
+        reporter = reporting_rank(self.pool.world_size)
+        with self._rank_errors_raised():
+            replies = self.pool.run_some(serve, request, ranks=sorted({0, reporter}), timeout=self.timeout)
+        return replies[0] if reporter == 0 else (replies[0], *replies[1])
 
     def _run(self, function, *args):
         """``function`` on every rank; rank 0's result as soon as it is here (the others' replies are read with

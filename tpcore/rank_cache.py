@@ -129,7 +129,7 @@ class RankCaches:
     def __init__(self) -> None:
         self.caches: dict[int, Any] = {}
         self._ids = itertools.count(1 << 40)  # ids the ranks give; the caller's count from 1
-        self._reported: dict[int, CacheState] = {}  # the states the last report took, by cache id
+        self._reported: set[int] = set()  # the caches the last report found in an output
 
     def resolve(self, value: Any) -> Any:
         """``value`` with every :class:`CacheRef` inside replaced by the cache it names (made from its
@@ -160,8 +160,8 @@ class RankCaches:
         return CacheState.of(cache)
 
     def report(self, output: Any) -> Any:
-        """``output`` with each cache inside (one a forward made or filled) replaced by ``(id, state)``."""
-        self._reported = {}
+        """``output`` with each cache inside (one a forward made or filled) replaced by its id (:class:`_Reported`)."""
+        self._reported = set()
         return self._report(output)
 
     def _report(self, output: Any) -> Any:
@@ -170,16 +170,16 @@ class RankCaches:
             if cache_id is None:
                 cache_id = next(self._ids)
                 self.caches[cache_id] = output
-            state = self._reported[cache_id] = CacheState.of(output)
-            return _Reported(cache_id, state)
+            self._reported.add(cache_id)
+            return _Reported(cache_id)
         return each_item(output, self._report, named_tuples=False, in_place=True)  # the forward's own output
 
     def states(self, ids: set[int]) -> dict[int, CacheState]:
-        """The state of each cache of ``ids`` the ranks hold, after the forward whose output was just reported
-        (a state :meth:`report` took is not taken again)."""
+        """The state of each cache of ``ids`` and of each the last :meth:`report` found, as the forward whose output
+        it reported left them."""
         return {
-            cache_id: self._reported.get(cache_id) or CacheState.of(self.caches[cache_id])
-            for cache_id in ids
+            cache_id: CacheState.of(self.caches[cache_id])
+            for cache_id in ids | self._reported
             if cache_id in self.caches
         }
 
@@ -189,10 +189,9 @@ class RankCaches:
 
 
 class _Reported(NamedTuple):
-    """A cache in a rank's output: its id and state (the caller turns it into a stand-in)."""
+    """A cache in a rank's output: its id (the caller turns it into a stand-in, of the state reported with it)."""
 
     id: int
-    state: CacheState
 
 
 def _is_cache(value: Any) -> bool:
@@ -421,16 +420,16 @@ class CallerCaches:
             if cache_id in states:
                 for stand_in in stand_ins(cache):
                     stand_in._tpcore_take(states[cache_id])
-        return self._stand_ins_in(value, sent)
+        return self._stand_ins_in(value, sent, states)
 
-    def _stand_ins_in(self, value: Any, sent: dict[int, Any]) -> Any:
+    def _stand_ins_in(self, value: Any, sent: dict[int, Any], states: dict[int, CacheState]) -> Any:
         if isinstance(value, _Reported):
             if value.id in sent:
                 return sent[value.id]
-            stand_in = new_stand_in(value.id, value.state, self.ranks)
+            stand_in = new_stand_in(value.id, states[value.id], self.ranks)
             self._free_when_dropped(stand_in, value.id)
             return stand_in
-        return each_item(value, lambda item: self._stand_ins_in(item, sent), named_tuples=False, in_place=True)
+        return each_item(value, lambda item: self._stand_ins_in(item, sent, states), named_tuples=False, in_place=True)
 
     def _free_when_dropped(self, cache: Any, cache_id: int) -> None:
         weakref.finalize(cache, self._freed.append, cache_id)

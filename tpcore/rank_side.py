@@ -40,6 +40,7 @@ __all__ = [
     "memory_detail",
     "mutate_cache",
     "read_shard",
+    "reporting_rank",
     "serve",
     "shard_tensors",
 ]
@@ -98,9 +99,16 @@ class Call:
     tensors_freed: tuple[int, ...] = ()
 
 
+def reporting_rank(world_size: int) -> int:
+    """The rank that tells the caller the state of the caches and the random state after a served call: the last,
+    which does that while rank 0 sends the output (one rank alone: rank 0, which does both)."""
+    return world_size - 1
+
+
 def serve(context: RankContext, call: Call):
-    """On a rank: run the call with the caller's random state and its config; rank 0 returns the output
-    (on the CPU, each cache as its id and state), its random state, and the state of each cache sent."""
+    """On a rank: run the call with the caller's random state and its config. Rank 0 returns the output (on the CPU,
+    each cache as its id); the :func:`reporting_rank` returns its random state and the state of each cache sent
+    or output (``(output, random state, states)`` from a rank that is both)."""
     model = context.store["model"]
     caches = context.store.setdefault("caches", RankCaches())
     caches.free(call.freed)
@@ -109,7 +117,8 @@ def serve(context: RankContext, call: Call):
     apply_config_changes(model, call.config_changes)
     generator = device_generator(context.device)
     call.random_state.apply(generator)
-    random_before = torch.get_rng_state() if context.rank == 0 else None  # rank 0 tells the caller if it moved
+    reports = context.rank == reporting_rank(context.world_size)
+    random_before = torch.get_rng_state() if reports else None  # the reporting rank tells the caller if it moved
     inputs = (call.args, call.kwargs)  # on the CPU, as they arrived
     if context.device.type != "cpu":
         inputs = to_device(inputs, context.device)
@@ -117,15 +126,18 @@ def serve(context: RankContext, call: Call):
     target = model.get_submodule(call.path) if call.path else model
     if call.method:
         target = getattr(target, call.method)
-    # Rank 0's forward gathers its outputs (the logits) into shared memory that the caller maps: no copy.
+    # Rank 0 gathers its outputs (the logits) into shared memory, which the caller reads (a CUDA rank copies them
+    # there): no copy through the socket, no new segment per call.
     shared = memfd.gathered_outputs_shared() if context.rank == 0 else nullcontext()
     with torch.inference_mode(), shared:
         output = caches.report(target(*args, **kwargs))
         output = gather_attentions(output, context.group)
-    if context.rank != 0:
-        return None
+        output = to_cpu(output) if context.rank == 0 else None
+    if not reports:
+        return output
     sent = {ref.id for ref in _refs((call.args, call.kwargs))}
-    return to_cpu(output), RandomState.of(generator, random_before), caches.states(sent)
+    report = RandomState.of(generator, random_before), caches.states(sent)
+    return (output, *report) if context.rank == 0 else report
 
 
 def gather_attentions(output: Any, group: Any) -> Any:
