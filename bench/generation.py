@@ -8,7 +8,8 @@ of ``--new-tokens`` tokens at batch 1 and 8:
   the loop tpcore served before generation moved to the caller, without its one round trip;
 - **caller's loop**: ``tpcore.parallelize(model).generate()``, timed in this process: transformers' loop runs
   here and each forward step is one round trip to the ranks, which keep the KV cache. The caller's tensors stay
-  on the CPU (with CUDA ranks too: the caller needs no CUDA context).
+  on the CPU (with CUDA ranks too: the caller needs no CUDA context), or with ``--caller-on-device`` go where
+  ``inputs.to(model.device)`` puts them (CUDA ranks: the caller's GPU runs generate's tensor work).
 
 ms/token is ``(time with T new tokens - time with 1 new token) / (T - 1)``: the prefill cancels out. The two
 ways run interleaved in rounds; ms/token from the medians, and the ratio as the median of each round's own
@@ -22,6 +23,7 @@ and timed there (the forward alone). Writes ``bench/results/generation.md``.
     python bench/generation.py            # about 3 minutes on 2 CPU cores
     python bench/generation.py --quick    # a smoke run
     python bench/generation.py --device cuda --ranks 1   # a world of one GPU: the round trip against CUDA steps
+    python bench/generation.py --device cuda --ranks 1 --caller-on-device   # the caller's tensors on cuda:0 too
 """
 
 from __future__ import annotations
@@ -106,8 +108,10 @@ def prompts(batch: int, length: int = 16) -> dict:
 
 
 def caller_generate(model, inputs: dict, new_tokens: int) -> tuple[float, torch.Tensor]:
+    synchronize(model.device)
     start = time.perf_counter()
     tokens = model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    synchronize(tokens.device)
     return time.perf_counter() - start, tokens
 
 
@@ -122,6 +126,7 @@ def caller_steps(model, prompt: torch.Tensor, steps: int) -> float:
         for _ in range(steps):
             start = time.perf_counter()
             token = model(input_ids=token, **{keyword: cache}, use_cache=True).logits[:, -1:].argmax(-1)
+            synchronize(token.device)
             times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e3
 
@@ -146,6 +151,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--device", choices=("cpu", "cuda"), default="cpu", help="where the ranks compute (cuda: NCCL, a GPU each)"
     )
+    parser.add_argument(
+        "--caller-on-device",
+        action="store_true",
+        help="the caller's inputs on model.device, as `inputs.to(model.device)` puts them (default: on the CPU)",
+    )
     args = parser.parse_args(argv)
     new_tokens, rounds, layers = (6, 1, 2) if args.quick else (args.new_tokens, args.rounds, args.layers)
     spec = spec_for(layers)
@@ -154,11 +164,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.caller_threads is not None:  # instead of tpcore's own setting (one thread while the ranks compute)
         served._tpcore_handle.one_thread.enabled = False
         torch.set_num_threads(args.caller_threads)
+    caller_device = served.device if args.caller_on_device else torch.device("cpu")
     rows = []
     with RankPool(args.ranks, backend, device=args.device) as pool:
         pool.run(ranks_load, spec)
         for batch in (1, 8):
             inputs = prompts(batch)
+            caller_inputs = {key: value.to(caller_device) for key, value in inputs.items()}
             times: dict[str, dict[int, list[float]]] = {
                 "ranks": {1: [], new_tokens: []},
                 "caller": {1: [], new_tokens: []},
@@ -167,9 +179,9 @@ def main(argv: list[str] | None = None) -> None:
                 for count in (1, new_tokens):
                     seconds, ranks_tokens = pool.run(ranks_generate, inputs, count)[0]
                     times["ranks"][count].append(seconds)
-                    seconds, caller_tokens = caller_generate(served, inputs, count)
+                    seconds, caller_tokens = caller_generate(served, caller_inputs, count)
                     times["caller"][count].append(seconds)
-                    assert torch.equal(ranks_tokens, caller_tokens), "the two loops gave different tokens"
+                    assert torch.equal(ranks_tokens, caller_tokens.cpu()), "the two loops gave different tokens"
             ms = {way: per_token_ms(t[new_tokens][1:], t[1][1:], new_tokens) for way, t in times.items()}
             paired = [  # each round's caller / ranks ratio: the two ways ran back to back, under the same load
                 (caller_long - caller_short) / (ranks_long - ranks_short)
@@ -184,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
             steps = {"ranks": [], "caller": []}
             for _ in range(rounds + 1):
                 steps["ranks"].append(pool.run(ranks_steps, inputs["input_ids"], new_tokens)[0])
-                steps["caller"].append(caller_steps(served, inputs["input_ids"], new_tokens))
+                steps["caller"].append(caller_steps(served, caller_inputs["input_ids"], new_tokens))
             forward, served_step = (statistics.median(steps[way][1:]) for way in ("ranks", "caller"))
             rows.append(
                 [
@@ -200,6 +212,7 @@ def main(argv: list[str] | None = None) -> None:
     caller_threads = (
         f"{args.caller_threads} intra-op threads" if args.caller_threads is not None else "tpcore's thread setting"
     )
+    caller_place = f"on {caller_device} (model.device)" if args.caller_on_device else "on the CPU"
     served.deparallelize()
     header = [
         "batch",
@@ -213,8 +226,8 @@ def main(argv: list[str] | None = None) -> None:
     print(plain_table(header, rows))
     sections = [
         f"Llama of SmolLM2-135M's widths, {layers} layers, N={args.ranks} {backend} ranks on {args.device}, greedy, "
-        f"{new_tokens} new tokens after a 16-token prompt, {rounds} rounds; the caller's inputs and outputs on the "
-        f"CPU, {os.cpu_count()} CPU cores, {caller_threads} in the caller's loops.",
+        f"{new_tokens} new tokens after a 16-token prompt, {rounds} rounds; the caller's inputs and outputs "
+        f"{caller_place}, {os.cpu_count()} CPU cores, {caller_threads} in the caller's loops.",
         markdown_table(header, rows),
     ]
     write_result(
