@@ -47,14 +47,15 @@ def stages(batch: int, layers: int, new_tokens: int) -> list[list[str]]:
     marks: list = []
     model = tpcore.parallelize(spec_for(layers).build(), num_gpus=2)
     handle = model._tpcore_handle
-    originals = {name: getattr(process, name) for name in ("_encoded", "recv", "wait")}
+    originals = {name: getattr(process, name) for name in ("_encoded", "recv")}
+    wait = process._Readable.wait
     send = process.RankPool._send
     per_stage: dict[str, list[tuple[float, float]]] = {}
     steps = 0
     try:
         process._encoded = marked(marks, "pickle", originals["_encoded"])
         process.recv = marked(marks, "read reply", originals["recv"])
-        process.wait = marked(marks, "wait", originals["wait"])
+        process._Readable.wait = marked(marks, "wait", wait)
         process.RankPool._send = marked(marks, "send", send)
         model.forward = functools.wraps(type(model).forward)(functools.partial(marked(marks, "call", handle.call), ""))
         inputs = prompts(batch)
@@ -77,6 +78,7 @@ def stages(batch: int, layers: int, new_tokens: int) -> list[list[str]]:
         for name, function in originals.items():
             setattr(process, name, function)
         process.RankPool._send = send
+        process._Readable.wait = wait
         model.deparallelize()
     rows = []
     for stage, times in per_stage.items():
