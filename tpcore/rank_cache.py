@@ -395,6 +395,8 @@ class CallerCaches:
     def outgoing(self, value: Any, sent: dict[int, Any]) -> Any:
         """``value`` with each cache inside replaced by its :class:`CacheRef` (``sent``: id -> the caller's
         object). A fresh cache becomes a stand-in in place; one holding the caller's tensors is refused."""
+        if isinstance(value, _PLAIN):
+            return value
         cache_id = _stand_in_id(value)
         if cache_id is not None:
             sent[cache_id] = value
@@ -438,6 +440,10 @@ class CallerCaches:
         """The ids of the stand-ins dropped since the last call (the ranks free them with the next)."""
         freed, self._freed[:] = list(self._freed), []
         return freed
+
+
+#: what a forward's inputs hold most, none of it a cache: passed over without a look for one
+_PLAIN = (torch.Tensor, int, float, str, type(None))
 
 
 def _stand_in_id(value: Any) -> int | None:

@@ -109,6 +109,10 @@ class CallerRandomState:
             self._seeding = self._sent_seeding
 
 
+#: the seed a generator starts from (read once: a served call asks for it each time)
+_DEFAULT_SEED = torch.Generator().initial_seed()
+
+
 def latest_cuda_seeding() -> tuple[object, int]:
     """``(seeding, seed)``: the caller's latest CUDA seeding queued while CUDA is not initialised (an
     object that is new for every seeding), and the seed it gives the current device's generator."""
@@ -118,7 +122,7 @@ def latest_cuda_seeding() -> tuple[object, int]:
         return seed, seed
     calls = [call for call in getattr(tracker, "call_order", ()) if call is not None]
     if not calls:
-        return None, torch.Generator().initial_seed()  # CUDA generators start from the default seed
+        return None, _DEFAULT_SEED  # CUDA generators start from the default seed
     latest = calls[-1]  # (callback, traceback); the last one decides the current device's seed
     return latest, _seed_of(latest[0])
 

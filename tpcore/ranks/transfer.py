@@ -52,9 +52,9 @@ def each_item(value: Any, function: Callable[[Any], Any], named_tuples: bool = T
 
 
 def to_device(value: Any, device) -> Any:
-    """Every tensor inside ``value`` moved to ``device``."""
+    """Every tensor inside ``value`` moved to ``device`` (to ``"cpu"``, a CPU tensor is itself: no call into torch)."""
     if isinstance(value, torch.Tensor):
-        return value.to(device)
+        return value if device == "cpu" and value.is_cpu else value.to(device)
     return each_item(value, lambda item: to_device(item, device))
 
 
