@@ -141,7 +141,7 @@ def demo_vision(session: nox.Session) -> None:
     session.run("python", "-m", "tpcore.tools.demo_vision", *session.posargs)
 
 
-#: every benchmark script, in the order ``nox -s bench`` runs them (about 20 minutes on 2 idle cores)
+#: every benchmark script, in the order ``nox -s bench`` runs them (about 25 minutes on 2 idle cores)
 BENCH_SCRIPTS = (
     "proxy_overhead.py",
     "memory.py",
@@ -151,6 +151,7 @@ BENCH_SCRIPTS = (
     "tp_plan_coverage.py",
     "generation.py",
     "call_stages.py",
+    "rank_scheduling.py",
     "serve.py",
 )
 
