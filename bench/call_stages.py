@@ -4,14 +4,24 @@ The model and the prompts of ``generation.py`` (a Llama of SmolLM2-135M's widths
 ``generate()`` of 33 tokens, three times; each forward step of the loop is timed in stages, marked by wrapping
 tpcore's own functions in this process: the handle's preparation of the call (walks over the inputs, the
 call's random state and config changes), pickling it, sending it to each rank, each wait for a reply,
-reading each reply, and what follows the last one. ``time.thread_time`` gives the caller's CPU, the wall
-time beside it; medians over the steps (the first two calls, prefill and warm-up, left out).
+reading each reply, what follows the last one, and generate's own work between two calls. ``time.thread_time``
+gives the caller's CPU, the wall time beside it; medians over the steps (the first two calls, prefill and
+warm-up, left out), and the wall time's mean, which a rare long stall moves (as it moves ms/token) where the
+median does not.
+
+The ranks mark the start and end of each forward they serve on the same wall clock (``perf_counter``: the host's
+monotonic clock, one for all its processes), which splits a call's wall time around rank 0's forward: the last
+send's end to rank 0's forward (the ranks waking, reading the call, preparing it), how much later the last rank
+starts (rank 0 waits that long in the first collective), the forward, and the forward's end to the call's end
+(the report, the reply, the caller waking and reading it); and the call less the forward, paired step by step, is
+what serving adds to each step.
 
 While the ranks compute, the caller sleeps in its waits; every other stage is the caller's CPU on the critical
 path of a step. A stage's CPU here is several times its cost in a warm loop: between two steps the ranks'
 compute on the same cores leaves the caller's caches cold.
 
-    python bench/call_stages.py              # batch 1 and 8, about a minute
+    python bench/call_stages.py                   # batch 1 and 8, about a minute
+    python bench/call_stages.py --batch-policy    # the ranks scheduled as batch work (bench/rank_scheduling.py)
 """
 
 from __future__ import annotations
@@ -19,11 +29,13 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
+import os
 import statistics
 import time
 
 from _common import common_arguments, markdown_table, plain_table, write_result
-from generation import prompts, spec_for
+from generation import mark_forwards, prompts, spec_for
+from rank_scheduling import schedule_rank
 
 import tpcore
 from tpcore.ranks import process
@@ -43,14 +55,47 @@ def marked(marks: list, label: str, function):
     return wrapper
 
 
-def stages(batch: int, layers: int, new_tokens: int) -> list[list[str]]:
+def forward_marks(context) -> list[tuple[int, int]]:
+    """On a rank: each forward's ``(start, end)`` since the last call (``generation.mark_forwards``), in ns; taken,
+    so the next call starts afresh."""
+    marks = context.store["forward marks"]
+    pairs = [(round(start * 1e9), round(end * 1e9)) for start, end in zip(marks[::2], marks[1::2], strict=True)]
+    marks.clear()
+    return pairs
+
+
+def around_the_forward(
+    calls: list[list[tuple]], forwards: list[tuple[int, int]], last_rank_forwards: list[tuple[int, int]]
+) -> dict[str, list[float]]:
+    """Wall ms of each call split around rank 0's forward of it (one forward per call, in order), and how much
+    later the last rank started it."""
+    split: dict[str, list[float]] = {}
+    for call, (start, end), (last_start, _) in zip(calls, forwards, last_rank_forwards, strict=True):
+        sent = max(wall for label, _, wall in call if label == "send end")
+        called, returned = call[0][2], call[-1][2]
+        for stage, ns in (
+            ("last send end -> rank 0 forward start", start - sent),
+            ("rank 0 forward start -> last rank's forward start", last_start - start),
+            ("rank 0 forward", end - start),
+            ("rank 0 forward end -> call end", returned - end),
+            ("call, less rank 0's forward", (returned - called) - (end - start)),
+        ):
+            split.setdefault(stage, []).append(ns / 1e6)
+    return split
+
+
+def stages(batch: int, layers: int, new_tokens: int, batch_policy: bool = False) -> list[list[str]]:
     marks: list = []
     model = tpcore.parallelize(spec_for(layers).build(), num_gpus=2)
     handle = model._tpcore_handle
+    handle.pool.run(mark_forwards, "model")
+    if batch_policy:  # the ranks scheduled as batch work (bench/rank_scheduling.py), not as any process is
+        handle.pool.run(schedule_rank, os.SCHED_BATCH)
     originals = {name: getattr(process, name) for name in ("_encoded", "recv")}
     wait = process._Readable.wait
     send = process.RankPool._send
     per_stage: dict[str, list[tuple[float, float]]] = {}
+    split: dict[str, list[float]] = {}
     steps = 0
     try:
         process._encoded = marked(marks, "pickle", originals["_encoded"])
@@ -68,6 +113,12 @@ def stages(batch: int, layers: int, new_tokens: int) -> list[list[str]]:
                 if mark[0] == "call end":
                     calls.append(current)
                     current = []
+            forwards = handle.pool.run(forward_marks)
+            for stage, times in around_the_forward(calls[2:], forwards[0][2:], forwards[-1][2:]).items():
+                split.setdefault(stage, []).extend(times)
+            for before, after in itertools.pairwise(calls[2:]):
+                cpu, wall = ((after[0][i] - before[-1][i]) / 1e6 for i in (1, 2))
+                per_stage.setdefault("call end -> next call start (generate's own work)", []).append((cpu, wall))
             for call in calls[2:]:
                 steps += 1
                 for (first, cpu0, wall0), (then, cpu1, wall1) in itertools.pairwise(call):
@@ -83,7 +134,10 @@ def stages(batch: int, layers: int, new_tokens: int) -> list[list[str]]:
     rows = []
     for stage, times in per_stage.items():
         cpu, wall = (statistics.median(t[i] for t in times) for i in (0, 1))
-        rows.append([str(batch), stage, f"{len(times) / steps:.1f}", f"{cpu:.3f}", f"{wall:.3f}"])
+        mean = statistics.fmean(t[1] for t in times)
+        rows.append([str(batch), stage, f"{len(times) / steps:.1f}", f"{cpu:.3f}", f"{wall:.3f}", f"{mean:.3f}"])
+    for stage, walls in split.items():
+        rows.append([str(batch), stage, "1.0", "", f"{statistics.median(walls):.3f}", f"{statistics.fmean(walls):.3f}"])
     return rows
 
 
@@ -91,15 +145,19 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     common_arguments(parser, "call_stages", "a few tokens")
     parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument(
+        "--batch-policy", action="store_true", help="the ranks scheduled SCHED_BATCH instead of the default policy"
+    )
     args = parser.parse_args(argv)
     new_tokens = 6 if args.quick else 33
-    rows = [row for batch in (1, 8) for row in stages(batch, args.layers, new_tokens)]
-    header = ["batch", "stage", "per call", "caller CPU ms (median)", "wall ms (median)"]
+    rows = [row for batch in (1, 8) for row in stages(batch, args.layers, new_tokens, args.batch_policy)]
+    header = ["batch", "stage", "per call", "caller CPU ms (median)", "wall ms (median)", "wall ms (mean)"]
     print(plain_table(header, rows))
     sections = [
         f"Llama of SmolLM2-135M's widths, {args.layers} layers, N=2 gloo ranks, greedy, {new_tokens} new tokens, "
         "3 runs; a stage `x` is the time inside `x`, a stage `a -> b` the time between those two marks "
-        "(`call start -> pickle start`: the handle's preparation of the call).",
+        "(`call start -> pickle start`: the handle's preparation of the call); the ranks scheduled "
+        + ("as batch work (SCHED_BATCH, `--batch-policy`)." if args.batch_policy else "by the default policy."),
         markdown_table(header, rows),
     ]
     write_result(

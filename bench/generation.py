@@ -18,7 +18,9 @@ Both give the same tokens (checked).
 
 The overhead of a served call is measured apart, on bare decode steps (``model(next_token, cache=...)``, no
 ``generate()``): the median step timed in this process, against the median of the same steps run on the ranks
-and timed there (the forward alone). Writes ``bench/results/generation.md``.
+and timed there (the forward alone). Rank 0's forwards in both loops are timed by hooks, which splits the
+difference between the loops: the forward itself, and the time between two forwards. Writes
+``bench/results/generation.md``.
 
     python bench/generation.py            # about 3 minutes on 2 CPU cores
     python bench/generation.py --quick    # a smoke run
@@ -81,6 +83,27 @@ def ranks_generate(context, inputs: dict, new_tokens: int) -> tuple[float, torch
         tokens = model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
     synchronize(context.device)
     return time.perf_counter() - start, (tokens.cpu() if context.rank == 0 else None)
+
+
+def mark_forwards(context, key: str) -> None:
+    """On a rank: keep the wall time at the start and end of each forward of the model ``context.store[key]``."""
+    marks = context.store["forward marks"] = []
+    model = context.store[key]
+    model.register_forward_pre_hook(lambda *_: marks.append(time.perf_counter()))
+    model.register_forward_hook(lambda *_: marks.append(time.perf_counter()))
+
+
+def decode_forwards(context) -> tuple[list[float], list[float]] | None:
+    """On rank 0: the ms of each decode forward since the last call (the prefill left out) and of each time between
+    two of them; taken, so the next call starts afresh (on every rank)."""
+    marks = context.store["forward marks"]
+    starts, ends = marks[0::2], marks[1::2]
+    marks.clear()
+    if context.rank != 0:
+        return None
+    forwards = [(end - start) * 1e3 for start, end in zip(starts, ends, strict=True)]
+    between = [(start - end) * 1e3 for end, start in zip(ends, starts[1:], strict=False)]
+    return forwards[1:], between[1:]
 
 
 # --- caller side -------------------------------------------------------------------------------------
@@ -166,8 +189,13 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.caller_threads)
     caller_device = served.device if args.caller_on_device else torch.device("cpu")
     rows = []
+    served._tpcore_handle.pool.run(mark_forwards, "model")
+    pools = {"caller": served._tpcore_handle.pool}
+    parts_rows = []
     with RankPool(args.ranks, backend, device=args.device) as pool:
         pool.run(ranks_load, spec)
+        pool.run(mark_forwards, "bench_model")
+        pools["ranks"] = pool
         for batch in (1, 8):
             inputs = prompts(batch)
             caller_inputs = {key: value.to(caller_device) for key, value in inputs.items()}
@@ -175,13 +203,24 @@ def main(argv: list[str] | None = None) -> None:
                 "ranks": {1: [], new_tokens: []},
                 "caller": {1: [], new_tokens: []},
             }
-            for _ in range(rounds + 1):  # the first round warms up
+            # rank 0's decode forwards in each loop, and the times between two (the loop's own work, and the round
+            # trip of each served step): {way: (forward ms, between ms)}
+            parts: dict[str, tuple[list[float], list[float]]] = {"ranks": ([], []), "caller": ([], [])}
+            for round_ in range(rounds + 1):  # the first round warms up
                 for count in (1, new_tokens):
                     seconds, ranks_tokens = pool.run(ranks_generate, inputs, count)[0]
                     times["ranks"][count].append(seconds)
                     seconds, caller_tokens = caller_generate(served, caller_inputs, count)
                     times["caller"][count].append(seconds)
                     assert torch.equal(ranks_tokens, caller_tokens.cpu()), "the two loops gave different tokens"
+                    for way, ranks in pools.items():
+                        forwards, between = ranks.run(decode_forwards)[0]
+                        if round_ and count == new_tokens:
+                            parts[way][0].extend(forwards)
+                            parts[way][1].extend(between)
+            parts_rows.append(
+                [str(batch), *(f"{statistics.median(parts[way][i]):.2f}" for i in (0, 1) for way in parts)]
+            )
             ms = {way: per_token_ms(t[new_tokens][1:], t[1][1:], new_tokens) for way, t in times.items()}
             paired = [  # each round's caller / ranks ratio: the two ways ran back to back, under the same load
                 (caller_long - caller_short) / (ranks_long - ranks_short)
@@ -223,12 +262,24 @@ def main(argv: list[str] | None = None) -> None:
         "served step ms",
         "overhead per call ms",
     ]
+    parts_header = [
+        "batch",
+        "forward in the ranks' loop ms",
+        "forward in the caller's loop ms",
+        "between two forwards, ranks' loop ms",
+        "between two forwards, caller's loop ms",
+    ]
     print(plain_table(header, rows))
+    print(plain_table(parts_header, parts_rows))
     sections = [
         f"Llama of SmolLM2-135M's widths, {layers} layers, N={args.ranks} {backend} ranks on {args.device}, greedy, "
         f"{new_tokens} new tokens after a 16-token prompt, {rounds} rounds; the caller's inputs and outputs "
         f"{caller_place}, {os.cpu_count()} CPU cores, {caller_threads} in the caller's loops.",
         markdown_table(header, rows),
+        "Where the difference is: rank 0's decode forwards in each loop's `generate()` (the hooks' wall time; CUDA "
+        "ranks: the host's part), and the time between two forwards: the loop's own work, and in the caller's loop "
+        "each served step's round trip. Medians over the decode steps of every round.",
+        markdown_table(parts_header, parts_rows),
     ]
     write_result(
         "generation",
