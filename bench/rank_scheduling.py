@@ -23,7 +23,7 @@ import statistics
 import sys
 
 from _common import common_arguments, markdown_table, plain_table, write_result
-from generation import caller_generate, prompts, spec_for
+from generation import caller_generate, per_token_ms, prompts, spec_for
 
 import tpcore
 
@@ -39,10 +39,11 @@ def schedule_rank(context, policy: int) -> None:
             pass
 
 
-def per_token_ms(model, inputs: dict, new_tokens: int) -> float:
+def decode_ms(model, inputs: dict, new_tokens: int) -> float:
+    """ms/token of one pair of runs (``new_tokens`` and 1 new token) of the caller's ``generate()``."""
     long, _ = caller_generate(model, inputs, new_tokens)
     short, _ = caller_generate(model, inputs, 1)
-    return (long - short) / (new_tokens - 1) * 1e3
+    return per_token_ms([long], [short], new_tokens)
 
 
 def compare(model, batch: int, rounds: int, new_tokens: int) -> list[str]:
@@ -52,7 +53,7 @@ def compare(model, batch: int, rounds: int, new_tokens: int) -> list[str]:
     for round_ in range(rounds + 1):  # the first round warms up
         for name in sorted(POLICIES, reverse=round_ % 2 == 1):
             pool.run(schedule_rank, POLICIES[name])
-            figure = per_token_ms(model, inputs, new_tokens)
+            figure = decode_ms(model, inputs, new_tokens)
             if round_:
                 ms[name].append(figure)
     pool.run(schedule_rank, POLICIES["default"])  # as tpcore left them
