@@ -14,7 +14,8 @@ monotonic clock, one for all its processes), which splits a call's wall time aro
 send's end to rank 0's forward (the ranks waking, reading the call, preparing it), how much later the last rank
 starts (rank 0 waits that long in the first collective), the forward, and the forward's end to the call's end
 (the report, the reply, the caller waking and reading it); and the call less the forward, paired step by step, is
-what serving adds to each step.
+what serving adds to each step. Rank 0's forward is also given apart for the calls whose last rank started within
+50 us of rank 0 and for the others (their share in the column "per call").
 
 While the ranks compute, the caller sleeps in its waits; every other stage is the caller's CPU on the critical
 path of a step. A stage's CPU here is several times its cost in a warm loop: between two steps the ranks'
@@ -79,9 +80,18 @@ def around_the_forward(
             ("rank 0 forward", end - start),
             ("rank 0 forward end -> call end", returned - end),
             ("call, less rank 0's forward", (returned - called) - (end - start)),
+            (f"rank 0 forward, the last rank starting {_skew_class(last_start - start)}", end - start),
         ):
             split.setdefault(stage, []).append(ns / 1e6)
     return split
+
+
+#: a last rank starting later than this after rank 0 counts as late (``rank 0 forward, ...`` stages)
+LATE_START_NS = 50_000
+
+
+def _skew_class(ns: int) -> str:
+    return f"over {LATE_START_NS / 1e3:g} us later" if ns > LATE_START_NS else f"within {LATE_START_NS / 1e3:g} us"
 
 
 def stages(batch: int, layers: int, new_tokens: int, batch_policy: bool = False) -> list[list[str]]:
@@ -136,8 +146,10 @@ def stages(batch: int, layers: int, new_tokens: int, batch_policy: bool = False)
         cpu, wall = (statistics.median(t[i] for t in times) for i in (0, 1))
         mean = statistics.fmean(t[1] for t in times)
         rows.append([str(batch), stage, f"{len(times) / steps:.1f}", f"{cpu:.3f}", f"{wall:.3f}", f"{mean:.3f}"])
+    calls = len(split["rank 0 forward"])
     for stage, walls in split.items():
-        rows.append([str(batch), stage, "1.0", "", f"{statistics.median(walls):.3f}", f"{statistics.fmean(walls):.3f}"])
+        share = f"{len(walls) / calls:.2f}"
+        rows.append([str(batch), stage, share, "", f"{statistics.median(walls):.3f}", f"{statistics.fmean(walls):.3f}"])
     return rows
 
 

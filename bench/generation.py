@@ -18,8 +18,10 @@ Both give the same tokens (checked).
 
 The overhead of a served call is measured apart, on bare decode steps (``model(next_token, cache=...)``, no
 ``generate()``): the median step timed in this process, against the median of the same steps run on the ranks
-and timed there (the forward alone). Rank 0's forwards in both loops are timed by hooks, which splits the
-difference between the loops: the forward itself, and the time between two forwards. Writes
+and timed there (the forward alone), and against the same steps with every rank asleep for a while before each
+(a control: whether a forward is slower for the ranks idling between steps, as they do in the caller's loop). Rank
+0's forwards in both loops are timed by hooks, which splits the difference between the loops: the forward itself,
+and the time between two forwards. Writes
 ``bench/results/generation.md``.
 
     python bench/generation.py            # about 3 minutes on 2 CPU cores
@@ -44,6 +46,9 @@ from tpcore.ranks.process import RankPool
 from tpcore.ranks.worker import synchronize
 from tpcore.testing import ModelSpec
 
+#: how long the ranks sleep before each step of the control run: about a caller's loop's time between two forwards
+ASLEEP_MS = 2.5
+
 # --- run on the ranks (module-level, so cloudpickle sends them by value) -------------------------------
 
 
@@ -56,8 +61,9 @@ def ranks_load(context, spec) -> None:
     context.store["bench_model"] = model
 
 
-def ranks_steps(context, prompt: torch.Tensor, steps: int) -> float:
-    """The median ms of a decode step run on the ranks (timed on rank 0): the forward alone."""
+def ranks_steps(context, prompt: torch.Tensor, steps: int, asleep_ms: float = 0.0) -> float:
+    """The median ms of a decode step run on the ranks (timed on rank 0): the forward alone; with ``asleep_ms``,
+    each rank sleeps that long before each step (as the ranks do while a caller's loop does its own work)."""
     from transformers import DynamicCache
 
     model = context.store["bench_model"]
@@ -67,6 +73,8 @@ def ranks_steps(context, prompt: torch.Tensor, steps: int) -> float:
         token = model(input_ids=prompt.to(context.device), **{keyword: cache}, use_cache=True)
         token = token.logits[:, -1:].argmax(-1)
         for _ in range(steps):
+            if asleep_ms:
+                time.sleep(asleep_ms / 1e3)
             start = time.perf_counter()
             token = model(input_ids=token, **{keyword: cache}, use_cache=True).logits[:, -1:].argmax(-1)
             synchronize(context.device)
@@ -219,7 +227,14 @@ def main(argv: list[str] | None = None) -> None:
                             parts[way][0].extend(forwards)
                             parts[way][1].extend(between)
             parts_rows.append(
-                [str(batch), *(f"{statistics.median(parts[way][i]):.2f}" for i in (0, 1) for way in parts)]
+                [
+                    str(batch),
+                    *(
+                        f"{statistics.median(parts[way][i]):.2f} / {statistics.fmean(parts[way][i]):.2f}"
+                        for i in (0, 1)
+                        for way in parts
+                    ),
+                ]
             )
             ms = {way: per_token_ms(t[new_tokens][1:], t[1][1:], new_tokens) for way, t in times.items()}
             paired = [  # each round's caller / ranks ratio: the two ways ran back to back, under the same load
@@ -232,11 +247,12 @@ def main(argv: list[str] | None = None) -> None:
                     strict=True,
                 )
             ]
-            steps = {"ranks": [], "caller": []}
+            steps = {"ranks": [], "asleep": [], "caller": []}
             for _ in range(rounds + 1):
                 steps["ranks"].append(pool.run(ranks_steps, inputs["input_ids"], new_tokens)[0])
+                steps["asleep"].append(pool.run(ranks_steps, inputs["input_ids"], new_tokens, ASLEEP_MS)[0])
                 steps["caller"].append(caller_steps(served, caller_inputs["input_ids"], new_tokens))
-            forward, served_step = (statistics.median(steps[way][1:]) for way in ("ranks", "caller"))
+            forward, asleep, served_step = (statistics.median(steps[way][1:]) for way in steps)
             rows.append(
                 [
                     str(batch),
@@ -244,6 +260,7 @@ def main(argv: list[str] | None = None) -> None:
                     f"{ms['caller']:.1f}",
                     f"{statistics.median(paired):.3f} ({min(paired):.3f}-{max(paired):.3f})",
                     f"{forward:.2f}",
+                    f"{asleep:.2f}",
                     f"{served_step:.2f}",
                     f"{served_step - forward:.2f}",
                 ]
@@ -259,12 +276,13 @@ def main(argv: list[str] | None = None) -> None:
         "caller's loop ms/token",
         "caller / ranks: median of rounds (range)",
         "step on the ranks ms",
+        f"step on the ranks, {ASLEEP_MS:g} ms asleep before each, ms",
         "served step ms",
         "overhead per call ms",
     ]
     parts_header = [
         "batch",
-        "forward in the ranks' loop ms",
+        "forward in the ranks' loop ms (median / mean)",
         "forward in the caller's loop ms",
         "between two forwards, ranks' loop ms",
         "between two forwards, caller's loop ms",
@@ -278,7 +296,9 @@ def main(argv: list[str] | None = None) -> None:
         markdown_table(header, rows),
         "Where the difference is: rank 0's decode forwards in each loop's `generate()` (the hooks' wall time; CUDA "
         "ranks: the host's part), and the time between two forwards: the loop's own work, and in the caller's loop "
-        "each served step's round trip. Medians over the decode steps of every round.",
+        "each served step's round trip. Median and mean over the decode steps of every round (a rare slow step moves "
+        "the mean, and ms/token with it). The control column of the first table: the same steps on the ranks, each "
+        f"rank asleep {ASLEEP_MS:g} ms before each step, as between the steps of a caller's loop.",
         markdown_table(parts_header, parts_rows),
     ]
     write_result(
