@@ -18,7 +18,6 @@ count that chance alone keeps near half). Linux only (the policies are Linux's).
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import statistics
 import sys
@@ -47,39 +46,26 @@ def decode_ms(model, inputs: dict, new_tokens: int) -> float:
     return per_token_ms([long], [short], new_tokens)
 
 
-def paired_rounds(model, inputs: dict, rounds: int, new_tokens: int, settings: dict) -> dict[str, list[float]]:
-    """ms/token of each round of the caller's ``generate()`` under each of ``settings`` (a name: a function that
-    puts the setting in place); in a round they run back to back, their order alternating, after a warm-up round."""
-    ms: dict[str, list[float]] = {name: [] for name in settings}
+def compare(model, batch: int, rounds: int, new_tokens: int) -> list[str]:
+    inputs = prompts(batch)
+    pool = model._tpcore_handle.pool
+    ms: dict[str, list[float]] = {name: [] for name in POLICIES}
     for round_ in range(rounds + 1):  # the first round warms up
-        for name in sorted(settings, reverse=round_ % 2 == 1):
-            settings[name]()
+        for name in sorted(POLICIES, reverse=round_ % 2 == 1):
+            pool.run(schedule_rank, POLICIES[name])
             figure = decode_ms(model, inputs, new_tokens)
             if round_:
                 ms[name].append(figure)
-    return ms
-
-
-def paired_row(batch: int, ms: dict[str, list[float]], changed: str, baseline: str) -> list[str]:
-    """A table row: each setting's median ms/token, the median of the rounds' ratios changed / baseline with their
-    range, and in how many rounds the changed setting was faster."""
-    ratios = [new / old for new, old in zip(ms[changed], ms[baseline], strict=True)]
+    pool.run(schedule_rank, POLICIES["default"])  # as tpcore left them
+    ratios = [batch_ms / default_ms for batch_ms, default_ms in zip(ms["batch"], ms["default"], strict=True)]
     faster = sum(ratio < 1 for ratio in ratios)
     return [
         str(batch),
-        f"{statistics.median(ms[baseline]):.2f}",
-        f"{statistics.median(ms[changed]):.2f}",
+        f"{statistics.median(ms['default']):.2f}",
+        f"{statistics.median(ms['batch']):.2f}",
         f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})",
         f"{faster}/{len(ratios)}",
     ]
-
-
-def compare(model, batch: int, rounds: int, new_tokens: int) -> list[str]:
-    pool = model._tpcore_handle.pool
-    settings = {name: functools.partial(pool.run, schedule_rank, policy) for name, policy in POLICIES.items()}
-    ms = paired_rounds(model, prompts(batch), rounds, new_tokens, settings)
-    pool.run(schedule_rank, POLICIES["default"])  # as tpcore left them
-    return paired_row(batch, ms, "batch", "default")
 
 
 def main(argv: list[str] | None = None) -> None:

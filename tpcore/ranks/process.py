@@ -50,7 +50,6 @@ from typing import TYPE_CHECKING, Any
 
 from tpcore import log
 from tpcore.ranks.failures import WorkerDiedError, WorkerError, reraise
-from tpcore.ranks.waiting import poll_window_s
 from tpcore.ranks.wire import ControlListener, byte_view, encode, recv, send
 from tpcore.ranks.worker import AUTHKEY_ENV, PARENT_ENV, RankContext, worker_command
 
@@ -114,7 +113,6 @@ class RankPool:
 
         if world_size < 1:
             raise ValueError(f"world_size must be at least 1, got {world_size}")
-        poll_window_s(0)  # a bad TPCORE_RANK_POLL_MS is refused here, before any rank starts
         self.world_size = world_size
         self.backend = backend or default_backend(world_size)
         #: ``"cuda"`` or ``"cpu"``: what the ranks compute on (refused here, before any rank starts, if impossible)

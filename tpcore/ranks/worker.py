@@ -2,10 +2,9 @@
 
 A rank is a fresh interpreter (:func:`worker_command`). It watches its caller from its first line
 (:data:`WORKER_CODE`), connects back to it
-(:mod:`tpcore.ranks.wire`), binds its device, joins the group, then serves calls until told to stop (rank 0 polls
-for the next a short while: :mod:`tpcore.ranks.waiting`): each call is ``(fn, args, kwargs, log level)``, run as
-``fn(context, *args, **kwargs)`` with a :class:`RankContext` and answered ``("ok", result)`` or
-``("error", describe(exception))`` (:mod:`tpcore.ranks.failures`).
+(:mod:`tpcore.ranks.wire`), binds its device, joins the group, then serves calls until told to stop: each
+call is ``(fn, args, kwargs, log level)``, run as ``fn(context, *args, **kwargs)`` with a :class:`RankContext`
+and answered ``("ok", result)`` or ``("error", describe(exception))`` (:mod:`tpcore.ranks.failures`).
 
 Before its answer a rank may send events, which the caller handles and keeps waiting: ``("log", record)``
 for each ``tpcore`` record at the caller's level (:mod:`tpcore.log`), ``("progress", count)`` for a running
@@ -26,7 +25,6 @@ from typing import Any
 
 from tpcore import log
 from tpcore.ranks.failures import describe
-from tpcore.ranks.waiting import CallWaiter, poll_window_s
 from tpcore.ranks.wire import byte_view, connect, recv, send
 
 __all__ = ["AUTHKEY_ENV", "PARENT_ENV", "WORKER_CODE", "RankContext", "synchronize", "worker_command", "worker_entry"]
@@ -85,8 +83,6 @@ class RankContext:
     store: dict = field(default_factory=dict)
     connection: Any = field(default=None, repr=False)
     channel: Channel | None = field(default=None, repr=False)
-    #: how this rank waits for its next call (its ``window`` may be changed from a call)
-    waiter: CallWaiter | None = field(default=None, repr=False)
 
     @property
     def group(self) -> Any:
@@ -170,10 +166,7 @@ def _worker_main(
             store = dist.TCPStore(master_addr, master_port, world_size, False, timeout=datetime.timedelta(minutes=5))
             init_process_group(backend, rank, world_size, store, device=device)
             shm.attach(dist.group.WORLD)
-            waiter = CallWaiter(conn.fileno(), poll_window_s(rank))
-            context = RankContext(
-                rank, world_size, backend, dist.group.WORLD, device, connection=conn, channel=channel, waiter=waiter
-            )
+            context = RankContext(rank, world_size, backend, dist.group.WORLD, device, connection=conn, channel=channel)
             logger.info(
                 "joined the %s group on %s (pid %d) in %.1f s", backend, device, os.getpid(), time.monotonic() - started
             )
@@ -183,7 +176,6 @@ def _worker_main(
             return
         while True:
             try:
-                waiter.wait()
                 message = recv(conn)
             except (EOFError, OSError):  # the caller is gone
                 break
