@@ -166,6 +166,14 @@ def per_token_ms(long: list[float], short: list[float], new_tokens: int) -> floa
     return (statistics.median(long) - statistics.median(short)) / (new_tokens - 1) * 1e3
 
 
+def paired_ratios(times: dict[str, dict[int, list[float]]], way: str, new_tokens: int) -> list[float]:
+    """Each round's ms/token of ``way`` against the ranks' loop (``times[way][count]``: seconds of each round, the
+    first a warm-up): the two ran back to back, under the same load."""
+    long, short = times[way][new_tokens][1:], times[way][1][1:]
+    ranks_long, ranks_short = times["ranks"][new_tokens][1:], times["ranks"][1][1:]
+    return [(a - b) / (c - d) for a, b, c, d in zip(long, short, ranks_long, ranks_short, strict=True)]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     common_arguments(parser, "generation", "a few tokens, one round")
@@ -237,16 +245,7 @@ def main(argv: list[str] | None = None) -> None:
                 ]
             )
             ms = {way: per_token_ms(t[new_tokens][1:], t[1][1:], new_tokens) for way, t in times.items()}
-            paired = [  # each round's caller / ranks ratio: the two ways ran back to back, under the same load
-                (caller_long - caller_short) / (ranks_long - ranks_short)
-                for caller_long, caller_short, ranks_long, ranks_short in zip(
-                    times["caller"][new_tokens][1:],
-                    times["caller"][1][1:],
-                    times["ranks"][new_tokens][1:],
-                    times["ranks"][1][1:],
-                    strict=True,
-                )
-            ]
+            paired = paired_ratios(times, "caller", new_tokens)
             steps = {"ranks": [], "asleep": [], "caller": []}
             for _ in range(rounds + 1):
                 steps["ranks"].append(pool.run(ranks_steps, inputs["input_ids"], new_tokens)[0])

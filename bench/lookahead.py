@@ -29,7 +29,15 @@ import statistics
 
 import torch
 from _common import common_arguments, markdown_table, plain_table, write_result
-from generation import caller_generate, per_token_ms, prompts, ranks_generate, ranks_load, spec_for
+from generation import (
+    caller_generate,
+    paired_ratios,
+    per_token_ms,
+    prompts,
+    ranks_generate,
+    ranks_load,
+    spec_for,
+)
 
 import tpcore
 from tpcore.ranks.process import RankPool
@@ -203,16 +211,7 @@ def main(argv: list[str] | None = None) -> None:
             ms = {way: per_token_ms(t[new_tokens][1:], t[1][1:], new_tokens) for way, t in times.items()}
             row = [str(batch), f"{ms['ranks']:.2f}"]
             for way in ("caller", "lookahead"):
-                ratios = [
-                    (long - short) / (ranks_long - ranks_short)
-                    for long, short, ranks_long, ranks_short in zip(
-                        times[way][new_tokens][1:],
-                        times[way][1][1:],
-                        times["ranks"][new_tokens][1:],
-                        times["ranks"][1][1:],
-                        strict=True,
-                    )
-                ]
+                ratios = paired_ratios(times, way, new_tokens)
                 row += [f"{ms[way]:.2f}", f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})"]
             rows.append([*row, f"{counts['used']}/{counts['run']}"])
     served.deparallelize()
