@@ -2,7 +2,7 @@
 functions, and one list of the public names.
 
 The layers are the import-linter contract in pyproject.toml (``[tool.importlinter]``), top to bottom:
-compat, tools, testing, api | engine, launch | handle, rank_side, select, plan, ranks, load,
+compat, tools, testing, api | engine, launch | handle, rank_side, lookahead, select, plan, ranks, load,
 authoring, parallel, cut, log, progress, and the leaves (configs, errors, version). ``nox -s lint`` checks them
 too; here they are part of the suite CI runs.
 """

@@ -12,6 +12,7 @@ import resource
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -21,13 +22,14 @@ from torch import nn
 from tpcore.load.checkpoint import Checkpoint, Read
 from tpcore.load.precision import cast_model
 from tpcore.load.skeleton import install_tensors, named_tensors, register_output_recording
+from tpcore.lookahead import Lookahead
 from tpcore.parallel import memfd
 from tpcore.parallel.layers import bind_group
 from tpcore.plan import format_bytes
 from tpcore.progress import ByteCounter
 from tpcore.rank_cache import CacheRef, CacheState, RankCaches
 from tpcore.ranks.process import RankContext
-from tpcore.ranks.rng import RandomState, device_generator
+from tpcore.ranks.rng import RandomState, device_generator, same_state
 from tpcore.ranks.transfer import to_cpu, to_device
 from tpcore.resent import RankTensors
 
@@ -108,17 +110,20 @@ def reporting_rank(world_size: int) -> int:
 def serve(context: RankContext, call: Call):
     """On a rank: run the call with the caller's random state and its config. Rank 0 returns the output (on the CPU,
     each cache as its id); the :func:`reporting_rank` returns its random state and the state of each cache sent
-    or output (``(output, random state, states)`` from a rank that is both)."""
+    or output (``(output, random state, states)`` from a rank that is both). A decode step is answered from the
+    step guessed after the last call when it is that one, and leaves the next guess to run (:mod:`tpcore.lookahead`)."""
     model = context.store["model"]
     caches = context.store.setdefault("caches", RankCaches())
+    lookahead = _lookahead(context)
+    guessed = lookahead.take(call, model)
     caches.free(call.freed)
     kept = context.store.setdefault("kept", RankTensors())
     kept.free(call.tensors_freed)
     apply_config_changes(model, call.config_changes)
     generator = device_generator(context.device)
     call.random_state.apply(generator)
-    reports = context.rank == reporting_rank(context.world_size)
-    random_before = torch.get_rng_state() if reports else None  # the reporting rank tells the caller if it moved
+    # the reporting rank tells the caller whether the CPU generator moved; a guess needs both generators still
+    cpu_before, cuda_before = torch.get_rng_state(), None if generator is None else generator.get_state()
     inputs = (call.args, call.kwargs)  # on the CPU, as they arrived
     if context.device.type != "cpu":
         inputs = to_device(inputs, context.device)
@@ -128,16 +133,34 @@ def serve(context: RankContext, call: Call):
         target = getattr(target, call.method)
     # Rank 0 gathers its outputs (the logits) into shared memory, which the caller reads (a CUDA rank copies them
     # there): no copy through the socket, no new segment per call.
-    shared = memfd.gathered_outputs_shared() if context.rank == 0 else nullcontext()
-    with torch.inference_mode(), shared:
-        output = caches.report(target(*args, **kwargs))
+    shared = memfd.gathered_outputs_shared if context.rank == 0 else nullcontext
+    with torch.inference_mode(), shared():
+        output = guessed if guessed is not None else target(*args, **kwargs)
+        if lookahead.predict(call, output, caches, model, partial(_random_moved, cpu_before, generator, cuda_before)):
+            context.idle_work = partial(lookahead.run, model, caches, context.device, shared)
+        output = caches.report(output)
         output = gather_attentions(output, context.group)
         output = to_cpu(output) if context.rank == 0 else None
-    if not reports:
+    if context.rank != reporting_rank(context.world_size):
         return output
     sent = {ref.id for ref in _refs((call.args, call.kwargs))}
-    report = RandomState.of(generator, random_before), caches.states(sent)
+    report = RandomState.of(generator, cpu_before), caches.states(sent)
     return (output, *report) if context.rank == 0 else report
+
+
+def _lookahead(context: RankContext) -> Lookahead:
+    """This rank's :class:`~tpcore.lookahead.Lookahead` (made at its first served call)."""
+    lookahead = context.store.get("lookahead")
+    if lookahead is None:
+        lookahead = context.store["lookahead"] = Lookahead()
+    return lookahead
+
+
+def _random_moved(cpu_before: torch.Tensor, generator: torch.Generator | None, cuda_before: Any) -> bool:
+    """Whether the forward just run drew from the CPU generator or from the rank's CUDA ``generator``."""
+    if not same_state(torch.get_rng_state(), cpu_before):
+        return True
+    return generator is not None and not same_state(generator.get_state(), cuda_before)
 
 
 def gather_attentions(output: Any, group: Any) -> Any:
@@ -173,6 +196,7 @@ def shard_tensors(context: RankContext, names: list[str]) -> dict[str, torch.Ten
 def mutate_cache(context: RankContext, cache_id: int, part: str | None, method: str, args: tuple) -> CacheState | None:
     """On a rank: run ``method`` of the cache ``cache_id`` (its ``part``); rank 0 returns its state after."""
     caches = context.store.setdefault("caches", RankCaches())
+    _lookahead(context).drop()
     with torch.inference_mode():
         state = caches.mutate(cache_id, part, method, to_device(args, context.device))
     return state if context.rank == 0 else None
@@ -180,6 +204,7 @@ def mutate_cache(context: RankContext, cache_id: int, part: str | None, method: 
 
 def cache_tensors(context: RankContext, cache_id: int, part: str | None) -> list[tuple[Any, Any]]:
     """On a rank: its heads of each layer's ``(keys, values)`` of the cache ``cache_id`` (its ``part``), on the CPU."""
+    _lookahead(context).drop()
     return to_cpu(context.store.setdefault("caches", RankCaches()).tensors(cache_id, part))
 
 

@@ -6,6 +6,9 @@ A rank is a fresh interpreter (:func:`worker_command`). It watches its caller fr
 call is ``(fn, args, kwargs, log level)``, run as ``fn(context, *args, **kwargs)`` with a :class:`RankContext`
 and answered ``("ok", result)`` or ``("error", describe(exception))`` (:mod:`tpcore.ranks.failures`).
 
+After its answer a rank runs the work the call left for its idle time (:attr:`RankContext.idle_work`: the served
+model's guessed next step, :mod:`tpcore.lookahead`), then waits for the next call.
+
 Before its answer a rank may send events, which the caller handles and keeps waiting: ``("log", record)``
 for each ``tpcore`` record at the caller's level (:mod:`tpcore.log`), ``("progress", count)`` for a running
 count (:meth:`RankContext.report_progress`). One lock orders every send, since records may come from any thread.
@@ -20,6 +23,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,6 +87,9 @@ class RankContext:
     store: dict = field(default_factory=dict)
     connection: Any = field(default=None, repr=False)
     channel: Channel | None = field(default=None, repr=False)
+    #: work a call leaves to run once its reply is sent, before the rank waits for the next call (one call's
+    #: worth: taken, then cleared); what it raises is logged, not sent: the call was already answered
+    idle_work: Callable[[], None] | None = field(default=None, repr=False)
 
     @property
     def group(self) -> Any:
@@ -103,6 +110,16 @@ class RankContext:
                 self.connection.recv_bytes()
             tensors.append(tensor)
         return tensors
+
+    def run_idle_work(self) -> None:
+        """Run and clear :attr:`idle_work`, if a call left any."""
+        work, self.idle_work = self.idle_work, None
+        if work is None:
+            return
+        try:
+            work()
+        except Exception:
+            logger.exception("work left by the last call failed")
 
     def report_progress(self, count: int) -> None:
         """Tell the caller this rank's running count (of bytes loaded, say); the call's ``on_progress`` gets it."""
@@ -183,6 +200,7 @@ def _worker_main(
                 break
             _answer(context, channel, message)
             message = None  # a call's inputs (and through them its outputs) are not kept until the next call
+            context.run_idle_work()
         dist.destroy_process_group()
         conn.close()
         sys.stdout.flush()

@@ -1,0 +1,223 @@
+"""On the ranks: the next greedy decode step, computed while the caller runs ``generate()``'s own work.
+
+In the caller's loop a decode step is serial: the ranks' forward, the reply, the caller's share of the step
+(logits processors, stopping criteria, streamer, the next token), then the next call. After a *decode-shaped*
+call (input ids, a cache the ranks hold, positions and a mask; nothing else that changes from step to step),
+every rank takes the greedy guess, the argmax of the last position's logits (which every rank holds whole and
+alike: they are all-gathered), and once it has replied runs the forward that the next call would ask for if
+the caller picks that token: ``input_ids`` the guess, ``position_ids`` and ``cache_position`` one further,
+``attention_mask`` one column of ones longer, the same cache and every other argument as before.
+
+When the next call is exactly that one (its tensors equal, no config change, no cache freed), the stored output
+answers it. When it is not (sampling drew another token, a finished row got the pad token, the caller changed
+something, another cache's call), the cache gets back the very tensors it held before the guess, and the call
+runs as usual: the caller sees the unsplit model's outputs either way. Any other use of the ranks' caches
+(:func:`tpcore.rank_side.mutate_cache`, :func:`tpcore.rank_side.cache_tensors`) drops a pending guess first.
+
+A guess costs one forward of the ranks' time; it is only worth it while guesses hit. After a miss no guess runs
+until a prediction (still made, for free) matches the call that comes. Guesses run only where dropping one is
+exact: caches whose every layer is a ``DynamicLayer`` (not sliding, not linear), a model in eval mode, a forward
+that drew no random numbers. A call that comes while a guess runs waits for it (one decode step at most: the
+guess after a ``generate()``'s last step is never asked for). A guess that raises (out of memory) is taken back
+and turns the lookahead off on that rank. ``TPCORE_LOOKAHEAD=0`` in the environment the ranks start from turns
+it off.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tpcore.rank_cache import CacheRef, RankCaches
+from tpcore.ranks.transfer import to_device
+
+__all__ = ["ENABLED_ENV", "Guess", "Lookahead", "decode_shaped", "forward_names", "predicted_call"]
+
+#: ``0`` turns the lookahead off (read by each rank when it first serves a call)
+ENABLED_ENV = "TPCORE_LOOKAHEAD"
+#: the tensors of a decode-shaped call, each with how the next step's follows from it
+_STEPPED = ("input_ids", "position_ids", "cache_position", "attention_mask")
+_PLAIN = (bool, int, float, str, type(None))
+
+logger = logging.getLogger("tpcore.lookahead")
+
+
+def decode_shaped(call: Any, names: tuple[str, ...] = ()) -> tuple[CacheRef, dict[str, Any]] | None:
+    """For a decode-shaped forward ``call``: its cache and its arguments by name (the positional ones named by
+    ``names``, the forward's parameters). Decode-shaped: ``input_ids``, a cache the ranks hold, the other tensors
+    of :data:`_STEPPED`, plain values. Any other call: ``None``."""
+    if call.path or call.method or call.config_changes or len(call.args) > len(names):
+        return None
+    kwargs = {**dict(zip(names[: len(call.args)], call.args, strict=True)), **call.kwargs} if call.args else call.kwargs
+    ids, cache = kwargs.get("input_ids"), None
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        return None
+    for key, value in kwargs.items():
+        if isinstance(value, CacheRef):
+            if cache is not None:
+                return None
+            cache = value
+        elif isinstance(value, torch.Tensor):
+            if key not in _STEPPED or (key == "attention_mask" and value.dim() != 2):
+                return None
+        elif not isinstance(value, _PLAIN):
+            return None
+    return (cache, kwargs) if cache is not None else None
+
+
+def forward_names(model: torch.nn.Module) -> tuple[str, ...]:
+    """The names of ``model``'s forward parameters that a positional argument can fill, in order."""
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    parameters = inspect.signature(model.forward).parameters.values()
+    return tuple(parameter.name for parameter in parameters if parameter.kind in positional)
+
+
+def predicted_call(kwargs: dict[str, Any], guess: torch.Tensor) -> dict[str, Any]:
+    """The keyword arguments of the decode step after the one of ``kwargs`` if the caller takes ``guess``
+    ``(batch,)``: ids ``(batch, 1)``, positions one past the last, the mask one column of ones longer."""
+    following: dict[str, Any] = {}
+    for key, value in kwargs.items():
+        if key == "input_ids":
+            value = guess[:, None].to(value.dtype)
+        elif key == "position_ids":
+            value = value[..., -1:] + 1
+        elif key == "cache_position":
+            value = value[-1:] + 1
+        elif key == "attention_mask":
+            value = torch.cat([value, value.new_ones(value.shape[0], 1)], dim=-1)
+        elif isinstance(value, CacheRef):
+            value = CacheRef(value.id)  # held by the ranks from now on: no template
+        following[key] = value
+    return following
+
+
+def _same(expected: dict[str, Any], got: dict[str, Any]) -> bool:
+    if expected.keys() != got.keys():
+        return False
+    for key, value in expected.items():
+        other = got[key]
+        if isinstance(value, torch.Tensor):
+            if not isinstance(other, torch.Tensor) or value.dtype != other.dtype or value.shape != other.shape:
+                return False
+            if not torch.equal(value, other):
+                return False
+        elif type(value) is not type(other) or value != other:
+            return False
+    return True
+
+
+def _droppable(cache: Any) -> bool:
+    """Whether a guessed step can be taken back from ``cache`` exactly: every layer a filled ``DynamicLayer``."""
+    from transformers.cache_utils import DynamicLayer
+
+    layers = getattr(cache, "layers", None) or ()
+    return bool(layers) and all(type(layer) is DynamicLayer and layer.is_initialized for layer in layers)
+
+
+@dataclass
+class Guess:
+    """A guessed step run on a rank: the call it answers, the cache it grew, each layer's ``(keys, values)``
+    before it (the tensors themselves: a ``DynamicLayer`` grows into new ones), and the output."""
+
+    call: dict[str, Any]
+    cache_id: int
+    cache: Any
+    before: list[tuple[torch.Tensor, torch.Tensor]]
+    output: Any
+
+    def take_back(self) -> None:
+        """The cache as it was before the guess."""
+        for layer, (keys, values) in zip(self.cache.layers, self.before, strict=True):
+            layer.keys, layer.values = keys, values
+
+
+class Lookahead:
+    """On a rank: the prediction made from the last served call, the guessed step run from it, and whether
+    guesses have been hitting. Every rank sees the same calls and logits, so every rank decides alike."""
+
+    def __init__(self, enabled: bool | None = None) -> None:
+        self.enabled = os.environ.get(ENABLED_ENV, "1") != "0" if enabled is None else enabled
+        self.prediction: tuple[dict[str, Any], int] | None = None  # (the next call's kwargs, its cache id)
+        self.pending: Guess | None = None
+        self.hitting = True  # the last prediction matched the call that came
+        self.names: tuple[str, ...] | None = None  # the served model's forward parameters, by position
+        self.run_count = 0
+        self.used_count = 0
+
+    def take(self, call: Any, model: torch.nn.Module) -> Any:
+        """The stored output if ``call`` is the guessed step; else ``None``, with any pending guess dropped.
+
+        Whether a step on a cache the ranks hold was the predicted one (a guess run or not) decides whether the
+        next guess runs; a call that starts a cache (a new ``generate()``) or is no decode step leaves that as is."""
+        prediction, self.prediction = self.prediction, None
+        shaped = decode_shaped(call, self._names(model)) if prediction is not None else None
+        matches = False
+        if prediction is not None and shaped is not None:
+            (expected, cache_id), (cache_ref, kwargs) = prediction, shaped
+            matches = cache_id not in call.freed and _same(expected, kwargs)
+            if matches or cache_ref.template is None:
+                self.hitting = matches
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return None
+        if matches:
+            self.used_count += 1
+            return pending.output
+        pending.take_back()
+        return None
+
+    def drop(self) -> None:
+        """Take back a pending guess, forget the prediction (the caches are about to be used otherwise)."""
+        self.prediction = None
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.take_back()
+
+    def predict(
+        self, call: Any, output: Any, caches: RankCaches, model: torch.nn.Module, random_moved: Callable[[], bool]
+    ) -> bool:
+        """After ``call`` gave ``output``: predict the next call; ``True`` if a guessed step should run now.
+        ``random_moved``: whether that forward drew random numbers (then a guess would not be that step)."""
+        shaped = decode_shaped(call, self._names(model)) if self.enabled else None
+        if shaped is None or model.training:
+            return False
+        cache_ref, kwargs = shaped
+        logits = output.get("logits") if isinstance(output, dict) else getattr(output, "logits", None)
+        if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
+            return False
+        if not _droppable(caches.caches.get(cache_ref.id)) or random_moved():
+            return False
+        guess = logits[:, -1].argmax(-1).cpu()  # the calls' tensors arrive on the CPU
+        self.prediction = (predicted_call(kwargs, guess), cache_ref.id)
+        return self.hitting
+
+    def _names(self, model: torch.nn.Module) -> tuple[str, ...]:
+        if self.names is None:
+            self.names = forward_names(model)
+        return self.names
+
+    def run(self, model: torch.nn.Module, caches: RankCaches, device: torch.device, shared: Callable[[], Any]) -> None:
+        """Run the predicted step on ``device`` (inside ``shared()``: rank 0's gathered outputs into shared memory)
+        and keep it."""
+        if self.prediction is None:
+            return
+        kwargs, cache_id = self.prediction
+        cache = caches.caches[cache_id]
+        before = [(layer.keys, layer.values) for layer in cache.layers]
+        guess = Guess(kwargs, cache_id, cache, before, output=None)
+        try:
+            with torch.inference_mode(), shared():
+                guess.output = model(**caches.resolve(to_device(kwargs, device)))
+        except Exception as error:  # the guess is only an optimization: take it back and stop guessing
+            guess.take_back()
+            self.prediction, self.enabled = None, False
+            logger.warning("the lookahead is off on this rank after a guessed step failed: %r", error)
+            return
+        self.pending = guess
+        self.run_count += 1
