@@ -380,7 +380,8 @@ def test_the_rendezvous_and_the_ranks_listen_on_loopback_only():
         assert ("127.0.0.1", pool.master_port) in listening.values()
         assert listening and all(is_loopback(address) for address, _ in listening.values()), listening
         assert pool.run(rank_helpers.all_reduce_sum, 1) == [3.0, 3.0]
-    assert listening_of([os.getpid()]) == before, "the store outlived its pool"
+    after = listening_of([os.getpid()])  # a pool another test left to the collector may close meanwhile
+    assert after.items() <= before.items(), "the store outlived its pool"
 
 
 SPMD_WITHOUT_TORCHRUN = textwrap.dedent(
