@@ -7,7 +7,9 @@ of ``--new-tokens`` tokens at batch 1 and 8:
 - **ranks' loop**: ``model.generate()`` run on every rank of a ``RankPool`` (``ParallelEngine``), timed there:
   the loop tpcore served before generation moved to the caller, without its one round trip;
 - **caller's loop**: ``tpcore.parallelize(model).generate()``, timed in this process: transformers' loop runs
-  here and each forward step is one round trip to the ranks, which keep the KV cache. The caller's tensors stay
+  here and each forward step is one round trip to the ranks, which keep the KV cache and answer a step from the
+  greedy guess they computed while the caller worked (``tpcore.lookahead``; ``lookahead.py`` compares it switched
+  off). The caller's tensors stay
   on the CPU (with CUDA ranks too: the caller needs no CUDA context), or with ``--caller-on-device`` go where
   ``inputs.to(model.device)`` puts them (CUDA ranks: the caller's GPU runs generate's tensor work).
 
@@ -162,6 +164,17 @@ def caller_steps(model, prompt: torch.Tensor, steps: int) -> float:
     return statistics.median(times) * 1e3
 
 
+def set_lookahead(context, on: bool) -> tuple[int, int]:
+    """On a served model's rank: its lookahead (``tpcore.lookahead``) on or off, a pending guess dropped; the guessed
+    steps run and used so far."""
+    from tpcore.lookahead import Lookahead
+
+    lookahead = context.store.setdefault("lookahead", Lookahead())
+    lookahead.drop()
+    lookahead.enabled = lookahead.hitting = on
+    return lookahead.run_count, lookahead.used_count
+
+
 def per_token_ms(long: list[float], short: list[float], new_tokens: int) -> float:
     return (statistics.median(long) - statistics.median(short)) / (new_tokens - 1) * 1e3
 
@@ -250,7 +263,9 @@ def main(argv: list[str] | None = None) -> None:
             for _ in range(rounds + 1):
                 steps["ranks"].append(pool.run(ranks_steps, inputs["input_ids"], new_tokens)[0])
                 steps["asleep"].append(pool.run(ranks_steps, inputs["input_ids"], new_tokens, ASLEEP_MS)[0])
+                served._tpcore_handle.pool.run(set_lookahead, False)  # one served call each, none guessed
                 steps["caller"].append(caller_steps(served, caller_inputs["input_ids"], new_tokens))
+                served._tpcore_handle.pool.run(set_lookahead, True)
             forward, asleep, served_step = (statistics.median(steps[way][1:]) for way in steps)
             rows.append(
                 [

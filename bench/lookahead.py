@@ -27,24 +27,12 @@ from generation import (
     prompts,
     ranks_generate,
     ranks_load,
+    set_lookahead,
     spec_for,
 )
 
 import tpcore
 from tpcore.ranks.process import RankPool
-
-# --- run on the served model's ranks (module-level, so cloudpickle sends them by value) -----------------------
-
-
-def set_lookahead(context, on: bool) -> tuple[int, int]:
-    """On a rank: the lookahead on or off (a pending guess dropped); the guessed steps run and used so far."""
-    from tpcore.lookahead import Lookahead
-
-    lookahead = context.store.setdefault("lookahead", Lookahead())
-    lookahead.drop()
-    lookahead.enabled = lookahead.hitting = on
-    return lookahead.run_count, lookahead.used_count
-
 
 # --- caller side ----------------------------------------------------------------------------------------------
 
