@@ -80,6 +80,19 @@ def test_greedy_generate_is_answered_from_guessed_steps_and_gives_the_unsplit_to
     assert (run_after - run, used_after - used) == (12, 11)
 
 
+def test_a_row_that_finished_in_a_batch_is_guessed_its_pad_token_from_the_step_after(served, reference):
+    eos = 12  # the second row's third new token, which the first row never gives
+    expected = reference.generate(PROMPTS, attention_mask=MASK, max_new_tokens=12, eos_token_id=eos)
+    assert expected[1, 7] == eos and (expected[1, 8:] == 0).all() and not (expected[0, 5:] == eos).any()
+    run, used = guesses(served)
+    assert torch.equal(served.generate(PROMPTS, attention_mask=MASK, max_new_tokens=12, eos_token_id=eos), expected)
+    run_after, used_after = guesses(served)
+    # guessed after the prefill and the steps of new tokens 1-3 (used at 1-3); the step of token 4 (a pad token
+    # where the argmax was guessed) misses; the prediction after it holds that row at the pad token, so the step
+    # of token 5 matches it and guesses run again after the steps of tokens 5-11 (used at 6-11)
+    assert (run_after - run, used_after - used) == (11, 9)
+
+
 def test_a_step_the_guess_missed_and_what_else_touches_the_cache_see_the_cache_the_caller_left(served, reference):
     """A manual decode loop: steps that take the argmax (guesses hit) and steps that take another token (they miss
     and are taken back), a crop and a read of the cache's tensors while a guess is pending: every step's logits
@@ -97,9 +110,10 @@ def test_a_step_the_guess_missed_and_what_else_touches_the_cache_see_the_cache_t
         compare_outputs(expected.logits, out.logits)
         assert mine.get_seq_length() == theirs.get_seq_length() == 6 + step
     run_after, used_after = guesses(served)
-    # guessed after steps 0-2 (used at 1 and 2; 3 misses); none after the misses at 3 and 4; step 5 is the
-    # prediction made (not run) after 4: guessed again after 5, 6 and 7 (used at 6 and 7; the last is pending)
-    assert (run_after - run, used_after - used) == (6, 4)
+    # guessed after steps 0-2 (used at 1 and 2; 3 misses); none after the misses at 3 and 4, nor after 5, whose
+    # argmax the prediction after 4 did not give the rows that took other tokens; step 6 is the prediction made
+    # (not run) after 5: guessed again after 6 and 7 (used at 7; the last is pending)
+    assert (run_after - run, used_after - used) == (5, 3)
 
     # a crop while a guess is pending: the guessed position is never seen, the crop removes the caller's last
     mine.crop(-2)

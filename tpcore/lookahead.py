@@ -15,12 +15,13 @@ runs as usual: the caller sees the unsplit model's outputs either way. Any other
 (:func:`tpcore.rank_side.mutate_cache`, :func:`tpcore.rank_side.cache_tensors`) drops a pending guess first.
 
 A guess costs one forward of the ranks' time; it is only worth it while guesses hit. After a miss no guess runs
-until a prediction (still made, for free) matches the call that comes. Guesses run only where dropping one is
-exact: caches whose every layer is a ``DynamicLayer`` (not sliding, not linear), a model in eval mode, a forward
-that drew no random numbers. A call that comes while a guess runs waits for it (one decode step at most: the
-guess after a ``generate()``'s last step is never asked for). A guess that raises (out of memory) is taken back
-and turns the lookahead off on that rank. ``TPCORE_LOOKAHEAD=0`` in the environment the ranks start from turns
-it off.
+until a prediction (still made, for free) matches the call that comes. A row given another token than its argmax
+(the pad token of a row that finished in a batch) is guessed that token again at the next step. Guesses run only
+where dropping one is exact: caches whose every layer is a ``DynamicLayer`` (not sliding, not linear), a model in
+eval mode, a forward that drew no random numbers. A call that comes while a guess runs waits for it (one decode
+step at most: the guess after a ``generate()``'s last step is never asked for). A guess that raises (out of memory)
+is taken back and turns the lookahead off on that rank. ``TPCORE_LOOKAHEAD=0`` in the environment the ranks start
+from turns it off.
 """
 
 from __future__ import annotations
@@ -147,6 +148,8 @@ class Lookahead:
         self.pending: Guess | None = None
         self.hitting = True  # the last prediction matched the call that came
         self.names: tuple[str, ...] | None = None  # the served model's forward parameters, by position
+        self.argmax: torch.Tensor | None = None  # (batch,) the last step's greedy tokens
+        self.held: tuple[torch.Tensor, torch.Tensor] | None = None  # rows not given their argmax, and their tokens
         self.run_count = 0
         self.used_count = 0
 
@@ -157,12 +160,13 @@ class Lookahead:
         next guess runs; a call that starts a cache (a new ``generate()``) or is no decode step leaves that as is."""
         prediction, self.prediction = self.prediction, None
         shaped = decode_shaped(call, self._names(model)) if prediction is not None else None
-        matches = False
+        matches, self.held = False, None
         if prediction is not None and shaped is not None:
             (expected, cache_id), (cache_ref, kwargs) = prediction, shaped
             matches = cache_id not in call.freed and _same(expected, kwargs)
             if matches or cache_ref.template is None:
                 self.hitting = matches
+            self._note_held_rows(cache_ref.id == cache_id, kwargs["input_ids"])
         pending, self.pending = self.pending, None
         if pending is None:
             return None
@@ -172,9 +176,16 @@ class Lookahead:
         pending.take_back()
         return None
 
+    def _note_held_rows(self, same_cache: bool, ids: torch.Tensor) -> None:
+        """The rows whose token the caller did not take from the argmax (a finished row's pad token): the next guess
+        gives them that token again."""
+        argmax, self.argmax = self.argmax, None
+        if same_cache and argmax is not None and ids.shape == (argmax.shape[0], 1):
+            self.held = (ids[:, 0] != argmax, ids[:, 0])
+
     def drop(self) -> None:
         """Take back a pending guess, forget the prediction (the caches are about to be used otherwise)."""
-        self.prediction = None
+        self.prediction = self.argmax = self.held = None
         pending, self.pending = self.pending, None
         if pending is not None:
             pending.take_back()
@@ -184,6 +195,7 @@ class Lookahead:
     ) -> bool:
         """After ``call`` gave ``output``: predict the next call; ``True`` if a guessed step should run now.
         ``random_moved``: whether that forward drew random numbers (then a guess would not be that step)."""
+        self.argmax = None
         shaped = decode_shaped(call, self._names(model)) if self.enabled else None
         if shaped is None or model.training:
             return False
@@ -193,7 +205,9 @@ class Lookahead:
             return False
         if not _droppable(caches.caches.get(cache_ref.id)) or random_moved():
             return False
-        guess = logits[:, -1].argmax(-1).cpu()  # the calls' tensors arrive on the CPU
+        self.argmax = guess = logits[:, -1].argmax(-1).cpu()  # the calls' tensors arrive on the CPU
+        if self.held is not None and self.held[0].shape == guess.shape:
+            guess = torch.where(self.held[0], self.held[1].to(guess.dtype), guess)
         self.prediction = (predicted_call(kwargs, guess), cache_ref.id)
         return self.hitting
 
