@@ -171,7 +171,8 @@ def set_lookahead(context, on: bool) -> tuple[int, int]:
 
     lookahead = context.store.setdefault("lookahead", Lookahead())
     lookahead.drop()
-    lookahead.enabled = lookahead.hitting = on
+    lookahead.enabled = on
+    lookahead.hitting = {False: on, True: on}
     return lookahead.run_count, lookahead.used_count
 
 

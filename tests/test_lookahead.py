@@ -237,6 +237,22 @@ def test_a_missed_guess_gives_the_cache_back_its_own_tensors_and_a_failed_one_tu
     assert rank.lookahead.pending is None and cache.get_seq_length() == 7
 
 
+def test_a_prefill_followed_by_another_cache_s_step_stops_the_guesses_after_prefills_only():
+    """As a server runs: a new request's prefill on a cache of its own, then the running batch's step on another."""
+    rank = OneRank(llama())
+    batch = rank.new_cache()
+    rank(batch, input_ids=PROMPTS, attention_mask=MASK)
+    mask = torch.cat([MASK, torch.ones(2, 1, dtype=MASK.dtype)], dim=1)
+    for request in range(3):
+        rank(rank.new_cache(), input_ids=PROMPTS[:1, :4], attention_mask=MASK[:1, :4])  # a prefill
+        assert (rank.lookahead.pending is not None) == (request == 0)  # guessed until a batch step followed one
+        rank.lookahead.drop()  # the request joins the batch (a cache operation): the prefill's guess was not used
+        assert rank.lookahead.hitting[True] is False
+        rank(CacheRef(batch.id), input_ids=torch.tensor([[3 + request], [4]]), attention_mask=mask)  # a batch step
+        assert rank.lookahead.pending is not None  # the batch's steps are guessed all the same
+        mask = torch.cat([mask, mask[:, :1]], dim=1)
+
+
 def test_guesses_run_only_where_taking_one_back_is_exact(monkeypatch):
     torch.manual_seed(0)
     config = MistralConfig(**SIZES, vocab_size=VOCAB, sliding_window=3)

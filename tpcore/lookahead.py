@@ -14,8 +14,10 @@ something, another cache's call), the cache gets back the very tensors it held b
 runs as usual: the caller sees the unsplit model's outputs either way. Any other use of the ranks' caches
 (:func:`tpcore.rank_side.mutate_cache`, :func:`tpcore.rank_side.cache_tensors`) drops a pending guess first.
 
-A guess costs one forward of the ranks' time; it is only worth it while guesses hit. After a miss no guess runs
-until a prediction (still made, for free) matches the call that comes. A row given another token than its argmax
+A guess costs one forward of the ranks' time; it is only worth it while guesses hit. After a miss (a prediction
+not asked for) no guess runs until a prediction (still made, for free) matches the call that comes; this is kept
+apart for the guesses after a call that started its cache (a prefill: ``generate()`` asks for its first decode
+step next, a server for its running batch's step). A row given another token than its argmax
 (the pad token of a row that finished in a batch) is guessed that token again at the next step. Guesses run only
 where dropping one is exact: caches whose every layer is a ``DynamicLayer`` (not sliding, not linear), a model in
 eval mode, a forward that drew no random numbers. A call that comes while a guess runs waits for it (one decode
@@ -31,14 +33,14 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from tpcore.rank_cache import CacheRef, RankCaches
 from tpcore.ranks.transfer import to_device
 
-__all__ = ["ENABLED_ENV", "Guess", "Lookahead", "decode_shaped", "forward_names", "predicted_call"]
+__all__ = ["ENABLED_ENV", "Guess", "Lookahead", "Prediction", "decode_shaped", "forward_names", "predicted_call"]
 
 #: ``0`` turns the lookahead off (read by each rank when it first serves a call)
 ENABLED_ENV = "TPCORE_LOOKAHEAD"
@@ -121,6 +123,15 @@ def _droppable(cache: Any) -> bool:
     return bool(layers) and all(type(layer) is DynamicLayer and layer.is_initialized for layer in layers)
 
 
+class Prediction(NamedTuple):
+    """The call expected after a served one: its keyword arguments, the id of its cache, and whether the call it
+    follows started that cache."""
+
+    kwargs: dict[str, Any]
+    cache_id: int
+    after_start: bool
+
+
 @dataclass
 class Guess:
     """A guessed step run on a rank: the call it answers, the cache it grew, each layer's ``(keys, values)``
@@ -144,9 +155,11 @@ class Lookahead:
 
     def __init__(self, enabled: bool | None = None) -> None:
         self.enabled = os.environ.get(ENABLED_ENV, "1") != "0" if enabled is None else enabled
-        self.prediction: tuple[dict[str, Any], int] | None = None  # (the next call's kwargs, its cache id)
+        self.prediction: Prediction | None = None
         self.pending: Guess | None = None
-        self.hitting = True  # the last prediction matched the call that came
+        # whether the last prediction matched the call that came, apart for predictions made after a call that
+        # started its cache (a prefill: generate()'s first decode step follows, a server's batch step may not)
+        self.hitting = {False: True, True: True}
         self.names: tuple[str, ...] | None = None  # the served model's forward parameters, by position
         self.argmax: torch.Tensor | None = None  # (batch,) the last step's greedy tokens
         self.held: tuple[torch.Tensor, torch.Tensor] | None = None  # rows not given their argmax, and their tokens
@@ -157,16 +170,17 @@ class Lookahead:
         """The stored output if ``call`` is the guessed step; else ``None``, with any pending guess dropped.
 
         Whether a step on a cache the ranks hold was the predicted one (a guess run or not) decides whether the
-        next guess runs; a call that starts a cache (a new ``generate()``) or is no decode step leaves that as is."""
+        next guess of that kind runs; a call that starts a cache (a new ``generate()``) or is no decode step leaves
+        that as is."""
         prediction, self.prediction = self.prediction, None
         shaped = decode_shaped(call, self._names(model)) if prediction is not None else None
         matches, self.held = False, None
         if prediction is not None and shaped is not None:
-            (expected, cache_id), (cache_ref, kwargs) = prediction, shaped
-            matches = cache_id not in call.freed and _same(expected, kwargs)
+            cache_ref, kwargs = shaped
+            matches = prediction.cache_id not in call.freed and _same(prediction.kwargs, kwargs)
             if matches or cache_ref.template is None:
-                self.hitting = matches
-            self._note_held_rows(cache_ref.id == cache_id, kwargs["input_ids"])
+                self.hitting[prediction.after_start] = matches
+            self._note_held_rows(cache_ref.id == prediction.cache_id, kwargs["input_ids"])
         pending, self.pending = self.pending, None
         if pending is None:
             return None
@@ -184,7 +198,10 @@ class Lookahead:
             self.held = (ids[:, 0] != argmax, ids[:, 0])
 
     def drop(self) -> None:
-        """Take back a pending guess, forget the prediction (the caches are about to be used otherwise)."""
+        """Take back a pending guess, forget the prediction (the caches are about to be used otherwise): for the
+        guesses of its kind, a miss."""
+        if self.prediction is not None:
+            self.hitting[self.prediction.after_start] = False
         self.prediction = self.argmax = self.held = None
         pending, self.pending = self.pending, None
         if pending is not None:
@@ -208,8 +225,9 @@ class Lookahead:
         self.argmax = guess = logits[:, -1].argmax(-1).cpu()  # the calls' tensors arrive on the CPU
         if self.held is not None and self.held[0].shape == guess.shape:
             guess = torch.where(self.held[0], self.held[1].to(guess.dtype), guess)
-        self.prediction = (predicted_call(kwargs, guess), cache_ref.id)
-        return self.hitting
+        after_start = cache_ref.template is not None
+        self.prediction = Prediction(predicted_call(kwargs, guess), cache_ref.id, after_start)
+        return self.hitting[after_start]
 
     def _names(self, model: torch.nn.Module) -> tuple[str, ...]:
         if self.names is None:
@@ -221,7 +239,7 @@ class Lookahead:
         and keep it."""
         if self.prediction is None:
             return
-        kwargs, cache_id = self.prediction
+        kwargs, cache_id, _ = self.prediction
         cache = caches.caches[cache_id]
         before = [(layer.keys, layer.values) for layer in cache.layers]
         guess = Guess(kwargs, cache_id, cache, before, output=None)
