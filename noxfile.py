@@ -36,7 +36,8 @@ LINT_PATHS = [
 #: the oldest transformers tpcore accepts (its ``transformers>=`` in pyproject.toml)
 OLDEST_TRANSFORMERS = re.search(r'"transformers>=([0-9.]+)', (ROOT / "pyproject.toml").read_text()).group(1)
 #: what ``nox -s tests`` runs again on that transformers: the paths whose transformers internals change between
-#: releases (the served model's caches, output capture and generate loop; sentence-transformers; serving)
+#: releases (the served model's caches, output capture and generate loop, the ranks' lookahead; sentence-transformers;
+#: serving)
 USER_PATH_TESTS = (
     "tests/test_served_model.py",
     "tests/test_parallelize.py",
@@ -46,6 +47,7 @@ USER_PATH_TESTS = (
     "tests/test_serve.py",
     "tests/test_cache_batches.py",
     "tests/test_resent.py",
+    "tests/test_lookahead.py",
 )
 
 nox.options.default_venv_backend = "uv"
