@@ -166,14 +166,22 @@ class Lookahead:
         self.run_count = 0
         self.used_count = 0
 
-    def take(self, call: Any, model: torch.nn.Module) -> Any:
-        """The stored output if ``call`` is the guessed step; else ``None``, with any pending guess dropped.
+    def shape(self, call: Any, model: torch.nn.Module) -> tuple[CacheRef, dict[str, Any]] | None:
+        """:func:`decode_shaped` of ``call`` to ``model``'s forward (``None`` while the lookahead is off)."""
+        if not self.enabled:
+            return None
+        if self.names is None:
+            self.names = forward_names(model)
+        return decode_shaped(call, self.names)
+
+    def take(self, call: Any, shaped: tuple[CacheRef, dict[str, Any]] | None) -> Any:
+        """The stored output if ``call`` (its :meth:`shape`: ``shaped``) is the guessed step; else ``None``, with
+        any pending guess dropped.
 
         Whether a step on a cache the ranks hold was the predicted one (a guess run or not) decides whether the
         next guess of that kind runs; a call that starts a cache (a new ``generate()``) or is no decode step leaves
         that as is."""
         prediction, self.prediction = self.prediction, None
-        shaped = decode_shaped(call, self._names(model)) if prediction is not None else None
         matches, self.held = False, None
         if prediction is not None and shaped is not None:
             cache_ref, kwargs = shaped
@@ -208,12 +216,17 @@ class Lookahead:
             pending.take_back()
 
     def predict(
-        self, call: Any, output: Any, caches: RankCaches, model: torch.nn.Module, random_moved: Callable[[], bool]
+        self,
+        shaped: tuple[CacheRef, dict[str, Any]] | None,
+        output: Any,
+        caches: RankCaches,
+        model: torch.nn.Module,
+        random_moved: Callable[[], bool],
     ) -> bool:
-        """After ``call`` gave ``output``: predict the next call; ``True`` if a guessed step should run now.
-        ``random_moved``: whether that forward drew random numbers (then a guess would not be that step)."""
+        """After a call (its :meth:`shape`: ``shaped``) gave ``output``: predict the next call; ``True`` if a guessed
+        step should run now. ``random_moved``: whether that forward drew random numbers (then a guess would not be
+        that step)."""
         self.argmax = None
-        shaped = decode_shaped(call, self._names(model)) if self.enabled else None
         if shaped is None or model.training:
             return False
         cache_ref, kwargs = shaped
@@ -228,11 +241,6 @@ class Lookahead:
         after_start = cache_ref.template is not None
         self.prediction = Prediction(predicted_call(kwargs, guess), cache_ref.id, after_start)
         return self.hitting[after_start]
-
-    def _names(self, model: torch.nn.Module) -> tuple[str, ...]:
-        if self.names is None:
-            self.names = forward_names(model)
-        return self.names
 
     def run(self, model: torch.nn.Module, caches: RankCaches, device: torch.device, shared: Callable[[], Any]) -> None:
         """Run the predicted step on ``device`` (inside ``shared()``: rank 0's gathered outputs into shared memory)

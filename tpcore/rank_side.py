@@ -115,7 +115,8 @@ def serve(context: RankContext, call: Call):
     model = context.store["model"]
     caches = context.store.setdefault("caches", RankCaches())
     lookahead = _lookahead(context)
-    guessed = lookahead.take(call, model)
+    shaped = lookahead.shape(call, model)
+    guessed = lookahead.take(call, shaped)
     caches.free(call.freed)
     kept = context.store.setdefault("kept", RankTensors())
     kept.free(call.tensors_freed)
@@ -136,7 +137,7 @@ def serve(context: RankContext, call: Call):
     shared = memfd.gathered_outputs_shared if context.rank == 0 else nullcontext
     with torch.inference_mode(), shared():
         output = guessed if guessed is not None else target(*args, **kwargs)
-        if lookahead.predict(call, output, caches, model, partial(_random_moved, cpu_before, generator, cuda_before)):
+        if lookahead.predict(shaped, output, caches, model, partial(_random_moved, cpu_before, generator, cuda_before)):
             context.idle_work = partial(lookahead.run, model, caches, context.device, shared)
         output = caches.report(output)
         output = gather_attentions(output, context.group)
