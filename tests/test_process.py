@@ -27,7 +27,7 @@ import torch
 from process_probes import children, gone, is_loopback, listening_of
 
 import tpcore
-from tpcore.ranks import process, wire, worker
+from tpcore.ranks import handshake, process, wire, worker
 from tpcore.ranks.distributed import free_port, interface_of
 from tpcore.ranks.process import RankPool, WorkerDiedError, WorkerError
 
@@ -431,9 +431,9 @@ def _intrude(address: str, how: str) -> socket.socket:
     intruder = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     intruder.connect(address)
     if how == "garbage":
-        intruder.sendall(os.urandom(wire._REPLY_BYTES))
+        intruder.sendall(os.urandom(handshake._REPLY_BYTES))
     elif how == "wrong key":
-        challenge = intruder.recv(wire.CHALLENGE_BYTES)
+        challenge = intruder.recv(handshake.CHALLENGE_BYTES)
         rank = (0).to_bytes(4, "big")
         intruder.sendall(hmac.new(b"not the key", challenge + rank, hashlib.sha256).digest() + rank)
     elif how == "half an answer":
@@ -445,9 +445,9 @@ def test_stray_connections_to_the_control_socket_are_dropped_and_the_ranks_still
     """Silent, garbage, wrong-key and half-answer clients connect before the ranks do and stay connected:
     the pool starts anyway, within its start timeout, and drops them."""
     intruders: list[socket.socket] = []
-    listeners: list[wire.ControlListener] = []
+    listeners: list[handshake.ControlListener] = []
 
-    class IntrudedListener(wire.ControlListener):
+    class IntrudedListener(handshake.ControlListener):
         def accept_ranks(self, *args, **kwargs):
             listeners.append(self)
             kinds = ("silent", "garbage", "wrong key", "half an answer")
@@ -456,7 +456,7 @@ def test_stray_connections_to_the_control_socket_are_dropped_and_the_ranks_still
             return super().accept_ranks(*args, **kwargs)
 
     monkeypatch.setattr(process, "ControlListener", IntrudedListener)
-    monkeypatch.setattr(wire, "HANDSHAKE_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(handshake, "HANDSHAKE_TIMEOUT_S", 1.0)
     started = time.monotonic()
     try:
         # 300 s: ample on a loaded machine; a start blocked by the silent client would end in TimeoutError
@@ -471,7 +471,7 @@ def test_stray_connections_to_the_control_socket_are_dropped_and_the_ranks_still
 
 
 def test_the_control_socket_is_private_to_the_user():
-    with wire.ControlListener() as listener:
+    with handshake.ControlListener() as listener:
         assert os.stat(os.path.dirname(listener.address)).st_mode & 0o777 == 0o700
 
 

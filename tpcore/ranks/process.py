@@ -4,8 +4,9 @@ Ranks are fresh interpreters (``python -c`` into :mod:`tpcore.ranks.worker`, whi
 forks or ``multiprocessing`` spawns: they never re-import the caller's ``__main__``, so scripts need
 no ``if __name__ == "__main__"`` guard and notebooks work. They run in their own session, so a
 terminal's Ctrl-C reaches the caller only, and they end soon after the caller does, however it ends.
-Messages travel over authenticated Unix sockets (:mod:`tpcore.ranks.wire`); the ranks meet in a TCP store
-that the caller serves on the rendezvous address alone (loopback by default).
+Messages (:mod:`tpcore.ranks.wire`) travel over Unix sockets the ranks authenticate on (:mod:`tpcore.ranks.handshake`);
+the ranks meet in a TCP store that the caller serves on the rendezvous address alone (loopback by default). How
+their processes start and stop: :mod:`tpcore.ranks.rank_processes`.
 
 The caller never blocks without a bound: every wait watches the ranks' connections (a dead rank
 closes its end at once) and a deadline. A rank that raises sends back the exception, its type,
@@ -38,9 +39,7 @@ import os
 import pickle
 import secrets
 import select
-import signal
 import subprocess
-import sys
 import threading
 import time
 import weakref
@@ -50,8 +49,10 @@ from typing import TYPE_CHECKING, Any
 
 from tpcore import log
 from tpcore.ranks.failures import WorkerDiedError, WorkerError, reraise
-from tpcore.ranks.wire import ControlListener, byte_view, encode, recv, send
-from tpcore.ranks.worker import AUTHKEY_ENV, PARENT_ENV, RankContext, worker_command
+from tpcore.ranks.handshake import ControlListener
+from tpcore.ranks.rank_processes import raise_if_exited, rank_died, spawn_ranks, stop_ranks, stopping_thread
+from tpcore.ranks.wire import byte_view, encode, recv
+from tpcore.ranks.worker import RankContext
 
 if TYPE_CHECKING:
     from torch.distributed import TCPStore
@@ -137,34 +138,25 @@ class RankPool:
         try:
             listener = self._listener = ControlListener()
             threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
-            self._spawn(listener.address, master_addr, store.port, threads, preload)
+            spawned = spawn_ranks(
+                listener.address,
+                self._authkey,
+                world_size,
+                self.backend,
+                self.device,
+                master_addr,
+                store.port,
+                threads,
+                preload,
+            )
+            for process in spawned:  # one at a time: if one fails to start, those before it are stopped
+                self._procs.append(process)
         except BaseException:
             self.close(timeout=0.0)
             raise
         logger.info("starting %d %s ranks (pids %s)", world_size, self.backend, ", ".join(map(str, self.pids)))
         if wait:
             self.wait_started()
-
-    def _spawn(self, address: str, master_addr: str, master_port: int, threads: int, preload: Sequence[str]) -> None:
-        """Start every rank's interpreter, connecting back to ``address`` and meeting the others in the store at
-        ``master_addr:master_port``, each in its own session (a terminal's Ctrl-C, sent to the foreground process
-        group, spares the ranks)."""
-        env = _rank_environment(master_addr, self.backend)
-        env[AUTHKEY_ENV] = self._authkey.hex()
-        for rank in range(self.world_size):
-            command = worker_command(
-                address,
-                rank,
-                self.world_size,
-                self.backend,
-                self.device,
-                master_addr,
-                master_port,
-                threads,
-                preload,
-            )
-            process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
-            self._procs.append(process)
 
     def wait_started(self) -> None:
         """Wait until every rank has connected and joined the group (at once if they have). If one fails to,
@@ -174,7 +166,10 @@ class RankPool:
             return
         try:
             self._conns = self._listener.accept_ranks(
-                self._authkey, self.world_size, self._deadline, self._check_started
+                self._authkey,
+                self.world_size,
+                self._deadline,
+                lambda connected: raise_if_exited(self._procs, connected),
             )
             started = self._collect(max(0.0, self._deadline - time.monotonic()), "start")
             self.devices = [started[rank] for rank in range(self.world_size)]
@@ -189,14 +184,6 @@ class RankPool:
         if self._listener is not None:
             self._listener.close()
             self._listener = None
-
-    def _check_started(self, connected: set[int]) -> None:
-        """Raise if a rank that has not connected yet has exited."""
-        for rank, process in enumerate(self._procs):
-            if rank not in connected and process.poll() is not None:
-                message = f"start: rank {rank} (pid {process.pid}) {_ending(process.returncode)} before connecting"
-                logger.error("%s", message)
-                raise WorkerDiedError(message)
 
     @property
     def alive(self) -> bool:
@@ -327,11 +314,7 @@ class RankPool:
         for rank, proc in enumerate(procs):
             if rank not in self._answered:
                 proc.kill()
-        self._stopping = threading.Thread(
-            target=_stop_ranks,
-            args=(procs, conns, STOP_GRACE_S, self.backend, store),
-            name="tpcore-rank-stop",
-        )
+        self._stopping = stopping_thread(procs, conns, STOP_GRACE_S, self.backend, store)
         self._stopping.start()
 
     def _ready(self) -> None:
@@ -346,7 +329,7 @@ class RankPool:
         try:
             send(*args)
         except OSError as error:
-            raise self._died(rank, what) from error
+            raise rank_died(self._procs[rank], rank, what) from error
 
     def _collect(
         self,
@@ -377,7 +360,7 @@ class RankPool:
                 try:
                     status, payload = recv(ready)
                 except (EOFError, OSError):
-                    raise self._died(rank, what) from None
+                    raise rank_died(self._procs[rank], rank, what) from None
                 if status in _EVENTS:
                     waiting[ready] = rank  # the reply is still to come
                     if status == "log":
@@ -399,15 +382,6 @@ class RankPool:
             raise first
         return results
 
-    def _died(self, rank: int, what: str) -> WorkerDiedError:
-        process = self._procs[rank]
-        try:
-            process.wait(1.0)
-        except subprocess.TimeoutExpired:
-            pass
-        logger.error("rank %d (pid %d) %s during %s", rank, process.pid, _ending(process.returncode), what)
-        return WorkerDiedError(f"{what}: rank {rank} died (exit code {process.returncode}) without answering")
-
     def close(self, timeout: float = 10.0) -> None:
         """Stop every rank (politely, then by force), release their connections and the rendezvous port, and wait
         until the ranks of a failed call are stopped. Idempotent.
@@ -422,7 +396,7 @@ class RankPool:
         procs, conns, store = self._procs, self._conns, self._store
         self._procs, self._conns, self._store = [], [], None
         self._close_listener()
-        _stop_ranks(procs, conns, timeout if conns else 0.0, self.backend, store)
+        stop_ranks(procs, conns, timeout if conns else 0.0, self.backend, store)
         if self._stopping is not None:
             self._stopping.join()  # bounded: STOP_GRACE_S, then killed
             self._stopping = None
@@ -501,59 +475,6 @@ def _encoded(message: Any, what: str):
         raise TypeError(f"the arguments of {what} cannot be sent to the ranks: {error}") from error
 
 
-def _stop_ranks(procs: list[subprocess.Popen], conns: list, grace: float, backend: str, store: TCPStore | None) -> None:
-    """Ask each rank to stop, give them ``grace`` seconds, kill those left, reap every one and close the
-    connections; then ``store`` (the rendezvous, or ``None``) is released with the last reference to it."""
-    for conn in conns:
-        try:
-            send(conn, None)
-        except (OSError, ValueError):
-            pass
-    deadline = time.monotonic() + grace
-    for proc in procs:
-        try:
-            proc.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            try:
-                proc.wait(5)
-            except subprocess.TimeoutExpired:
-                logger.error("rank pid %d did not end within 5 s of SIGKILL", proc.pid)
-    for conn in conns:
-        conn.close()
-    if procs:
-        codes = ", ".join(str(proc.returncode) for proc in procs)
-        logger.info("stopped %d %s ranks (exit codes %s)", len(procs), backend, codes)
-
-
 def ranks_text(world_size: int, backend: str, devices: Sequence[str]) -> str:
     """``"2 gloo ranks on cpu"``, ``"2 nccl ranks on cuda:0, cuda:1"``: each device once, in rank order."""
     return f"{world_size} {backend} rank{'s' if world_size != 1 else ''} on {', '.join(dict.fromkeys(devices))}"
-
-
-def _ending(returncode: int | None) -> str:
-    """How a rank's process ended, in words: ``"was killed by SIGKILL"``, ``"exited with code 1"``."""
-    if returncode is None:
-        return "stopped answering"
-    if returncode < 0:
-        try:
-            return f"was killed by {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"was killed by signal {-returncode}"
-    return f"exited with code {returncode}"
-
-
-def _rank_environment(master_addr: str, backend: str) -> dict[str, str]:
-    """The ranks' environment: the caller's, less an outer launcher's world, with the caller's imports,
-    and collectives' sockets on the rendezvous address's interface unless the user chose one."""
-    from tpcore.ranks.distributed import LAUNCHER_VARIABLES, interface_of
-
-    env = {name: value for name, value in os.environ.items() if name not in LAUNCHER_VARIABLES}
-    env[PARENT_ENV] = str(os.getpid())
-    env[log.LEVEL_ENV] = str(log.caller_level())  # a rank's records start at the caller's level
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # the caller's imports resolve
-    interface = interface_of(master_addr)
-    socket_variable = "NCCL_SOCKET_IFNAME" if backend == "nccl" else "GLOO_SOCKET_IFNAME"
-    if interface is not None and socket_variable not in env:
-        env[socket_variable] = interface  # gloo would otherwise listen where the host name resolves
-    return env

@@ -2,7 +2,7 @@
 
 A rank is a fresh interpreter (:func:`worker_command`). It watches its caller from its first line
 (:data:`WORKER_CODE`), connects back to it
-(:mod:`tpcore.ranks.wire`), binds its device, joins the group, then serves calls until told to stop: each
+(:mod:`tpcore.ranks.handshake`), binds its device, joins the group, then serves calls until told to stop: each
 call is ``(fn, args, kwargs, log level)``, run as ``fn(context, *args, **kwargs)`` with a :class:`RankContext`
 and answered ``("ok", result)`` or ``("error", describe(exception))`` (:mod:`tpcore.ranks.failures`).
 
@@ -29,7 +29,8 @@ from typing import Any
 
 from tpcore import log
 from tpcore.ranks.failures import describe
-from tpcore.ranks.wire import byte_view, connect, recv, send
+from tpcore.ranks.handshake import connect
+from tpcore.ranks.wire import byte_view, recv, send
 
 __all__ = ["AUTHKEY_ENV", "PARENT_ENV", "WORKER_CODE", "RankContext", "synchronize", "worker_command", "worker_entry"]
 
