@@ -8,8 +8,8 @@ of ``--new-tokens`` tokens at batch 1 and 8:
   the loop tpcore served before generation moved to the caller, without its one round trip;
 - **caller's loop**: ``tpcore.parallelize(model).generate()``, timed in this process: transformers' loop runs
   here and each forward step is one round trip to the ranks, which keep the KV cache and answer a step from the
-  greedy guess they computed while the caller worked (``tpcore.lookahead``; ``lookahead.py`` compares it switched
-  off). The caller's tensors stay
+  greedy guess they computed while the caller worked (``tpcore.served.lookahead``; ``lookahead.py`` compares it
+  switched off). The caller's tensors stay
   on the CPU (with CUDA ranks too: the caller needs no CUDA context), or with ``--caller-on-device`` go where
   ``inputs.to(model.device)`` puts them (CUDA ranks: the caller's GPU runs generate's tensor work).
 
@@ -43,9 +43,9 @@ import torch
 from _common import common_arguments, markdown_table, plain_table, write_result
 
 import tpcore
-from tpcore.rank_cache import cache_keyword
 from tpcore.ranks.process import RankPool
 from tpcore.ranks.worker import synchronize
+from tpcore.served.caches import cache_keyword
 from tpcore.testing import ModelSpec
 
 #: how long the ranks sleep before each step of the control run: about a caller's loop's time between two forwards
@@ -57,7 +57,7 @@ ASLEEP_MS = 2.5
 def ranks_load(context, spec) -> None:
     model = spec.build()
     engine = tpcore.ParallelEngine(
-        context.world_size, context.backend, process_group=context.group, device=context.device.type
+        context.world_size, context.backend, process_group=context.tp_group, device=context.device.type
     )
     engine.parallelize(model)
     context.store["bench_model"] = model
@@ -165,11 +165,11 @@ def caller_steps(model, prompt: torch.Tensor, steps: int) -> float:
 
 
 def set_lookahead(context, on: bool) -> tuple[int, int]:
-    """On a served model's rank: its lookahead (``tpcore.lookahead``) on or off, a pending guess dropped; the guessed
-    steps run and used so far."""
-    from tpcore.lookahead import Lookahead
+    """On a served model's rank: its lookahead (``tpcore.served.lookahead``) on or off, a pending guess dropped;
+    the guessed steps run and used so far."""
+    from tpcore.served.lookahead import rank_lookahead
 
-    lookahead = context.store.setdefault("lookahead", Lookahead())
+    lookahead = rank_lookahead(context)
     lookahead.drop()
     lookahead.enabled = on
     lookahead.hitting = {False: on, True: on}

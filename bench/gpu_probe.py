@@ -257,12 +257,12 @@ def collectives_on_rank(context, dtype_names: list[str]) -> dict:
     for name in dtype_names:
         mine = (base * (context.rank + 1)).to(device=context.device, dtype=getattr(torch, name))
         direct_sum = mine.clone()
-        dist.all_reduce(direct_sum, group=context.group)
+        dist.all_reduce(direct_sum, group=context.tp_group)
         parts = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(parts, mine, group=context.group)
+        dist.all_gather(parts, mine, group=context.tp_group)
         outputs = {
-            "tpcore.parallel.comm.all_reduce": (comm.all_reduce(mine.clone(), context.group), "sum"),
-            "tpcore.parallel.comm.all_gather": (comm.all_gather(mine, context.group, dim=-1), "gather"),
+            "tpcore.parallel.comm.all_reduce": (comm.all_reduce(mine.clone(), context.tp_group), "sum"),
+            "tpcore.parallel.comm.all_gather": (comm.all_gather(mine, context.tp_group, dim=-1), "gather"),
             "dist.all_reduce": (direct_sum, "sum"),
             "dist.all_gather": (torch.cat(parts, -1), "gather"),
         }

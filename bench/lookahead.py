@@ -1,4 +1,4 @@
-"""Decode ms/token of the caller's loop with and without the ranks' lookahead (:mod:`tpcore.lookahead`).
+"""Decode ms/token of the caller's loop with and without the ranks' lookahead (:mod:`tpcore.served.lookahead`).
 
 In the caller's loop (``generation.py``) a step is serial: the ranks' forward, the reply, generate's own work in
 the caller (logits processors, stopping criteria, streamer: 1.5-2.6 ms here), the next call. With the lookahead,

@@ -42,12 +42,12 @@ def reduce_in(way: str):
 
 def rank_logits(context, spec, inputs: dict, repeats: int) -> dict:
     """On a rank: split ``spec`` in bf16, then per way the logits (rank 0) and the forward's ms."""
-    from tpcore import ParallelEngine, layers
+    from tpcore import ParallelEngine
+    from tpcore.parallel import layers
 
     model = spec.build()
-    ParallelEngine(context.world_size, context.backend, dtype=torch.bfloat16, process_group=context.group).parallelize(
-        model
-    )
+    engine = ParallelEngine(context.world_size, context.backend, dtype=torch.bfloat16, process_group=context.tp_group)
+    engine.parallelize(model)
     results = {}
     for way in WAYS:
         layers.reduce_partial_sums = reduce_in(way)

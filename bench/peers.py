@@ -223,7 +223,7 @@ def load_tpcore(context, spec: dict):
     """``ParallelEngine.parallelize`` of the checkpoint folder: each rank reads only its slices."""
     from tpcore import ParallelEngine
 
-    engine = ParallelEngine(context.world_size, context.backend, process_group=context.group, dtype=dtype_of(spec))
+    engine = ParallelEngine(context.world_size, context.backend, process_group=context.tp_group, dtype=dtype_of(spec))
     return engine.parallelize(spec["checkpoint"], fp16=spec["fp16"])
 
 
@@ -443,7 +443,7 @@ class OnRanks(Way):
 
 
 class Spmd(OnRanks):
-    """``ParallelEngine(N, process_group=context.group).parallelize(checkpoint)`` on each rank, timed there."""
+    """``ParallelEngine(N, process_group=context.tp_group).parallelize(checkpoint)`` on each rank, timed there."""
 
     loader = staticmethod(load_tpcore)
     pool_name = "tpcore SPMD"

@@ -37,7 +37,7 @@ def spmd_load(context, spec) -> int:
     from tpcore import ParallelEngine
 
     model = spec.build()
-    ParallelEngine(context.world_size, context.backend, process_group=context.group).parallelize(model)
+    ParallelEngine(context.world_size, context.backend, process_group=context.tp_group).parallelize(model)
     context.store["bench_model"] = model
     return sum(p.numel() for p in model.parameters())
 

@@ -13,7 +13,7 @@ def bound_forward(context, modules, inputs):
     from tpcore.parallel.layers import bind_group
 
     module = modules[context.rank]
-    bind_group(module, context.group)
+    bind_group(module, context.tp_group)
     with count_collectives() as counts, torch.inference_mode():
         out = module(*inputs[context.rank])
     return out, dict(counts), getattr(module, "vocab_start", None)

@@ -22,7 +22,7 @@ def whoami(context):
 
 def all_reduce_sum(context, value):
     tensor = torch.tensor([float(value + context.rank)])
-    dist.all_reduce(tensor, group=context.group)
+    dist.all_reduce(tensor, group=context.tp_group)
     return tensor.item()
 
 
@@ -97,7 +97,7 @@ def vocab_parallel_logits(context, spec, input_ids, gather_logits=True):
 
     model = spec.build()
     engine = ParallelEngine(
-        context.world_size, context.backend, process_group=context.group, gather_logits=gather_logits
+        context.world_size, context.backend, process_group=context.tp_group, gather_logits=gather_logits
     )
     engine.parallelize(model)
     with torch.inference_mode():
@@ -117,7 +117,7 @@ def engine_from_checkpoint(context, directory, input_ids, vocab_parallel=True):
     from tpcore import ParallelEngine
 
     engine = ParallelEngine(
-        context.world_size, context.backend, process_group=context.group, vocab_parallel=vocab_parallel
+        context.world_size, context.backend, process_group=context.tp_group, vocab_parallel=vocab_parallel
     )
     model = engine.parallelize(directory)
     with torch.inference_mode():
@@ -130,7 +130,7 @@ def engine_logits_from_checkpoint(context, directory, policies, inputs):
     """ParallelEngine with ``policies`` started from a checkpoint directory on this rank: its logits for ``inputs``."""
     from tpcore import ParallelEngine
 
-    engine = ParallelEngine(context.world_size, context.backend, policies, process_group=context.group)
+    engine = ParallelEngine(context.world_size, context.backend, policies, process_group=context.tp_group)
     model = engine.parallelize(directory)
     with torch.inference_mode():
         return model(**inputs).logits
@@ -144,17 +144,17 @@ def shm_against_backend(context, tensors):
     results = []
     for tensor in tensors:
         mine = tensor * (context.rank + 1)
-        reduced = comm.all_reduce(mine.clone(), context.group)
+        reduced = comm.all_reduce(mine.clone(), context.tp_group)
         expected = mine.contiguous().clone()
-        dist.all_reduce(expected, group=context.group)
+        dist.all_reduce(expected, group=context.tp_group)
         parts = [torch.empty_like(mine.contiguous()) for _ in range(context.world_size)]
-        dist.all_gather(parts, mine.contiguous(), group=context.group)
+        dist.all_gather(parts, mine.contiguous(), group=context.tp_group)
         for dim in (0, -1):
-            gathered = comm.all_gather(mine, context.group, dim=dim)
+            gathered = comm.all_gather(mine, context.tp_group, dim=dim)
             if not torch.equal(gathered, torch.cat(parts, dim=dim)):
                 raise AssertionError(f"all_gather along dim {dim} of a {tuple(mine.shape)} tensor differs")
-        results.append((reduced, expected, comm.all_gather(mine, context.group, dim=0), torch.cat(parts, dim=0)))
-    return shm.for_group(context.group) is not None, results
+        results.append((reduced, expected, comm.all_gather(mine, context.tp_group, dim=0), torch.cat(parts, dim=0)))
+    return shm.for_group(context.tp_group) is not None, results
 
 
 def echo(context, *values):
@@ -166,7 +166,7 @@ def change_on_rank_one_then_echo(context, tensor):
     """Rank 1 adds one to its copy of ``tensor`` in place; once it has, every rank returns its own."""
     if context.rank == 1:
         tensor.add_(1)
-    dist.barrier(group=context.group)
+    dist.barrier(group=context.tp_group)
     return tensor
 
 
@@ -178,7 +178,7 @@ def gather_rows_into_shared_memory(context, rows, offset=0.0, reused_max=None):
     if reused_max is not None:
         memfd.REUSED_MAX_BYTES = reused_max
     with memfd.gathered_outputs_shared():
-        gathered = comm.all_gather(torch.full((rows, 64), float(context.rank) + offset), context.group)
+        gathered = comm.all_gather(torch.full((rows, 64), float(context.rank) + offset), context.tp_group)
     return gathered, memfd.segment_of(gathered)
 
 
@@ -204,7 +204,7 @@ def collectives_of_a_forward(context, spec, input_ids, layer_path):
     from tpcore.parallel.comm import count_collectives
 
     model = spec.build()
-    ParallelEngine(context.world_size, context.backend, process_group=context.group).parallelize(model)
+    ParallelEngine(context.world_size, context.backend, process_group=context.tp_group).parallelize(model)
     layer = model.get_submodule(layer_path)
     inside = {}
     with count_collectives() as counts, torch.inference_mode():
@@ -226,11 +226,11 @@ def collective_routes(context):
     dist.all_gather = lambda parts, tensor, **kwargs: routed["all_gather"].append(tensor.device.type)
     try:
         for device in ("meta", "cpu"):  # the CPU ones go through shared memory
-            comm.all_reduce(torch.ones(2, device=device), context.group)
-            comm.all_gather(torch.ones(2, device=device), context.group)
+            comm.all_reduce(torch.ones(2, device=device), context.tp_group)
+            comm.all_gather(torch.ones(2, device=device), context.tp_group)
     finally:
         dist.all_reduce, dist.all_gather = originals
-    return shm.for_group(context.group) is not None, routed
+    return shm.for_group(context.tp_group) is not None, routed
 
 
 def tensor_dtypes(context):
@@ -252,7 +252,7 @@ def reduce_partial_sums(context, parts, with_dtype_sent=False):
 
     layers.all_reduce = recording
     try:
-        result = layers.reduce_partial_sums(parts[context.rank].clone(), context.group)
+        result = layers.reduce_partial_sums(parts[context.rank].clone(), context.tp_group)
     finally:
         layers.all_reduce = all_reduce
     return (result, sent) if with_dtype_sent else result

@@ -1,4 +1,4 @@
-"""Batch operations on a KV cache (``tpcore.cache_batches``): rows joined left-padded, leading positions dropped;
+"""Batch operations on a KV cache (``tpcore.served.cache_batches``): rows joined left-padded, leading positions dropped;
 the same on a local ``DynamicCache`` and, through a stand-in, on a split model's ranks (tests/test_serve.py)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from tpcore.cache_batches import concatenate_batches, drop_leading
-from tpcore.rank_cache import batch_operation
+from tpcore.served.cache_batches import concatenate_batches, drop_leading
+from tpcore.served.caches import batch_operation
 
 
 def filled(batch: int, length: int, layers: int = 2, seed: int = 0) -> DynamicCache:

@@ -1,4 +1,4 @@
-"""The caller's intra-op threads while CPU ranks compute (tpcore.ranks.threads)."""
+"""The caller's intra-op threads while CPU ranks compute (tpcore.served.caller_threads)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import threading
 
 import torch
 
-from tpcore.ranks.threads import OneThreadWhileServing
+from tpcore.served.caller_threads import OneThreadWhileServing
 
 
 def test_one_thread_inside_and_the_setting_found_before_after_concurrent_callers():

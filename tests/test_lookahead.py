@@ -1,10 +1,10 @@
-"""The ranks' lookahead (:mod:`tpcore.lookahead`): after a decode step they run the greedy guess of the next one
+"""The ranks' lookahead (:mod:`tpcore.served.lookahead`): after a decode step they run the greedy guess of the next one
 while the caller runs ``generate()``'s own work, and answer the next call from it when it is that call.
 
 The caller must not be able to tell: every output equals the unsplit model's whether a guess hit or missed,
 and whatever else touches the cache (crop, reading its tensors, a config change, another cache) sees it as the
 caller left it. Two ways in: a model served by 2 ranks through ``tpcore.parallelize`` (the user's path), and
-:func:`tpcore.rank_side.serve` run in this process on one unsplit model, where a guessed step's output must be
+:func:`tpcore.served.lookahead.serve` run in this process on one unsplit model, where a guessed step's output must be
 identical, bit for bit, to the step computed when it is asked for.
 """
 
@@ -17,11 +17,11 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 import tpcore
-from tpcore.lookahead import ENABLED_ENV, Lookahead, decode_shaped, predicted_call
-from tpcore.rank_cache import CacheRef, cache_keyword
-from tpcore.rank_side import Call, serve
-from tpcore.ranks.rng import RandomState
 from tpcore.ranks.worker import RankContext
+from tpcore.served.caches import CacheRef, cache_keyword
+from tpcore.served.call import Call
+from tpcore.served.lookahead import ENABLED_ENV, Lookahead, decode_shaped, predicted_call, serve
+from tpcore.served.random_state import RandomState
 from tpcore.testing import compare_outputs
 
 VOCAB = 100
@@ -178,7 +178,7 @@ class OneRank:
         return self.context.store["lookahead"]
 
     def cache(self, ref: CacheRef):
-        return self.context.store["caches"].caches[ref.id]
+        return self.context.store["state"].caches.caches[ref.id]
 
     def __call__(self, cache: CacheRef, idle: bool = True, **kwargs):
         output, _, _ = serve(self.context, Call("", (), {**kwargs, self.key: cache}, RandomState(None)))

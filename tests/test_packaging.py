@@ -132,7 +132,7 @@ result = {
     "scale": expected.abs().max().item(),
 }
 Path(sys.argv[1], f"rank{result['rank']}.json").write_text(json.dumps(result))
-tpcore.distributed.destroy_process_group()  # the safe end of an SPMD script (see its docstring)
+tpcore.destroy_process_group()  # the safe end of an SPMD script (see its docstring)
 """
 )
 

@@ -62,7 +62,7 @@ def test_building_a_plan_changes_nothing_and_applying_it_cuts_what_share_cuts(wo
     for rank in range(world):
         shard = apply_plan(plan, copy.deepcopy(model), rank)
         for name, tensor in named_tensors(shard).items():
-            expected = plan.share(name, before[name], rank)
+            expected = plan.shard(name, before[name], rank)
             assert tensor.shape == plan.shard_shape(name)
             assert torch.equal(tensor, expected), name
 
@@ -432,11 +432,11 @@ def test_blocks_of_one_class_are_each_cut_by_their_own_heads_and_their_pieces_su
         x = torch.randn(3, width, generator=generator)
         partial = torch.zeros(3, width)
         for rank in range(world):
-            rows = plan.share(f"{name}.q.weight", block.q.weight, rank)
+            rows = plan.shard(f"{name}.q.weight", block.q.weight, rank)
             own_heads = resolve(plan.attributes[f"{name}.num_heads"], rank)
             assert rows.shape == (own_heads * (width // heads), width)
-            q = x @ rows.T + plan.share(f"{name}.q.bias", block.q.bias, rank)
-            partial += q @ plan.share(f"{name}.o.weight", block.o.weight, rank).T
+            q = x @ rows.T + plan.shard(f"{name}.q.bias", block.q.bias, rank)
+            partial += q @ plan.shard(f"{name}.o.weight", block.o.weight, rank).T
         assert sum(resolve(plan.attributes[f"{name}.num_heads"], r) for r in range(world)) == heads
         expected = block.q(x) @ block.o.weight.T
         assert torch.allclose(partial, expected, atol=1e-4 * max(1.0, expected.abs().max().item()))

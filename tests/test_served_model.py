@@ -239,7 +239,7 @@ def test_past_key_values_steps_and_a_cache_reused_across_calls_equal_the_unsplit
 
 def test_a_dropped_cache_is_freed_on_the_ranks_and_a_filled_one_is_refused(served, reference):
     def held() -> int:
-        return served._tpcore_handle.pool.run(lambda context: len(context.store["caches"].caches))[0]
+        return served._tpcore_handle.pool.run(lambda context: len(context.store["state"].caches.caches))[0]
 
     gc.collect()
     served(PROMPTS[:1], use_cache=False)  # carries the ids of the caches earlier calls' outputs dropped
@@ -260,9 +260,9 @@ def test_a_large_input_sent_again_unchanged_is_kept_on_the_ranks_and_freed_when_
     from the third only its id travels; written into, it travels again; dropped, the ranks free it."""
 
     def kept() -> int:
-        return served._tpcore_handle.pool.run(lambda context: len(context.store["kept"].kept))[0]
+        return served._tpcore_handle.pool.run(lambda context: len(context.store["state"].kept.tensors))[0]
 
-    embeds = torch.randn(1, 300, 64)  # 76.8 kB: above tpcore.resent.KEEP_BYTES
+    embeds = torch.randn(1, 300, 64)  # 76.8 kB: above tpcore.served.kept_tensors.KEEP_BYTES
     with torch.inference_mode():
         expected = reference(inputs_embeds=embeds).logits
         for sends in range(1, 4):
@@ -404,7 +404,7 @@ def test_a_count_in_a_fresh_cache_is_not_a_held_tensor():
     """transformers 5.25's linear-attention cache layers start with a 0-dim token count: a fresh cache still."""
     from types import SimpleNamespace
 
-    from tpcore.rank_cache import _holds_tensors
+    from tpcore.served.caches import _holds_tensors
 
     fresh = SimpleNamespace(layers=[SimpleNamespace(cumulative_length_linear=torch.tensor(0), conv_states={})])
     assert not _holds_tensors(fresh)

@@ -15,7 +15,6 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from tpcore import log  # noqa: F401  (the tpcore logger's level, TPCORE_LOG_LEVEL, and its stderr fallback)
-from tpcore.compat import moved
 from tpcore.version import __version__ as __version__
 
 #: each public name, by the module that defines it
@@ -117,14 +116,10 @@ __all__ = [
     "transformers_class",
 ]  # the names of _EXPORTS (tests/test_architecture.py)
 
-moved.install()
-
 
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
-        if f"tpcore.{name}" in moved.MOVED_MODULES:  # an earlier module path, reached as an attribute
-            return importlib.import_module(f"tpcore.{name}")
         raise AttributeError(f"module 'tpcore' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value

@@ -2,10 +2,10 @@
 
 1. :func:`~tpcore.plan.plan_for`: the policies for the model (:func:`~tpcore.select.choose_policies`),
    every cut resolved and checked; nothing has started yet.
-2. :class:`~tpcore.launch.Launch`: the ranks start and each gets its shard, streamed from the caller's
-   model or read by the rank from a checkpoint's files (:mod:`tpcore.launch`).
-3. :func:`~tpcore.handle.attach`: the caller's model object, its ``forward``, ``__call__`` and
-   ``generate`` served by the ranks (:mod:`tpcore.handle`).
+2. :class:`~tpcore.served.launch.Launch`: the ranks start and each gets its shard, streamed from the caller's
+   model or read by the rank from a checkpoint's files (:mod:`tpcore.served.launch`).
+3. :func:`~tpcore.served.handle.attach`: the caller's model object, its ``forward``, ``__call__`` and
+   ``generate`` served by the ranks (:mod:`tpcore.served.handle`).
 
 From a checkpoint the ranks start before step 1, so that their imports overlap the caller's building of
 the model; a model object is checked before any rank starts.
@@ -18,12 +18,12 @@ import os
 import torch
 from torch import nn
 
-from tpcore.handle import attach
-from tpcore.launch import CheckpointSource, Launch, LaunchOptions, ModelSource
 from tpcore.load.checkpoint import is_checkpoint_path
 from tpcore.plan import plan_for
 from tpcore.ranks.process import CALL_TIMEOUT_S
 from tpcore.select import choose_policies, refuse_unmerged_adapters
+from tpcore.served.handle import attach
+from tpcore.served.launch import CheckpointSource, Launch, LaunchOptions, ModelSource
 
 __all__ = ["parallelize"]
 

@@ -9,7 +9,7 @@ skeleton (sent to the ranks of ``parallelize()``), or one built empty from a che
 
     plan = plan_for(model, policies, world_size)   # tpcore.plan.build: ShardingError before anything changes
     plan.splits[name]                              # Split, or absent: replicated (plan.kept_whole[name]: why)
-    plan.share(name, tensor, rank)                 # rank's part of a whole tensor
+    plan.shard(name, tensor, rank)                 # rank's part of a whole tensor
     apply_plan(plan, model, rank, tp_group)        # tpcore.plan.apply: slice in place, rewrite the modules
     print(report(plan))                            # tpcore.plan.report: what is cut how, bytes per rank
 
@@ -98,7 +98,7 @@ class ShardPlan:
             shape[dim] = split.shard_size(shape[dim], self.world_size, rank)
         return tuple(shape)
 
-    def share(self, name: str, tensor: torch.Tensor, rank: int) -> torch.Tensor:
+    def shard(self, name: str, tensor: torch.Tensor, rank: int) -> torch.Tensor:
         """Rank ``rank``'s part of the whole tensor ``name``: its slice, or the tensor itself when
         replicated. A slice that is one contiguous block of the tensor is a view (sent without a copy)."""
         tensor = tensor.detach()

@@ -7,7 +7,7 @@ call is ``(fn, args, kwargs, log level)``, run as ``fn(context, *args, **kwargs)
 and answered ``("ok", result)`` or ``("error", describe(exception))`` (:mod:`tpcore.ranks.failures`).
 
 After its answer a rank runs the work the call left for its idle time (:attr:`RankContext.idle_work`: the served
-model's guessed next step, :mod:`tpcore.lookahead`), then waits for the next call.
+model's guessed next step, ``tpcore.served.lookahead``), then waits for the next call.
 
 Before its answer a rank may send events, which the caller handles and keeps waiting: ``("log", record)``
 for each ``tpcore`` record at the caller's level (:mod:`tpcore.log`), ``("progress", count)`` for a running
@@ -91,11 +91,6 @@ class RankContext:
     #: work a call leaves to run once its reply is sent, before the rank waits for the next call (one call's
     #: worth: taken, then cleared); what it raises is logged, not sent: the call was already answered
     idle_work: Callable[[], None] | None = field(default=None, repr=False)
-
-    @property
-    def group(self) -> Any:
-        """The earlier name of :attr:`tp_group`."""
-        return self.tp_group
 
     def receive_tensors(self, metas: list[tuple[tuple[int, ...], Any]]) -> list:
         """The raw tensors :meth:`RankPool.scatter` streams after this call: ``(shape, dtype)``

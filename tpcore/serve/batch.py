@@ -3,11 +3,11 @@
 Rows are sequences. The cache holds ``(B, heads, L, d)`` per layer, row ``b``'s ``n_b`` positions at the right;
 ``mask`` ``(B, L)`` is 1 on true positions. A sequence is prefilled alone (batch 1, its own cache: the unsplit
 model's first step exactly), then joins: its cache and the batch's are padded on the left to the longer length
-and concatenated (:func:`tpcore.cache_batches.concatenate_batches`). One decode step feeds every row's last
+and concatenated (:func:`tpcore.served.cache_batches.concatenate_batches`). One decode step feeds every row's last
 token at position ``n_b`` (``position_ids = mask.sum(-1)``) with the mask extended by one column, which hides
 each row's padding. Rows that finish are dropped (``batch_select_indices``), then the leading columns no row
-needs any more (:func:`tpcore.cache_batches.drop_leading`). The same code runs a local model and a split one,
-whose ranks keep the cache (:func:`tpcore.rank_cache.batch_operation`).
+needs any more (:func:`tpcore.served.cache_batches.drop_leading`). The same code runs a local model and a split one,
+whose ranks keep the cache (:func:`tpcore.served.caches.batch_operation`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from tpcore.rank_cache import batch_operation, cache_keyword
+from tpcore.served.caches import batch_operation, cache_keyword
 
 __all__ = ["RunningBatch"]
 

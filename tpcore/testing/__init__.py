@@ -117,7 +117,7 @@ def sharded_forward(
 
     device = context.device.type  # gloo ranks may compute on CUDA
     engine = ParallelEngine(
-        context.world_size, context.backend, policies, dtype=dtype, device=device, process_group=context.group
+        context.world_size, context.backend, policies, dtype=dtype, device=device, process_group=context.tp_group
     )
     if isinstance(spec, SavedModelSpec):
         model = engine.parallelize(spec.path, model_class=spec.model_class)

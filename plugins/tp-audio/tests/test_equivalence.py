@@ -4,7 +4,7 @@ Every model runs every head transformers ships for it: the first head over 1-4 r
 WavLM and Whisper in the quick suite), the others (slow) over 2 and 3. Encoders have 6 heads and
 Whisper's and Speech2Text's decoders 4, so 3 and 4 ranks deal them unevenly (6 over 4: 2, 2, 1, 1;
 4 over 3: 2, 1, 1). Inputs are batches of 3 waveforms (or log-mel features), row 0 half padding
-where the model takes an attention mask (:func:`tpcore.samples.sample_inputs`), and decoder ids.
+where the model takes an attention mask (:func:`tpcore.testing.samples.sample_inputs`), and decoder ids.
 Whisper (forced language and task tokens, timestamps off and on) and Speech2Text ``generate()``
 run 32 tokens greedy and with 4 beams; saved directories load with each rank reading its slices,
 Whisper also through ``tpcore.parallelize()``; ``tpcore check`` runs each family from its default
@@ -196,7 +196,7 @@ def model_spec(
 
 
 def head_inputs(spec: ModelSpec, batch: int = 3, seq: int = 7, seed: int = 2) -> dict:
-    """What the head takes (:func:`tpcore.samples.sample_inputs`), every hidden state asked for where
+    """What the head takes (:func:`tpcore.testing.samples.sample_inputs`), every hidden state asked for where
     the head returns them."""
     model = spec.build()
     inputs = sample_inputs(model, batch=batch, seq=seq, seed=seed)

@@ -235,7 +235,7 @@ def model_spec(family: str, head: str, seed: int = 1, **sizes) -> ModelSpec:
 
 
 def head_inputs(spec: ModelSpec, batch: int = 3, seq: int = 7, seed: int = 2) -> dict:
-    """What the head takes (:func:`tpcore.samples.sample_inputs`: images, token rows with padding, one
+    """What the head takes (:func:`tpcore.testing.samples.sample_inputs`: images, token rows with padding, one
     image token per image feature), every hidden state asked for where the head returns them."""
     model = spec.build()
     inputs = sample_inputs(model, batch=batch, seq=seq, seed=seed)

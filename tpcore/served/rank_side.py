@@ -2,7 +2,9 @@
 
 Each function is sent to every rank by the caller (:class:`~tpcore.ranks.process.RankPool` ``run`` or
 ``scatter``) and runs there with the rank's :class:`~tpcore.ranks.worker.RankContext`; the model a rank
-keeps lives in ``context.store["model"]``.
+keeps lives in ``context.store["model"]``, its half of the per-call state in ``context.store["state"]``
+(:class:`~tpcore.served.call.RankState`). The lookahead (:mod:`tpcore.served.lookahead`) wraps :func:`serve` and
+the functions that use the caches.
 """
 
 from __future__ import annotations
@@ -10,9 +12,8 @@ from __future__ import annotations
 import logging
 import resource
 import time
-from contextlib import nullcontext
-from dataclasses import dataclass, field
-from functools import partial
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -22,29 +23,27 @@ from torch import nn
 from tpcore.load.checkpoint import Checkpoint, Read
 from tpcore.load.precision import cast_model
 from tpcore.load.skeleton import install_tensors, named_tensors, register_output_recording
-from tpcore.lookahead import Lookahead
 from tpcore.parallel import memfd
 from tpcore.parallel.layers import bind_group
 from tpcore.plan import format_bytes
 from tpcore.progress import ByteCounter
-from tpcore.rank_cache import CacheRef, CacheState, RankCaches
 from tpcore.ranks.process import RankContext
-from tpcore.ranks.rng import RandomState, device_generator, same_state
 from tpcore.ranks.transfer import to_cpu, to_device
-from tpcore.resent import RankTensors
+from tpcore.served.caches import CacheState
+from tpcore.served.call import Call, Forward, RankState, reporting_rank
 
 __all__ = [
-    "Call",
     "cache_tensors",
     "keep",
     "load_shard",
     "memory",
     "memory_detail",
     "mutate_cache",
+    "rank_state",
     "read_shard",
-    "reporting_rank",
     "serve",
     "shard_tensors",
+    "shared_outputs",
 ]
 
 logger = logging.getLogger("tpcore.parallelize")
@@ -74,7 +73,7 @@ def read_shard(context: RankContext, skeleton: nn.Module, directory: str, reads:
 
 def keep(context: RankContext, skeleton: nn.Module, dtype) -> int:
     """On a rank: bind the filled skeleton to this rank, move it to the device and keep it for calls."""
-    bind_group(skeleton, context.group)
+    bind_group(skeleton, context.tp_group)
     skeleton.eval().requires_grad_(False)
     if dtype is not None:
         cast_model(skeleton, dtype)
@@ -84,84 +83,36 @@ def keep(context: RankContext, skeleton: nn.Module, dtype) -> int:
     return sum(t.numel() * t.element_size() for t in named_tensors(model).values())
 
 
-@dataclass(frozen=True)
-class Call:
-    """One served call: the forward of the model (or of its submodule at ``path``) on ``args`` and
-    ``kwargs`` (caches as :class:`~tpcore.rank_cache.CacheRef`), with the caller's random state, the
-    attributes of its config changed since the last call (``{sub-config path: {name: value}}``), the
-    caches the caller dropped, and the kept tensors it dropped (:mod:`tpcore.resent`)."""
-
-    path: str
-    args: tuple
-    kwargs: dict
-    random_state: RandomState
-    config_changes: dict[str, dict[str, Any]] = field(default_factory=dict)
-    freed: tuple[int, ...] = ()
-    method: str = ""  # a method of that module instead of its forward (a multimodal encoder's get_image_features)
-    tensors_freed: tuple[int, ...] = ()
+def rank_state(context: RankContext) -> RankState:
+    """This rank's half of the per-call state (made at its first served call)."""
+    state = context.store.get("state")
+    if state is None:
+        state = context.store["state"] = RankState()
+    return state
 
 
-def reporting_rank(world_size: int) -> int:
-    """The rank that tells the caller the state of the caches and the random state after a served call: the last,
-    which does that while rank 0 sends the output (one rank alone: rank 0, which does both)."""
-    return world_size - 1
+def shared_outputs(context: RankContext) -> Callable[[], AbstractContextManager]:
+    """Where this rank's outputs go: rank 0 gathers its outputs (the logits) into shared memory, which the caller
+    reads (a CUDA rank copies them there): no copy through the socket, no new segment per call."""
+    return memfd.gathered_outputs_shared if context.rank == 0 else nullcontext
 
 
-def serve(context: RankContext, call: Call):
-    """On a rank: run the call with the caller's random state and its config. Rank 0 returns the output (on the CPU,
-    each cache as its id); the :func:`reporting_rank` returns its random state and the state of each cache sent
-    or output (``(output, random state, states)`` from a rank that is both). A decode step is answered from the
-    step guessed after the last call when it is that one, and leaves the next guess to run (:mod:`tpcore.lookahead`)."""
-    model = context.store["model"]
-    caches = context.store.setdefault("caches", RankCaches())
-    lookahead = _lookahead(context)
-    shaped = lookahead.shape(call, model)
-    guessed = lookahead.take(call, shaped)
-    caches.free(call.freed)
-    kept = context.store.setdefault("kept", RankTensors())
-    kept.free(call.tensors_freed)
-    apply_config_changes(model, call.config_changes)
-    generator = device_generator(context.device)
-    call.random_state.apply(generator)
-    # the reporting rank tells the caller whether the CPU generator moved; a guess needs both generators still
-    cpu_before, cuda_before = torch.get_rng_state(), None if generator is None else generator.get_state()
-    inputs = (call.args, call.kwargs)  # on the CPU, as they arrived
-    if context.device.type != "cpu":
-        inputs = to_device(inputs, context.device)
-    args, kwargs = caches.resolve(kept.resolve(inputs))
-    target = model.get_submodule(call.path) if call.path else model
-    if call.method:
-        target = getattr(target, call.method)
-    # Rank 0 gathers its outputs (the logits) into shared memory, which the caller reads (a CUDA rank copies them
-    # there): no copy through the socket, no new segment per call.
-    shared = memfd.gathered_outputs_shared if context.rank == 0 else nullcontext
-    with torch.inference_mode(), shared():
-        output = guessed if guessed is not None else target(*args, **kwargs)
-        if lookahead.predict(shaped, output, caches, model, partial(_random_moved, cpu_before, generator, cuda_before)):
-            context.idle_work = partial(lookahead.run, model, caches, context.device, shared)
-        output = caches.report(output)
-        output = gather_attentions(output, context.group)
+def serve(context: RankContext, call: Call, compute: Callable[[Forward], Any] | None = None):
+    """On a rank: run the call with the caller's random state and its config (``compute``: how the resolved
+    forward gives its output; by default it runs). Rank 0 returns the output (on the CPU, each cache as its id); the
+    :func:`~tpcore.served.call.reporting_rank` returns its random state and the state of each cache sent or output
+    (``(output, random state, states)`` from a rank that is both)."""
+    state = rank_state(context)
+    forward = state.resolve(call, context.store["model"], context.device)
+    with torch.inference_mode(), shared_outputs(context)():
+        output = forward.run() if compute is None else compute(forward)
+        output = state.caches.report(output)
+        output = gather_attentions(output, context.tp_group)
         output = to_cpu(output) if context.rank == 0 else None
     if context.rank != reporting_rank(context.world_size):
         return output
-    sent = {ref.id for ref in _refs((call.args, call.kwargs))}
-    report = RandomState.of(generator, cpu_before), caches.states(sent)
+    report = state.report(call, forward)
     return (output, *report) if context.rank == 0 else report
-
-
-def _lookahead(context: RankContext) -> Lookahead:
-    """This rank's :class:`~tpcore.lookahead.Lookahead` (made at its first served call)."""
-    lookahead = context.store.get("lookahead")
-    if lookahead is None:
-        lookahead = context.store["lookahead"] = Lookahead()
-    return lookahead
-
-
-def _random_moved(cpu_before: torch.Tensor, generator: torch.Generator | None, cuda_before: Any) -> bool:
-    """Whether the forward just run drew from the CPU generator or from the rank's CUDA ``generator``."""
-    if not same_state(torch.get_rng_state(), cpu_before):
-        return True
-    return generator is not None and not same_state(generator.get_state(), cuda_before)
 
 
 def gather_attentions(output: Any, group: Any) -> Any:
@@ -196,38 +147,14 @@ def shard_tensors(context: RankContext, names: list[str]) -> dict[str, torch.Ten
 
 def mutate_cache(context: RankContext, cache_id: int, part: str | None, method: str, args: tuple) -> CacheState | None:
     """On a rank: run ``method`` of the cache ``cache_id`` (its ``part``); rank 0 returns its state after."""
-    caches = context.store.setdefault("caches", RankCaches())
-    _lookahead(context).drop()
     with torch.inference_mode():
-        state = caches.mutate(cache_id, part, method, to_device(args, context.device))
+        state = rank_state(context).caches.mutate(cache_id, part, method, to_device(args, context.device))
     return state if context.rank == 0 else None
 
 
 def cache_tensors(context: RankContext, cache_id: int, part: str | None) -> list[tuple[Any, Any]]:
     """On a rank: its heads of each layer's ``(keys, values)`` of the cache ``cache_id`` (its ``part``), on the CPU."""
-    _lookahead(context).drop()
-    return to_cpu(context.store.setdefault("caches", RankCaches()).tensors(cache_id, part))
-
-
-def apply_config_changes(model: nn.Module, changes: dict[str, dict[str, Any]]) -> None:
-    """Set the caller's changed config attributes on this rank's model config (and its sub-configs, by path)."""
-    for path, attributes in changes.items():
-        config = model.config
-        for name in path.split(".") if path else []:
-            config = getattr(config, name)
-        for name, value in attributes.items():
-            setattr(config, name, value)
-
-
-def _refs(value: Any):
-    if isinstance(value, CacheRef):
-        yield value
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _refs(item)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _refs(item)
+    return to_cpu(rank_state(context).caches.tensors(cache_id, part))
 
 
 def memory(context: RankContext) -> dict[str, int]:

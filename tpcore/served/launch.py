@@ -34,10 +34,10 @@ from tpcore.load.precision import resolve_dtype
 from tpcore.load.skeleton import drop_output_capturing_hooks, empty_model, named_tensors, portable, weightless_copy
 from tpcore.plan import ShardPlan, apply_plan, log_plan
 from tpcore.progress import LoadBar
-from tpcore.rank_side import load_shard, read_shard
 from tpcore.ranks.distributed import check_placement, default_backend
 from tpcore.ranks.failures import reraise
 from tpcore.ranks.process import CALL_TIMEOUT_S, START_TIMEOUT_S, RankPool
+from tpcore.served.rank_side import load_shard, read_shard
 
 __all__ = ["CheckpointSource", "Launch", "LaunchOptions", "ModelSource"]
 
@@ -98,7 +98,7 @@ class ModelSource:
 
             def shares(rank: int) -> Iterator[torch.Tensor]:
                 for name, tensor in tensors.items():  # a model on a GPU: one share at a time goes through the CPU
-                    share = plan.share(name, tensor, rank).cpu()
+                    share = plan.shard(name, tensor, rank).cpu()
                     yield share
                     bar.add(share.numel() * share.element_size())  # sent by now
 

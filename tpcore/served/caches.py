@@ -29,8 +29,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from tpcore.cache_batches import OPERATIONS
 from tpcore.ranks.transfer import each_item
+from tpcore.served.cache_batches import OPERATIONS
 
 __all__ = [
     "CacheRef",
@@ -312,7 +312,7 @@ for _method in MUTATIONS:
 
 
 def batch_operation(cache: Any, name: str, *args: Any) -> None:
-    """Run the cache operation ``name`` of :data:`~tpcore.cache_batches.OPERATIONS` on ``cache``: in place on a
+    """Run the cache operation ``name`` of :data:`~tpcore.served.cache_batches.OPERATIONS` on ``cache``: in place on a
     local cache, on the ranks for a stand-in (other stand-ins among ``args`` named by their ids)."""
     if not isinstance(cache, StandIn):
         OPERATIONS[name](cache, *args)
@@ -392,7 +392,7 @@ class CallerCaches:
         self._ids = itertools.count(1)
         self._freed: list[int] = []
 
-    def outgoing(self, value: Any, sent: dict[int, Any]) -> Any:
+    def write(self, value: Any, sent: dict[int, Any]) -> Any:
         """``value`` with each cache inside replaced by its :class:`CacheRef` (``sent``: id -> the caller's
         object). A fresh cache becomes a stand-in in place; one holding the caller's tensors is refused."""
         if isinstance(value, _PLAIN):
@@ -413,9 +413,9 @@ class CallerCaches:
             self._free_when_dropped(value, cache_id)
             sent[cache_id] = value
             return CacheRef(cache_id, template)
-        return each_item(value, lambda item: self.outgoing(item, sent), named_tuples=False)
+        return each_item(value, lambda item: self.write(item, sent), named_tuples=False)
 
-    def incoming(self, value: Any, sent: dict[int, Any], states: dict[int, CacheState]) -> Any:
+    def read(self, value: Any, sent: dict[int, Any], states: dict[int, CacheState]) -> Any:
         """The ranks' output with each cache report turned into its stand-in: the caller's own object for
         a cache it sent (taking the new state), else a new stand-in; every sent stand-in takes its state."""
         for cache_id, cache in sent.items():

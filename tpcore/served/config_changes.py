@@ -1,26 +1,27 @@
 """What the caller changes on a served model's config between calls, so that the ranks compute with it.
 
 ``model.config.output_hidden_states = True``, ``model.set_attn_implementation("eager")`` and the like change
-the caller's config; :class:`ConfigWatch` finds the attributes that differ from what the ranks have (of the
-config and of every sub-config, by path) and each call carries them.
+the caller's config; :class:`CallerConfig` finds the attributes that differ from what the ranks have (of the
+config and of every sub-config, by path), each call carries them, and :func:`apply_config_changes` sets them on
+the rank's model.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["ConfigWatch"]
+__all__ = ["CallerConfig", "apply_config_changes"]
 
 
-class ConfigWatch:
-    """The caller's ``config``, as last sent to the ranks: :meth:`changes` gives what differs since."""
+class CallerConfig:
+    """The caller's ``config``, as last sent to the ranks: :meth:`write` gives what differs since."""
 
     def __init__(self, config: Any):
         self.config = config
         self.sent: dict[str, dict[str, Any]] = {}
-        self.changes()
+        self.write()
 
-    def changes(self) -> dict[str, dict[str, Any]]:
+    def write(self) -> dict[str, dict[str, Any]]:
         """``{sub-config path: {attribute: value}}`` changed since the last call (``""``: the config itself).
 
         Each attribute is compared with a copy of what was sent (so that a container changed in place is seen),
@@ -43,6 +44,16 @@ class ConfigWatch:
             for name in sent.keys() - values.keys():  # deleted since: the ranks keep theirs
                 del sent[name]
         return changed
+
+
+def apply_config_changes(model: Any, changes: dict[str, dict[str, Any]]) -> None:
+    """On a rank: set the caller's changed config attributes on ``model``'s config (and its sub-configs, by path)."""
+    for path, attributes in changes.items():
+        config = model.config
+        for name in path.split(".") if path else []:
+            config = getattr(config, name)
+        for name, value in attributes.items():
+            setattr(config, name, value)
 
 
 def _configs(config: Any, config_class: type, path: str = ""):

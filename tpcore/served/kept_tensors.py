@@ -1,4 +1,4 @@
-"""Large tensors the caller sends again unchanged travel as references to the ranks' copies.
+"""Kept tensors: large tensors the caller sends again unchanged travel as references to the ranks' copies.
 
 ``generate()`` of an encoder-decoder passes the encoder's output ``(batch, source length, hidden)`` to every
 decoder step, and a caller may pass the same large input to many calls. Such a tensor, of at least
@@ -18,7 +18,7 @@ import torch
 
 from tpcore.ranks.transfer import each_item
 
-__all__ = ["KEEP_BYTES", "CallerTensors", "Kept", "RankTensors"]
+__all__ = ["KEEP_BYTES", "CallerKeptTensors", "Kept", "RankKeptTensors"]
 
 #: the smallest tensor worth keeping on the ranks (smaller ones cost less to send than to track)
 KEEP_BYTES = 64 * 1024
@@ -32,23 +32,23 @@ class Kept(NamedTuple):
     tensor: Any = None
 
 
-class RankTensors:
+class RankKeptTensors:
     """On a rank: the tensors it keeps for the caller, by id. Every rank sees the same calls, so ids agree."""
 
     def __init__(self) -> None:
-        self.kept: dict[int, torch.Tensor] = {}
+        self.tensors: dict[int, torch.Tensor] = {}
 
     def resolve(self, value: Any) -> Any:
         """``value`` with every :class:`Kept` inside replaced by its tensor (kept from now on if it comes with it)."""
         if isinstance(value, Kept):
             if value.tensor is not None:
-                self.kept[value.id] = value.tensor
-            return self.kept[value.id]
+                self.tensors[value.id] = value.tensor
+            return self.tensors[value.id]
         return each_item(value, self.resolve, named_tuples=False)
 
     def free(self, ids: tuple[int, ...]) -> None:
         for tensor_id in ids:
-            self.kept.pop(tensor_id, None)
+            self.tensors.pop(tensor_id, None)
 
 
 class _Seen(NamedTuple):
@@ -57,7 +57,7 @@ class _Seen(NamedTuple):
     kept_id: int | None  # the ranks' id once they keep it
 
 
-class CallerTensors:
+class CallerKeptTensors:
     """On the caller: the large tensors sent so far (weakly), which of them the ranks keep, and the ids to free."""
 
     def __init__(self) -> None:
@@ -65,11 +65,11 @@ class CallerTensors:
         self._ids = itertools.count(1)
         self._freed: list[int] = []
 
-    def outgoing(self, value: Any) -> Any:
+    def write(self, value: Any) -> Any:
         """``value`` with each large tensor sent before unchanged replaced by its :class:`Kept`."""
         if isinstance(value, torch.Tensor):
             return self._sent(value) if value.numel() * value.element_size() >= KEEP_BYTES else value
-        return each_item(value, self.outgoing, named_tuples=False)
+        return each_item(value, self.write, named_tuples=False)
 
     def _sent(self, tensor: torch.Tensor) -> Any:
         seen = self._seen.get(id(tensor))

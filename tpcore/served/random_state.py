@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CallerRandomState", "RandomState", "device_generator"]
+__all__ = ["CallerRandomState", "RandomState", "RankRandomState", "device_generator"]
 
 
 @dataclass(frozen=True)
@@ -69,9 +69,35 @@ def device_generator(device: torch.device) -> torch.Generator | None:
     return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
 
 
+class RankRandomState:
+    """On a rank, for one call: the caller's state taken (:meth:`take`), whether the forward drew random numbers
+    (:meth:`moved`), and the state to send back (:meth:`report`)."""
+
+    def __init__(self, device: torch.device):
+        self.generator = device_generator(device)
+        self.cpu_before: torch.Tensor | None = None
+        self.cuda_before: torch.Tensor | None = None
+
+    def take(self, state: RandomState) -> None:
+        """Take the caller's ``state``, and note where both generators stand before the forward."""
+        state.apply(self.generator)
+        self.cpu_before = torch.get_rng_state()
+        self.cuda_before = None if self.generator is None else self.generator.get_state()
+
+    def moved(self) -> bool:
+        """Whether the forward since :meth:`take` drew from the CPU generator or from the rank's CUDA one."""
+        if not same_state(torch.get_rng_state(), self.cpu_before):
+            return True
+        return self.generator is not None and not same_state(self.generator.get_state(), self.cuda_before)
+
+    def report(self) -> RandomState:
+        """The state after the forward, to send back (the CPU's only where it moved)."""
+        return RandomState.of(self.generator, self.cpu_before)
+
+
 class CallerRandomState:
-    """The caller's side: the state to send with each call, and taking the ranks' state back (every rank holds the
-    same; the reporting rank of :mod:`tpcore.rank_side` sends it)."""
+    """The caller's side: the state to send with each call (:meth:`write`), and the ranks' state taken back
+    (:meth:`read`; every rank holds the same, the reporting rank of :mod:`tpcore.served.call` sends it)."""
 
     _NEVER = object()
 
@@ -82,7 +108,7 @@ class CallerRandomState:
         self._cpu_in_step: torch.Tensor | None = None  # the CPU state the ranks hold too (None: not known)
         self._cpu_sent: torch.Tensor | None = None
 
-    def outgoing(self) -> RandomState:
+    def write(self) -> RandomState:
         now = torch.get_rng_state()
         in_step, self._cpu_in_step = self._cpu_in_step, None  # known again once the call succeeds
         self._cpu_sent = now
@@ -95,7 +121,7 @@ class CallerRandomState:
             return RandomState(cpu, seed)
         return RandomState(cpu, self._cuda_state)
 
-    def adopt(self, state: RandomState) -> None:
+    def read(self, state: RandomState) -> None:
         """Take the ranks' state after a call that succeeded."""
         if state.cpu is not None:
             torch.set_rng_state(state.cpu)

@@ -9,7 +9,7 @@ attention mask). Two operations keep it so:
 - :func:`drop_leading`: the first ``count`` positions of every row are dropped (padding every row no longer
   needs, once the longest sequences have left): ``(B, heads, L - count, d)``.
 
-Both work on a local ``DynamicCache`` and, through :func:`tpcore.rank_cache.run_operation`, on the cache a split
+Both work on a local ``DynamicCache`` and, through :func:`tpcore.served.caches.batch_operation`, on the cache a split
 model's ranks keep (each rank its own heads), with the same code: the caller's stand-in dispatches them.
 """
 

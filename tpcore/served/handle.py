@@ -4,9 +4,10 @@
 ``deparallelize()``, moves that end the parallelization first, and a ``repr`` that begins with the
 split; :class:`ParallelHandle` (``model._tpcore_handle``) holds the ranks and the plan.
 
-Each call carries the caller's random state (:mod:`tpcore.ranks.rng`) to every rank and takes theirs
-back, so seeded sampling draws what the unsplit model draws and the ranks never diverge. Inputs
-travel through the CPU; the outputs come back on the device of the first input tensor.
+Each call carries the caller's per-call state (:mod:`tpcore.served.call`: caches, kept tensors, config changes,
+random state) to every rank and takes theirs back, so seeded sampling draws what the unsplit model draws and the
+ranks never diverge. Inputs travel through the CPU; the outputs come back on the device of the first input
+tensor. What the ranks run is :mod:`tpcore.served.lookahead`'s wrapper of :mod:`tpcore.served.rank_side`.
 """
 
 from __future__ import annotations
@@ -24,25 +25,15 @@ from tpcore.errors import WorkerDiedError, WorkerError
 from tpcore.load.saving import save_gathered
 from tpcore.load.skeleton import install_tensors
 from tpcore.plan import ShardPlan, bytes_summary
-from tpcore.rank_cache import CacheState, CallerCaches, Ranks, join_heads
-from tpcore.rank_side import (
-    Call,
-    cache_tensors,
-    memory,
-    memory_detail,
-    mutate_cache,
-    reporting_rank,
-    serve,
-    shard_tensors,
-)
 from tpcore.ranks.failures import reraise
 from tpcore.ranks.process import RankPool, ranks_text
-from tpcore.ranks.rng import CallerRandomState
-from tpcore.ranks.threads import OneThreadWhileServing
 from tpcore.ranks.transfer import first_device, to_device
-from tpcore.resent import CallerTensors
 from tpcore.select import describe_policies
-from tpcore.served_config import ConfigWatch
+from tpcore.served import lookahead
+from tpcore.served.caches import CacheState, Ranks, join_heads
+from tpcore.served.call import Call, CallerState, reporting_rank
+from tpcore.served.caller_threads import OneThreadWhileServing
+from tpcore.served.rank_side import memory, memory_detail, shard_tensors
 
 __all__ = ["ParallelHandle", "attach"]
 
@@ -107,12 +98,10 @@ class ParallelHandle:
         self.device = torch.device(pool.devices[0] if pool.devices else pool.device)
         self.dtype = dtype or next((t.dtype for t in model.parameters() if t.is_floating_point()), torch.float32)
         self.model_class = type(model)
-        self.random = CallerRandomState()
-        self.caches = CallerCaches(Ranks(self.mutate_cache, self.cache_tensors))
-        self.tensors = CallerTensors()
-        #: the caller's generate() works in one thread between the ranks' steps (tpcore.ranks.threads)
+        #: the caller's half of the per-call state (tpcore.served.call)
+        self.state = CallerState(getattr(model, "config", None), Ranks(self.mutate_cache, self.cache_tensors))
+        #: the caller's generate() works in one thread between the ranks' steps (tpcore.served.caller_threads)
         self.one_thread = OneThreadWhileServing(True)
-        self.config = ConfigWatch(getattr(model, "config", None))
         self._lock = threading.Lock()
         self._policies = describe_policies(plan.policies)
 
@@ -180,52 +169,38 @@ class ParallelHandle:
         random state and config; raise a rank's error as its own type.
 
         Tensors travel through the CPU; the output comes back on the device of the first input tensor.
-        A cache passed in names the ranks' cache (:mod:`tpcore.rank_cache`); a cache in the output is the
+        A cache passed in names the ranks' cache (:mod:`tpcore.served.caches`); a cache in the output is the
         caller's stand-in for the ranks' one.
         """
         device = first_device((args, kwargs))
-        with self._lock:  # one call's random state at a time
-            # large tensors sent before unchanged go as references to the ranks' copies (tpcore.resent)
-            args, kwargs = to_device(self.tensors.outgoing((args, kwargs)), "cpu")
-            sent: dict[int, object] = {}
-            args, kwargs = self.caches.outgoing((args, kwargs), sent)
-            request = Call(
-                path,
-                args,
-                kwargs,
-                self.random.outgoing(),
-                self.config.changes(),
-                tuple(self.caches.take_freed()),
-                _method,
-                self.tensors.take_freed(),
-            )
+        with self._lock:  # one call's state at a time
+            request, sent = self.state.write(path, _method, args, kwargs)
             try:
                 output, random_state, states = self._serve(request)
             except BaseException:
-                self.tensors.reset()
+                self.state.failed()
                 raise
-            self.random.adopt(random_state)
-            output = self.caches.incoming(output, sent, states)
+            output = self.state.read(output, random_state, states, sent)
         return output if device is None or device.type == "cpu" else to_device(output, device)
 
     def mutate_cache(self, cache_id: int, part: str | None, method: str, args: tuple) -> CacheState:
         """Run a method of the ranks' cache ``cache_id`` that changes it; its state after."""
         with self._lock:
-            return self._run(mutate_cache, cache_id, part, method, args)
+            return self._run(lookahead.mutate_cache, cache_id, part, method, args)
 
     def cache_tensors(self, cache_id: int, part: str | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Every layer's ``(keys, values)`` of the ranks' cache ``cache_id``, every head in order."""
         with self._lock:
-            per_rank = self._run_on_all(cache_tensors, cache_id, part)
+            per_rank = self._run_on_all(lookahead.cache_tensors, cache_id, part)
         layers = zip(*per_rank, strict=True)  # per layer: each rank's (keys, values)
         return [tuple(join_heads(list(pieces)) for pieces in zip(*each, strict=True)) for each in layers]
 
     def _serve(self, request: Call) -> tuple:
         """``(output, random state, cache states)`` of a served call: rank 0's output and the reporting rank's
-        states (:func:`tpcore.rank_side.serve`)."""
+        states (:func:`tpcore.served.lookahead.serve`)."""
         reporter = reporting_rank(self.pool.world_size)
         with self._rank_errors_raised():
-            replies = self.pool.run_some(serve, request, ranks=sorted({0, reporter}), timeout=self.timeout)
+            replies = self.pool.run_some(lookahead.serve, request, ranks=sorted({0, reporter}), timeout=self.timeout)
         return replies[0] if reporter == 0 else (replies[0], *replies[1])
 
     def _run(self, function, *args):
@@ -341,7 +316,7 @@ def _served_apply(model: nn.Module, fn, recurse: bool = True) -> nn.Module:
 
 
 def _served_generate(model_class: type):
-    """The model's own ``generate``, run with the caller in one intra-op thread (:mod:`tpcore.ranks.threads`)."""
+    """The model's own ``generate``, run with the caller in one intra-op thread (:mod:`.caller_threads`)."""
     own = getattr(model_class, "generate")  # noqa: B009  (a transformers model class)
 
     @functools.wraps(own)

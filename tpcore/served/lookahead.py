@@ -12,7 +12,7 @@ When the next call is exactly that one (its tensors equal, no config change, no 
 answers it. When it is not (sampling drew another token, a finished row got the pad token, the caller changed
 something, another cache's call), the cache gets back the very tensors it held before the guess, and the call
 runs as usual: the caller sees the unsplit model's outputs either way. Any other use of the ranks' caches
-(:func:`tpcore.rank_side.mutate_cache`, :func:`tpcore.rank_side.cache_tensors`) drops a pending guess first.
+(:func:`mutate_cache`, :func:`cache_tensors`) drops a pending guess first.
 
 A guess costs one forward of the ranks' time; it is only worth it while guesses hit. After a miss (a prediction
 not asked for) no guess runs until a prediction (still made, for free) matches the call that comes; this is kept
@@ -24,10 +24,15 @@ eval mode, a forward that drew no random numbers. A call that comes while a gues
 step at most: the guess after a ``generate()``'s last step is never asked for). A guess that raises (out of memory)
 is taken back and turns the lookahead off on that rank. ``TPCORE_LOOKAHEAD=0`` in the environment the ranks start
 from turns it off.
+
+The lookahead is a wrapper: :func:`serve`, :func:`mutate_cache` and :func:`cache_tensors` are the functions of
+:mod:`tpcore.served.rank_side` that the caller sends, with the guess taken, kept or dropped around them; the
+guessed step runs as the rank's idle work (:attr:`~tpcore.ranks.worker.RankContext.idle_work`), after its reply.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import os
@@ -37,10 +42,24 @@ from typing import Any, NamedTuple
 
 import torch
 
-from tpcore.rank_cache import CacheRef, RankCaches
+from tpcore.ranks.process import RankContext
 from tpcore.ranks.transfer import to_device
+from tpcore.served import rank_side
+from tpcore.served.caches import CacheRef, CacheState, RankCaches
+from tpcore.served.call import Call, Forward
 
-__all__ = ["ENABLED_ENV", "Guess", "Lookahead", "Prediction", "decode_shaped", "forward_names", "predicted_call"]
+__all__ = [
+    "ENABLED_ENV",
+    "Guess",
+    "Lookahead",
+    "Prediction",
+    "cache_tensors",
+    "decode_shaped",
+    "forward_names",
+    "mutate_cache",
+    "predicted_call",
+    "serve",
+]
 
 #: ``0`` turns the lookahead off (read by each rank when it first serves a call)
 ENABLED_ENV = "TPCORE_LOOKAHEAD"
@@ -48,7 +67,7 @@ ENABLED_ENV = "TPCORE_LOOKAHEAD"
 _STEPPED = ("input_ids", "position_ids", "cache_position", "attention_mask")
 _PLAIN = (bool, int, float, str, type(None))
 
-logger = logging.getLogger("tpcore.lookahead")
+logger = logging.getLogger("tpcore.served.lookahead")
 
 
 def decode_shaped(call: Any, names: tuple[str, ...] = ()) -> tuple[CacheRef, dict[str, Any]] | None:
@@ -185,7 +204,7 @@ class Lookahead:
         matches, self.held = False, None
         if prediction is not None and shaped is not None:
             cache_ref, kwargs = shaped
-            matches = prediction.cache_id not in call.freed and _same(prediction.kwargs, kwargs)
+            matches = prediction.cache_id not in call.caches_freed and _same(prediction.kwargs, kwargs)
             if matches or cache_ref.template is None:
                 self.hitting[prediction.after_start] = matches
             self._note_held_rows(cache_ref.id == prediction.cache_id, kwargs["input_ids"])
@@ -261,3 +280,43 @@ class Lookahead:
             return
         self.pending = guess
         self.run_count += 1
+
+
+# -- the wrapper: what the caller sends to the ranks ---------------------------------------------------------------
+
+
+def rank_lookahead(context: RankContext) -> Lookahead:
+    """This rank's :class:`Lookahead` (made at its first served call)."""
+    lookahead = context.store.get("lookahead")
+    if lookahead is None:
+        lookahead = context.store["lookahead"] = Lookahead()
+    return lookahead
+
+
+def serve(context: RankContext, call: Call):
+    """:func:`tpcore.served.rank_side.serve`, answered from the step guessed after the last call when ``call`` is that
+    step, leaving the next guess to run once the rank has replied."""
+    lookahead, model = rank_lookahead(context), context.store["model"]
+    shaped = lookahead.shape(call, model)
+    guessed = lookahead.take(call, shaped)
+
+    def compute(forward: Forward) -> Any:
+        output = guessed if guessed is not None else forward.run()
+        if lookahead.predict(shaped, output, forward.caches, model, forward.random.moved):
+            shared = rank_side.shared_outputs(context)
+            context.idle_work = functools.partial(lookahead.run, model, forward.caches, context.device, shared)
+        return output
+
+    return rank_side.serve(context, call, compute)
+
+
+def mutate_cache(context: RankContext, cache_id: int, part: str | None, method: str, args: tuple) -> CacheState | None:
+    """:func:`tpcore.served.rank_side.mutate_cache`, a pending guess taken back first."""
+    rank_lookahead(context).drop()
+    return rank_side.mutate_cache(context, cache_id, part, method, args)
+
+
+def cache_tensors(context: RankContext, cache_id: int, part: str | None) -> list[tuple[Any, Any]]:
+    """:func:`tpcore.served.rank_side.cache_tensors`, a pending guess taken back first."""
+    rank_lookahead(context).drop()
+    return rank_side.cache_tensors(context, cache_id, part)
