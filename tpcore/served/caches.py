@@ -23,7 +23,7 @@ import copy
 import inspect
 import itertools
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -183,7 +183,7 @@ class RankCaches:
             if cache_id in self.caches
         }
 
-    def free(self, ids: list[int]) -> None:
+    def free(self, ids: Iterable[int]) -> None:
         for cache_id in ids:
             self.caches.pop(cache_id, None)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
+from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 import torch
@@ -46,7 +47,7 @@ class RankKeptTensors:
             return self.tensors[value.id]
         return each_item(value, self.resolve, named_tuples=False)
 
-    def free(self, ids: tuple[int, ...]) -> None:
+    def free(self, ids: Iterable[int]) -> None:
         for tensor_id in ids:
             self.tensors.pop(tensor_id, None)
 
