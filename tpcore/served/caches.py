@@ -37,7 +37,7 @@ __all__ = [
     "CacheState",
     "CallerCaches",
     "RankCaches",
-    "Ranks",
+    "CacheCalls",
     "batch_operation",
     "cache_keyword",
     "join_heads",
@@ -332,7 +332,7 @@ def stand_in_class(cache_class: type) -> type:
     return _STAND_IN_CLASSES[cache_class]
 
 
-def take_over(cache: Any, cache_id: int, ranks: Ranks, state: CacheState | None = None, part: str | None = None):
+def take_over(cache: Any, cache_id: int, ranks: CacheCalls, state: CacheState | None = None, part: str | None = None):
     """Make the caller's ``cache`` (an instance of a transformers cache class) the stand-in of the ranks'
     cache ``cache_id``, in place; an ``EncoderDecoderCache``'s parts become stand-ins of its parts."""
     state = state or CacheState(type(cache), parts={p: CacheState(type(getattr(cache, p))) for p in _parts(cache)})
@@ -348,7 +348,7 @@ def take_over(cache: Any, cache_id: int, ranks: Ranks, state: CacheState | None 
     return cache
 
 
-def new_stand_in(cache_id: int, state: CacheState, ranks: Ranks) -> Any:
+def new_stand_in(cache_id: int, state: CacheState, ranks: CacheCalls) -> Any:
     """A stand-in built from the state of a cache the ranks made."""
     if state.parts:
         parts = [new_stand_in(cache_id, state.parts[name], ranks) for name in PARTS]
@@ -375,7 +375,7 @@ def stand_ins(value: Any) -> Iterator[Any]:
             yield from stand_ins(getattr(value, part))
 
 
-class Ranks(NamedTuple):
+class CacheCalls(NamedTuple):
     """How the caller reaches the ranks' caches (each a call to the ranks): ``mutate(cache_id, part, method,
     args)`` runs a method of a cache and gives its state after; ``fetch(cache_id, part)`` gives every layer's
     ``(keys, values)`` with every head."""
@@ -387,7 +387,7 @@ class Ranks(NamedTuple):
 class CallerCaches:
     """On the caller: the ranks' caches its stand-ins name, reached through ``ranks``."""
 
-    def __init__(self, ranks: Ranks):
+    def __init__(self, ranks: CacheCalls):
         self.ranks = ranks
         self._ids = itertools.count(1)
         self._freed: list[int] = []

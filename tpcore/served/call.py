@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from tpcore.ranks.transfer import to_device
-from tpcore.served.caches import CacheRef, CacheState, CallerCaches, RankCaches, Ranks
+from tpcore.served.caches import CacheCalls, CacheRef, CacheState, CallerCaches, RankCaches
 from tpcore.served.config_changes import CallerConfig, apply_config_changes
 from tpcore.served.kept_tensors import CallerKeptTensors, RankKeptTensors
 from tpcore.served.random_state import CallerRandomState, RandomState, RankRandomState
@@ -62,7 +62,7 @@ def reporting_rank(world_size: int) -> int:
 class CallerState:
     """The caller's half of every per-call state: :meth:`write` makes a call, :meth:`read` takes its reply."""
 
-    def __init__(self, config: Any, ranks: Ranks):
+    def __init__(self, config: Any, ranks: CacheCalls):
         self.random = CallerRandomState()
         self.caches = CallerCaches(ranks)
         self.kept = CallerKeptTensors()

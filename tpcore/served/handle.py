@@ -30,7 +30,7 @@ from tpcore.ranks.process import RankPool, ranks_text
 from tpcore.ranks.transfer import first_device, to_device
 from tpcore.select import describe_policies
 from tpcore.served import lookahead
-from tpcore.served.caches import CacheState, Ranks, join_heads
+from tpcore.served.caches import CacheCalls, CacheState, join_heads
 from tpcore.served.call import Call, CallerState, reporting_rank
 from tpcore.served.caller_threads import OneThreadWhileServing
 from tpcore.served.rank_side import memory, memory_detail, shard_tensors
@@ -99,7 +99,7 @@ class ParallelHandle:
         self.dtype = dtype or next((t.dtype for t in model.parameters() if t.is_floating_point()), torch.float32)
         self.model_class = type(model)
         #: the caller's half of the per-call state (tpcore.served.call)
-        self.state = CallerState(getattr(model, "config", None), Ranks(self.mutate_cache, self.cache_tensors))
+        self.state = CallerState(getattr(model, "config", None), CacheCalls(self.mutate_cache, self.cache_tensors))
         #: the caller's generate() works in one thread between the ranks' steps (tpcore.served.caller_threads)
         self.one_thread = OneThreadWhileServing(True)
         self._lock = threading.Lock()
