@@ -18,7 +18,7 @@ import transformers
 from tpcore import Layer
 from tpcore.errors import ShardingError
 from tpcore.plan import plan_for
-from tpcore.plan.trial import tiny_config
+from tpcore.plan.tiny_copy import tiny_config
 from tpcore.select import choose_policies
 from tpcore.testing import ModelSpec, check_equivalence
 from tpcore.testing.samples import sample_inputs, small_config

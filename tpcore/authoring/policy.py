@@ -89,13 +89,13 @@ class Policy:
     def layers(cls) -> list[Layer]:
         """Every tensor pair of the layer to cut, each with its :class:`~tpcore.Style`: by default those
         of the group methods, a :class:`~tpcore.Layer` without a style taking its group's."""
-        groups: list[tuple[list[Layer], Style]] = [
+        by_group_method: list[tuple[list[Layer], Style]] = [
             (cls.attn_qkv(), COLUMN),
             (cls.mlp_in(), COLUMN),
             (cls.attn_out(), ROW),
             (cls.mlp_out(), ROW),
         ]
-        return [layer.styled(style) for listed, style in groups for layer in listed]
+        return [layer.styled(style) for listed, style in by_group_method for layer in listed]
 
     @staticmethod
     def attn_qkv() -> list[Layer]:

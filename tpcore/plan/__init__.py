@@ -7,6 +7,9 @@ module             responsibility
 ``build``          :func:`plan_for`: policies resolved on the model's layers and checked
 ``vocabulary``     which embeddings split over the vocabulary, and why the others stay whole
 ``apply``          :func:`apply_plan`: a copy of the model becomes one rank's shard
+``tiny_copy``      the tiny copy (a tiny config, planned alike) the trial and the proof run
+``trial``          each rank's shard of the tiny copy runs alone (``verify_by_trial``)
+``proof``          the ranks together compute the tiny copy's outputs (``prove_by_trial``)
 ``report``         :func:`report`, :func:`log_plan`: what is cut how, bytes per rank, what stays whole
 ``paths``          attribute paths in a model
 =================  ============================================================================

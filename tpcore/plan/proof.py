@@ -5,19 +5,18 @@ The static checks and the shape trial (:mod:`tpcore.plan.trial`) show that every
 cannot show that the ranks' partial results add up to the unsplit model's (a norm between a column and a
 row layer, an activation that mixes features, a width read elsewhere run fine and compute something else).
 For the policies that ask for a proof (``prove_by_trial = True``: the structural policies of
-:mod:`tpcore.select.structural`), :func:`check_by_proof` builds the model's class from
-:func:`~tpcore.plan.trial.tiny_config` (the same head counts), runs it unsplit on a few token ids, then
-runs every rank's shard of it at once, each in a thread of a :class:`~tpcore.parallel.threads.ThreadGroup`
-(the collectives are real sums across the threads), and compares every output tensor of every rank with
-the unsplit one: within ``RTOL`` of its scale (its largest magnitude, at least ``SCALE_FLOOR``). A
-difference, a rank's exception, or a tiny copy that cannot be built or run refuses the split
-(:class:`~tpcore.ShardingError`) before the user's model is touched; a proof that passes is logged.
-Outcomes are cached per (model class, config, policies, world size, vocabulary split).
+:mod:`tpcore.select.structural`), :func:`check_by_proof` runs the model's tiny copy
+(:mod:`tpcore.plan.tiny_copy`: the same head counts) unsplit on a few token ids, then runs every rank's
+shard of it at once, each in a thread of a :class:`~tpcore.parallel.threads.ThreadGroup` (the collectives
+are real sums across the threads), and compares every output tensor of every rank with the unsplit one:
+within ``RTOL`` of its scale (its largest magnitude, at least ``SCALE_FLOOR``). A difference, a rank's
+exception, or a tiny copy that cannot be built or run refuses the split (:class:`~tpcore.ShardingError`)
+before the user's model is touched; a proof that passes is logged. Outcomes are cached per (model class,
+config, policies, world size, vocabulary split).
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -25,11 +24,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from tpcore.errors import ShardingError
 from tpcore.parallel.threads import ThreadGroup, run_ranks
-from tpcore.plan.apply import apply_plan
 from tpcore.plan.shard_plan import ShardPlan
-from tpcore.plan.trial import tiny_config, trial_inputs
+from tpcore.plan.tiny_copy import Outcome, TinyCopy, first_line, outcome, refusal
 
 __all__ = ["RTOL", "check_by_proof", "needs_proof"]
 
@@ -38,8 +35,6 @@ logger = logging.getLogger("tpcore.plan")
 #: the largest difference a proof accepts, relative to each output's scale (fp32, a tiny model)
 RTOL = 1e-5
 SCALE_FLOOR = 1e-3
-
-_outcomes: dict[tuple, tuple[str | None, float]] = {}
 
 
 def needs_proof(policies: list[Any]) -> bool:
@@ -54,28 +49,14 @@ def check_by_proof(
     its unsplit outputs on every rank (see the module docstring); log the proof where it does."""
     if world_size < 2:
         return
-    config: Any = getattr(model, "config", None)
-    try:
-        cache_key: tuple | None = (type(model), tuple(policies), world_size, key, config.to_json_string())
-    except (AttributeError, TypeError, ValueError):
-        cache_key = None
-    if cache_key is not None and cache_key in _outcomes:
-        failure, difference = _outcomes[cache_key]
-    else:
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # tiny matrices, several ranks at once
-        try:
-            failure, difference = _prove(model, world_size, plan_tiny)
-        finally:
-            torch.set_num_threads(threads)
-        if cache_key is not None:
-            _outcomes[cache_key] = (failure, difference)
+    failure, difference = outcome(_ranks_agree, model, policies, world_size, plan_tiny, key, unmade_refuses=True)
     names = ", ".join(policy.policy_name() for policy in policies if getattr(policy, "prove_by_trial", False))
     if failure is not None:
-        raise ShardingError(
-            f"cannot split {type(model).__name__} over {world_size} ranks by the structural policy it was given "
-            f"({names}): on a tiny random copy of its config, {failure}; nothing was split (write a policy, "
-            "or use a plugin)"
+        raise refusal(
+            model,
+            world_size,
+            f" by the structural policy it was given ({names}): on a tiny random copy of its config, {failure}; "
+            "nothing was split (write a policy, or use a plugin)",
         )
     on_a_rank = torch.distributed.is_available() and torch.distributed.is_initialized()
     logger.log(
@@ -90,42 +71,33 @@ def check_by_proof(
     )
 
 
-def _prove(model: nn.Module, world_size: int, plan_tiny: Callable[[nn.Module], ShardPlan]) -> tuple[str | None, float]:
-    """``(None, largest difference)`` when every rank of the tiny copy's split computes its unsplit outputs,
-    else ``(what failed, 0)``."""
-    try:
-        with torch.random.fork_rng(devices=[]):  # the caller's random state is left as it was
-            torch.manual_seed(0)
-            tiny = type(model)(tiny_config(model.config, world_size)).eval()
-        inputs = trial_inputs(tiny)
-        with torch.inference_mode():
-            expected = dict(_tensors(tiny(**inputs)))
-        plan = plan_tiny(tiny)
-    except Exception as error:
-        return f"the tiny copy cannot be made or run unsplit ({_first_line(error)})", 0.0
-    group = ThreadGroup(world_size)
-    shards = [apply_plan(plan, copy.deepcopy(tiny), rank, tp_group=group) for rank in range(world_size)]
+def _ranks_agree(tiny: TinyCopy) -> Outcome:
+    """Every rank's shard of the tiny copy run at once over a :class:`ThreadGroup`: the largest difference from
+    the unsplit outputs when every rank computes every one of them, else what failed."""
+    expected = dict(_tensors(tiny.outputs))
+    tp_group = ThreadGroup(tiny.plan.world_size)
+    shards = [tiny.shard(rank, tp_group) for rank in range(tp_group.world_size)]
 
     def forward(rank: int) -> dict[str, torch.Tensor]:
         with torch.inference_mode():
-            return dict(_tensors(shards[rank](**inputs)))
+            return dict(_tensors(shards[rank](**tiny.inputs)))
 
     try:
-        results = run_ranks(group, forward)
+        results = run_ranks(tp_group, forward)
     except Exception as error:
-        return f"a rank fails ({_first_line(error)})", 0.0
+        return Outcome(f"a rank fails ({first_line(error)})")
     largest = 0.0
     for rank, outputs in enumerate(results):
         for name, want in expected.items():
             got = outputs.get(name)
             if got is None or got.shape != want.shape:
-                return f"rank {rank} gives {name} of another shape", 0.0
+                return Outcome(f"rank {rank} gives {name} of another shape")
             difference = (got.float() - want.float()).abs().max().item() if want.numel() else 0.0
             scale = max(want.abs().max().item() if want.numel() else 0.0, SCALE_FLOOR)
             if not difference <= RTOL * scale:  # a NaN fails too
-                return f"rank {rank}'s {name} differs from the unsplit model's by {difference:.1e}", 0.0
+                return Outcome(f"rank {rank}'s {name} differs from the unsplit model's by {difference:.1e}")
             largest = max(largest, difference)
-    return None, largest
+    return Outcome(None, largest)
 
 
 def _tensors(value: Any, prefix: str = "output") -> Iterator[tuple[str, torch.Tensor]]:
@@ -139,8 +111,3 @@ def _tensors(value: Any, prefix: str = "output") -> Iterator[tuple[str, torch.Te
     elif isinstance(value, (list, tuple)):
         for index, item in enumerate(value):
             yield from _tensors(item, f"{prefix}.{index}")
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"

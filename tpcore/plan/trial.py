@@ -4,13 +4,13 @@ The static checks of :func:`~tpcore.plan.plan_for` see tensors and attributes, n
 them: a forward that reshapes with a head count or width of its own (``view(b, s, -1, width)`` over a cut
 that is not whole heads of that width, a count read from its config) passes them and fails on the ranks.
 For the policies that ask for it (``verify_by_trial = True``: those derived from a transformers tp plan,
-whose forward no one wrote a policy against), :func:`check_by_trial` builds the model's class from a tiny
-copy of its config (:func:`tiny_config`: the same head counts, every width small), plans it the same way,
-makes one copy each rank's shard (:func:`~tpcore.plan.apply_plan` with no process group: the collectives
-are no-ops, so every shape and reshape runs though the sums do not) and runs a forward on a few token ids.
-A rank's exception refuses the split (:class:`~tpcore.ShardingError` naming the model, the world size,
-the rank and the error) before any rank starts or the model is touched. A trial that cannot be made
-(the tiny copy does not build, its unsplit forward does not run, its plan differs) refuses nothing.
+whose forward no one wrote a policy against), :func:`check_by_trial` plans the model's tiny copy the same
+way (:mod:`tpcore.plan.tiny_copy`: the same head counts, every width small), makes one copy each rank's
+shard with no process group (the collectives are no-ops, so every shape and reshape runs though the sums
+do not) and runs a forward on a few token ids. A rank's exception refuses the split
+(:class:`~tpcore.ShardingError` naming the model, the world size, the rank and the error) before any rank
+starts or the model is touched. A trial that cannot be made (the tiny copy does not build, its unsplit
+forward does not run, its plan differs) refuses nothing.
 
 The outcome is cached per (model class, config, policies, world size, vocabulary split). Where
 torch.distributed is initialized (a rank of an SPMD world), no trial runs: a module without a group would
@@ -19,56 +19,16 @@ use the default one there.
 
 from __future__ import annotations
 
-import copy
-import functools
-import inspect
-import logging
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from tpcore.errors import ShardingError
-from tpcore.plan.apply import apply_plan
 from tpcore.plan.shard_plan import ShardPlan
+from tpcore.plan.tiny_copy import Outcome, TinyCopy, first_line, is_config, outcome, refusal
 
-__all__ = ["check_by_trial", "needs_trial", "tiny_config"]
-
-logger = logging.getLogger("tpcore.plan")
-
-#: the per-head widths of the tiny copy (even: rotary halves), and the widths derived from them
-HEAD_WIDTH = 8
-_HEAD_WIDTHS = ("head_dim", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "d_kv", "d_head", "kv_channels")
-_HIDDEN = ("hidden_size", "d_model", "n_embd")
-_INTERMEDIATE = (
-    "intermediate_size",
-    "moe_intermediate_size",
-    "shared_expert_intermediate_size",
-    "ffn_dim",
-    "encoder_ffn_dim",
-    "decoder_ffn_dim",
-    "d_ff",
-    "n_inner",
-)
-#: fields of a small fixed value, where the config has them as ints
-_SMALL = {"q_lora_rank": 16, "kv_lora_rank": 16, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1}
-_SMALL |= dict.fromkeys(("num_local_experts", "num_experts", "n_routed_experts"), 4)
-_LAYERS = ("num_hidden_layers", "num_layers", "n_layer", "num_decoder_layers", "encoder_layers", "decoder_layers")
-#: the most layers of the tiny copy (a MoE stack's first dense layers, then the others)
-MAX_LAYERS = 4
-VOCAB = 64
-#: a share of the experts' intermediate size the grouped-mm kernels take is a multiple of this
-_GROUPED_MM_FEATURES = 8
-#: fields a config computes from the others (recomputed when it is rebuilt)
-_DERIVED = {"layer_types", "transformers_version", "model_type", "architectures", "qk_head_dim"}
-#: the token ids of the trial's input
-_IDS = torch.tensor([[5, 9, 13, 17, 21], [6, 10, 14, 18, 22]])
-
-#: config fields of the token that stands for image features in the text (vision-language models)
-_IMAGE_TOKEN_FIELDS = ("image_token_id", "image_token_index")
-
-_outcomes: dict[tuple, str | None] = {}
+__all__ = ["check_by_trial", "needs_trial"]
 
 
 def needs_trial(policies: list[Any]) -> bool:
@@ -82,132 +42,28 @@ def check_by_trial(
     """Raise :class:`ShardingError` when the split ``plan_tiny`` makes of a tiny copy of ``model`` fails on a
     rank; nothing when it runs everywhere or no trial can be made (see the module docstring). ``key``: what
     else ``plan_tiny`` depends on (cached with it)."""
-    if world_size < 2 or not needs_trial(policies) or not isinstance(getattr(model, "config", None), _config_type()):
+    if world_size < 2 or not needs_trial(policies) or not is_config(getattr(model, "config", None)):
         return
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return
-    try:
-        config: Any = model.config
-        cache_key: tuple | None = (type(model), tuple(policies), world_size, key, config.to_json_string())
-    except (TypeError, ValueError):  # a config value JSON does not take
-        cache_key = None
-    if cache_key in _outcomes:
-        outcome = _outcomes[cache_key]
-    else:
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # tiny matrices: one thread is many times faster on a busy machine
-        try:
-            outcome = _trial(model, world_size, plan_tiny)
-        finally:
-            torch.set_num_threads(threads)
-    if cache_key is not None:
-        _outcomes[cache_key] = outcome
-    if outcome is not None:
-        raise ShardingError(
-            f"cannot split {type(model).__name__} over {world_size} ranks: the plan is accepted, but a trial of it "
-            f"on a tiny copy of its config (the same head counts) fails on {outcome}; its forward reads a size "
-            "the split does not give it (use a world size that divides its head counts, or a plugin policy)"
+    failure = outcome(_ranks_run_alone, model, policies, world_size, plan_tiny, key, unmade_refuses=False).failure
+    if failure is not None:
+        raise refusal(
+            model,
+            world_size,
+            ": the plan is accepted, but a trial of it on a tiny copy of its config (the same head counts) fails "
+            f"on {failure}; its forward reads a size the split does not give it (use a world size that divides its "
+            "head counts, or a plugin policy)",
         )
 
 
-def _trial(model: nn.Module, world_size: int, plan_tiny: Callable[[nn.Module], ShardPlan]) -> str | None:
-    """``"rank r: <error>"`` for the first rank whose shard of the tiny copy fails its forward, else None."""
-    try:
-        with torch.random.fork_rng(devices=[]):  # the caller's random state is left as it was
-            torch.manual_seed(0)
-            tiny = type(model)(tiny_config(model.config, world_size)).eval()
-        inputs = trial_inputs(tiny)
-        with torch.inference_mode():
-            tiny(**inputs)
-        plan = plan_tiny(tiny)
-    except Exception as error:  # no trial to be made: the static checks stand alone
-        logger.debug("no trial run of %s over %d ranks: %s: %s", type(model).__name__, world_size, type(error), error)
-        return None
-    for rank in range(world_size):
-        shard = copy.deepcopy(tiny)
+def _ranks_run_alone(tiny: TinyCopy) -> Outcome:
+    """``"rank r: <error>"`` for the first rank whose shard of the tiny copy, run alone, fails its forward."""
+    for rank in range(tiny.plan.world_size):
         try:
-            apply_plan(plan, shard, rank)
+            shard = tiny.shard(rank)
             with torch.inference_mode():
-                shard(**inputs)
+                shard(**tiny.inputs)
         except Exception as error:
-            message = str(error).strip().splitlines()[0] if str(error).strip() else ""
-            return f"rank {rank}: {type(error).__name__}: {message}"
-    return None
-
-
-def trial_inputs(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Two rows of five token ids (and a mask, decoder ids) for what ``model.forward`` accepts; for an image
-    encoder (``pixel_values`` and no ``input_ids``), two random images at its (vision) config's size; for a
-    model of both that places no image tokens in the text (CLIP-like two towers), both."""
-    accepted = set(inspect.signature(model.forward).parameters)
-    if "pixel_values" in accepted and "input_ids" not in accepted:
-        return {"pixel_values": _images(model.config)}
-    inputs = {"input_ids": _IDS.clone()}
-    if "attention_mask" in accepted:
-        inputs["attention_mask"] = torch.ones_like(_IDS)
-    if "decoder_input_ids" in accepted:
-        inputs["decoder_input_ids"] = _IDS[:, :3].clone()
-    if "pixel_values" in accepted and not any(hasattr(model.config, name) for name in _IMAGE_TOKEN_FIELDS):
-        inputs["pixel_values"] = _images(model.config)
-    return inputs
-
-
-def _images(config: Any) -> torch.Tensor:
-    """``(2, channels, H, W)`` seeded random pixels at ``image_size`` (an int or a pair; 224 if unset)."""
-    vision = getattr(config, "vision_config", None) or config
-    size = getattr(vision, "image_size", 224)
-    height, width = (size, size) if isinstance(size, int) else tuple(size)[-2:]
-    channels = getattr(vision, "num_channels", 3)
-    return torch.randn(2, channels, height, width, generator=torch.Generator().manual_seed(0))
-
-
-def tiny_config(config: Any, world_size: int) -> Any:
-    """``config`` rebuilt tiny, its sub-configs alike: the same head counts, heads of :data:`HEAD_WIDTH`
-    features, at most :data:`MAX_LAYERS` layers and 4 experts, small intermediate sizes (the same remainder
-    modulo ``8 * world_size`` as the original's, so each rank's share is alike a multiple of 8 features or
-    not: what the grouped-mm experts kernels need), a vocabulary of :data:`VOCAB` with the special ids moved
-    into it."""
-    values = {key: value for key, value in config.to_dict().items() if key not in _DERIVED}
-    heads = values.get("num_attention_heads")
-    for name in _sub_config_names(config):
-        values[name] = tiny_config(getattr(config, name), world_size)
-    _set_ints(values, _HEAD_WIDTHS, lambda _: HEAD_WIDTH)
-    if isinstance(heads, int):
-        _set_ints(values, _HIDDEN, lambda _: heads * HEAD_WIDTH)
-    modulus = _GROUPED_MM_FEATURES * world_size
-    _set_ints(values, _INTERMEDIATE, lambda size: min(size, 2 * modulus + size % modulus))
-    _set_ints(values, _LAYERS, lambda layers: min(layers, MAX_LAYERS))
-    for name, small in _SMALL.items():
-        _set_ints(values, (name,), functools.partial(min, small))
-    _set_ints(values, ("vocab_size",), lambda size: min(size, VOCAB))
-    _move_special_ids(values)
-    return type(config)(**values)
-
-
-def _set_ints(values: dict[str, Any], names: tuple[str, ...], small: Callable[[int], int]) -> None:
-    for name in names:
-        value = values.get(name)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            values[name] = small(value)
-
-
-def _move_special_ids(values: dict[str, Any]) -> None:
-    """Special ids (``*_token_id``) at or above the small vocabulary move to its top (equal ids stay equal)."""
-    names = [n for n, v in values.items() if n.endswith("_token_id") and isinstance(v, int) and v >= VOCAB - 16]
-    moved = {old: VOCAB - 1 - index for index, old in enumerate(sorted({values[n] for n in names}))}
-    for name in names:
-        values[name] = moved[values[name]]
-    for name, value in values.items():  # eos lists
-        if name.endswith("_token_id") and isinstance(value, list):
-            values[name] = [v if v < VOCAB - 16 else VOCAB - 1 for v in value if isinstance(v, int)]
-
-
-def _config_type() -> type:
-    import transformers
-
-    return getattr(transformers, "PreTrainedConfig", None) or transformers.PretrainedConfig
-
-
-def _sub_config_names(config: Any) -> list[str]:
-    names = getattr(config, "sub_configs", None) or {}
-    return [name for name in names if isinstance(getattr(config, name, None), _config_type())]
+            return Outcome(f"rank {rank}: {first_line(error)}")
+    return Outcome()

@@ -20,17 +20,22 @@ from typing import Any, ClassVar
 
 from torch import nn
 
-from tpcore.authoring import COLUMN, NORM, PER_HEAD, ROW, IfHeld, Layer, PerRank, Policy, local_config, share
+from tpcore.authoring import COLUMN, NORM, PER_HEAD, ROW, IfHeld, Layer, PerRank, Policy, Style, local_config, share
 from tpcore.cut.shares import runs
 from tpcore.errors import ShardingError
 
-__all__ = ["PlanPolicy", "TpPlanError", "experts_arguments", "policy_for"]
+__all__ = ["Instance", "PlanPolicy", "Rule", "Rules", "TpPlanError", "experts_arguments", "policy_for"]
 
 _HEAD_ATTRIBUTES = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_key_value_groups")
 _CONFIG_HEADS = ("num_attention_heads", "num_key_value_heads")
 
-#: a block instance: its name, the module, and the rules ``{path: (column or row, packed, 3-D dim, paired)}``
-Instance = tuple[str, nn.Module, dict[str, tuple[str, int, int, bool]]]
+#: how a split follows one rule: ``(COLUMN or ROW, packed tensors, dim of a 3-D tensor, paired)``; ``paired``: one of
+#: a gathered output and a split input in one module, followed as a column / row pair (nothing gathered between)
+Rule = tuple[Style, int, int, bool]
+#: a block's rules, by linear (or parameter) path in the block
+Rules = dict[str, Rule]
+#: a block instance: its name, the module, and its rules
+Instance = tuple[str, nn.Module, Rules]
 
 
 class TpPlanError(LookupError):
@@ -149,8 +154,8 @@ def _resolve(instances: list[Instance], config: Any, grouped_kv: bool) -> _Resol
     block, rules = instances[0][1], instances[0][2]
     row_inputs = {  # a paired row layer's input width, which its column partner's packed halves fill twice
         path.rpartition(".")[0]: linear.in_features
-        for path, (kind, _, _, paired) in rules.items()
-        if kind == "row" and paired and isinstance(linear := _module(block, path), nn.Linear)
+        for path, (style, _, _, paired) in rules.items()
+        if style is ROW and paired and isinstance(linear := _module(block, path), nn.Linear)
     }
     found = _Resolved()
     for path, rule in rules.items():
@@ -164,7 +169,7 @@ def _resolve(instances: list[Instance], config: Any, grouped_kv: bool) -> _Resol
     return found
 
 
-def _add_parameter(found: _Resolved, holder: nn.Module, path: str, rule: tuple, optional: bool, grouped_kv: bool):
+def _add_parameter(found: _Resolved, holder: nn.Module, path: str, rule: Rule, optional: bool, grouped_kv: bool):
     """A rule naming a parameter: one value per head (attention sinks), or a fused experts tensor, cut along
     the dim the style names (``(E, 2I, H)``: -2, ``(E, H, I)``: -1, the other storage ``(E, H, 2I)``,
     ``(E, I, H)`` alike); its down projection makes the experts' output partial."""
@@ -188,23 +193,22 @@ def _add_linear(
     found: _Resolved,
     holder: nn.Module,
     path: str,
-    rule: tuple,
+    rule: Rule,
     optional: bool,
     grouped_kv: bool,
     config: Any,
     row_inputs: dict[str, int],
 ) -> None:
     """A rule naming a Linear: column or row, attention projections in whole heads, gate|up packed in one."""
-    kind, n_fused, _, paired = rule
+    style, n_fused, _, paired = rule
     linear = _module(holder, path)
     if not isinstance(linear, nn.Linear):
         raise TpPlanError(f"its tp plan splits {path!r}, a {type(linear).__name__}, not a Linear")
     owner_path = path.rpartition(".")[0]
     in_attention = "attn" in path or "attention" in path
-    if kind == "column" and paired and not in_attention and linear.out_features == 2 * row_inputs[owner_path]:
+    if style is COLUMN and paired and not in_attention and linear.out_features == 2 * row_inputs[owner_path]:
         n_fused = 2  # gate|up packed in one projection
-    layout = _head_layout(holder, path, linear, kind, n_fused, grouped_kv, config) if in_attention else {}
-    style = COLUMN if kind == "column" else ROW
+    layout = _head_layout(holder, path, linear, style, n_fused, grouped_kv, config) if in_attention else {}
     found.layers.append(
         Layer(weight=f"{path}.weight", bias=f"{path}.bias", style=style, n_fused=n_fused, optional=optional, **layout)
     )
@@ -281,7 +285,7 @@ def _parameter(block: nn.Module, path: str) -> nn.Parameter | None:
 
 
 def _head_layout(
-    block: nn.Module, path: str, linear: nn.Linear, kind: str, n_fused: int, grouped_kv: bool, config: Any
+    block: nn.Module, path: str, linear: nn.Linear, style: Style, n_fused: int, grouped_kv: bool, config: Any
 ) -> dict[str, Any]:
     """The head words (:class:`Layer` ``heads``, ``groups``, ``parts``) of an attention linear, so that
     uneven world sizes deal it in whole heads: key/value projections by their heads, query and output
@@ -291,7 +295,7 @@ def _head_layout(
     owner = block.get_submodule(owner_path) if owner_path else block
     heads, kv_heads = _heads(config), _kv_heads(config)
     head_dim = getattr(owner, "head_dim", None)
-    features = linear.out_features if kind == "column" else linear.in_features
+    features = linear.out_features if style is COLUMN else linear.in_features
     if isinstance(heads, int) and head_dim is None and n_fused == 1 and not grouped_kv and features % heads == 0:
         # multi-head latent attention (DeepSeek-V2/V3): no one head width, each split projection is
         # heads x its own width (q: nope + rope, kv_b: nope + v, o: v), viewed per head by its forward
@@ -299,10 +303,10 @@ def _head_layout(
     if not isinstance(heads, int) or not isinstance(head_dim, int) or n_fused != 1:
         return {}
     kv_heads = kv_heads or heads
-    if kind == "column" and features == (heads + 2 * kv_heads) * head_dim:
+    if style is COLUMN and features == (heads + 2 * kv_heads) * head_dim:
         kv = "num_key_value_heads" if grouped_kv else "num_attention_heads"
         return {"parts": ("num_attention_heads", kv, kv), **({"groups": kv} if grouped_kv else {})}
-    if kind == "column" and path.rsplit(".", 1)[-1] in ("k_proj", "v_proj") and grouped_kv:
+    if style is COLUMN and path.rsplit(".", 1)[-1] in ("k_proj", "v_proj") and grouped_kv:
         return {"heads": "num_key_value_heads"} if features == kv_heads * head_dim else {}
     if features not in (heads * head_dim, heads):  # ``heads``: one feature per head (Laguna's output gate)
         return {}

@@ -30,9 +30,9 @@ from typing import Any, ClassVar
 
 from torch import nn
 
-from tpcore.authoring import Policy, share
+from tpcore.authoring import COLUMN, ROW, Policy, share
 from tpcore.configs import config_of, module_configs
-from tpcore.select.plan_policy import PlanPolicy, TpPlanError, policy_for
+from tpcore.select.plan_policy import Instance, PlanPolicy, Rules, TpPlanError, policy_for
 
 __all__ = [
     "STRUCTURAL_ENV",
@@ -62,9 +62,7 @@ _QKV_NAMES = (
 _OUTPUT_NAMES = {"o_proj", "out_proj", "o", "dense", "out_lin", "proj", "wo", "out", "c_proj", "output", "to_out"}
 _HIDDEN = ("hidden_size", "d_model", "n_embd", "dim")
 _WIDTH_ATTRIBUTES = ("all_head_size", "inner_dim", "embed_dim")
-_COLUMN, _PACKED, _ROW = ("column", 1, -2, False), ("column", 2, -2, False), ("row", 1, -1, False)
-
-Rules = dict[str, tuple[str, int, int, bool]]
+_COLUMN, _PACKED, _ROW = (COLUMN, 1, -2, False), (COLUMN, 2, -2, False), (ROW, 1, -1, False)
 
 
 class StructuralError(LookupError):
@@ -107,7 +105,7 @@ def structural_policies(model: nn.Module, skip: tuple[type[nn.Module], ...] = ()
     if not structural_enabled():
         raise StructuralError(f"structural policies are off ({STRUCTURAL_ENV}=0)")
     configs = module_configs(model)
-    by_class: dict[type[nn.Module], list[tuple[str, nn.Module, Rules]]] = {}
+    by_class: dict[type[nn.Module], list[Instance]] = {}
     taken: list[str] = []
     for name, module in model.named_modules():
         if not _repeated_blocks(module) or any(name.startswith(prefix + ".") for prefix in taken):

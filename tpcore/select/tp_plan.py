@@ -60,18 +60,18 @@ from typing import Any
 
 from torch import nn
 
-from tpcore.authoring import Policy
+from tpcore.authoring import COLUMN, ROW, Policy
 from tpcore.configs import config_of, module_configs, sub_models
-from tpcore.select.plan_policy import TpPlanError, experts_arguments, policy_for
+from tpcore.select.plan_policy import Rules, TpPlanError, experts_arguments, policy_for
 
 __all__ = ["SubModelPlan", "TpPlanError", "derive_policies", "experts_arguments", "sub_model_plans"]
 
-#: style -> (column or row, packed tensors, split dim of a fused 3-D experts tensor)
+#: style -> (COLUMN or ROW, packed tensors, split dim of a fused 3-D experts tensor)
 _SPLIT = {
-    "colwise": ("column", 1, -2),
-    "rowwise": ("row", 1, -1),
-    "packed_colwise": ("column", 2, -2),
-    "packed_rowwise": ("column", 2, -1),
+    "colwise": (COLUMN, 1, -2),
+    "rowwise": (ROW, 1, -1),
+    "packed_colwise": (COLUMN, 2, -2),
+    "packed_rowwise": (COLUMN, 2, -1),
 }
 #: a gathered column output and a row layer that splits its whole input: followed as a pair in one module
 _GATHERED, _SPLIT_INPUT = "colwise_gather_output", "rowwise_split_input"
@@ -278,8 +278,8 @@ def _experts_styles(experts: nn.Module | None) -> dict[str, str]:
     return {name: styles[name] for name in sorted(names)}
 
 
-def _followed(paths: dict[str, str]) -> dict[str, tuple[str, int, int, bool]]:
-    """``{path: (column or row, packed tensors, dim of a 3-D tensor, paired)}`` for the rules a split
+def _followed(paths: dict[str, str]) -> Rules:
+    """``{path: (COLUMN or ROW, packed tensors, dim of a 3-D tensor, paired)}`` for the rules a split
     forward follows. A gathered output and a split input in one module become a column / row pair
     (``paired``: nothing is gathered between them); either alone is left whole, as its output or
     input is whole."""
@@ -288,10 +288,10 @@ def _followed(paths: dict[str, str]) -> dict[str, tuple[str, int, int, bool]]:
         return {path.rpartition(".")[0] for path, other in paths.items() if other == style}
 
     pairs = owners(_GATHERED) & owners(_SPLIT_INPUT)
-    followed = {}
+    followed: Rules = {}
     for path, style in paths.items():
         if style in _SPLIT:
             followed[path] = (*_SPLIT[style], False)
         elif path.rpartition(".")[0] in pairs:
-            followed[path] = ("column", 1, -2, True) if style == _GATHERED else ("row", 1, -1, True)
+            followed[path] = (COLUMN, 1, -2, True) if style == _GATHERED else (ROW, 1, -1, True)
     return followed
