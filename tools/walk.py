@@ -5,7 +5,7 @@ layer, as a callback does), by the layer order of pyproject.toml's import-linter
     python tools/walk.py            # a tiny BERT from a model object, then the same saved to a directory
 
 Prints the files visited (first visit order), the climbs (caller -> callee, counted once per pair) and the
-import cycles (none expected: tests/test_architecture.py holds that).
+import cycles (none expected: tests/architecture/test_architecture.py holds that).
 """
 
 from __future__ import annotations

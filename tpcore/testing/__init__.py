@@ -23,6 +23,10 @@ model's config, :func:`seeds` the init seed::
     def test_my_family(rank_pools, sizes, inputs, seed):
         config = MyConfig(hidden_size=sizes.hidden, num_heads=sizes.heads, num_layers=sizes.layers, ...)
         check_equivalence(ModelSpec(MyModel, config, seed), inputs, (sizes.world_size,), pools=rank_pools)
+
+Tiny random-init models for tests (:mod:`tpcore.testing.tiny_models`): :func:`tiny_llama`, :func:`tiny_gpt2` and
+:func:`tiny_bert` (and their ``*_config``), seeded, any config field overridden by keyword; :func:`word_tokenizer`
+for their vocabularies; :func:`random_weights` for weights with no zero bias.
 """
 
 from __future__ import annotations
@@ -37,6 +41,16 @@ from torch import nn
 from tpcore.load.precision import cast_model
 from tpcore.ranks.process import RankContext, RankPool, WorkerError, reraise
 from tpcore.ranks.transfer import to_cpu, to_device
+from tpcore.testing.tiny_models import (
+    random_weights,
+    tiny_bert,
+    tiny_bert_config,
+    tiny_gpt2,
+    tiny_gpt2_config,
+    tiny_llama,
+    tiny_llama_config,
+    word_tokenizer,
+)
 
 __all__ = [
     "DEFAULT_RTOL",
@@ -58,7 +72,15 @@ __all__ = [
     "seeds",
     "sharded_forward",
     "split_sizes",
+    "random_weights",
+    "tiny_bert",
+    "tiny_bert_config",
+    "tiny_gpt2",
+    "tiny_gpt2_config",
+    "tiny_llama",
+    "tiny_llama_config",
     "with_choices",
+    "word_tokenizer",
 ]
 
 #: fp32 tolerance relative to the reference output's scale: max|a - b| <= rtol * max|a|.

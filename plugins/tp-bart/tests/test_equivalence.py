@@ -204,7 +204,7 @@ def test_generate_from_a_saved_directory_each_rank_reading_its_slices(rank_pools
     assert all(diff == 0 for diff in report[3].values())
 
 
-@pytest.mark.slow  # a world per model (tests/test_parallelize.py runs the one-liner in the quick suite)
+@pytest.mark.slow  # a world per model (tests/user_path/test_parallelize.py runs the one-liner in the quick suite)
 @pytest.mark.parametrize("family", ["ProphetNet"])  # Marian's unsaved positions: the engine test above
 def test_generate_through_parallelize_from_a_saved_directory(tmp_path, family):
     """The one-liner over 2 ranks from a ``save_pretrained`` directory: greedy and beam tokens as the

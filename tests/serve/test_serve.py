@@ -22,19 +22,24 @@ import openai
 import pytest
 import torch
 import transformers
-from test_served_model import WORDS, llama, tokenizer
-from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import BertConfig, BertModel
 
 import tpcore
 from tpcore.serve import Limits, Server, Service, free_port
 from tpcore.serve.embeddings import pool
+from tpcore.testing import tiny_llama, word_tokenizer
 
 TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+WORDS = [f"w{index}" for index in range(100)]  # word_tokenizer's
+
+
+def llama() -> transformers.PreTrainedModel:
+    """tests/served/test_served_model.py's Llama: tiny_llama with word_tokenizer's eos (``w1``), eager attention."""
+    return tiny_llama(eos_token_id=1, attn_implementation="eager")
 
 
 def chat_tokenizer() -> transformers.PreTrainedTokenizerFast:
-    words = tokenizer()
+    words = word_tokenizer()
     words.chat_template = TEMPLATE
     return words
 
@@ -62,7 +67,7 @@ def client(server):
 
 def solo(reference, prompt: str, max_tokens: int) -> str:
     """The unsplit model's greedy text for ``prompt`` alone."""
-    words = tokenizer()
+    words = word_tokenizer()
     ids = torch.tensor([words.encode(prompt)])
     out = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False)
     return words.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
@@ -191,10 +196,7 @@ def bert_and_tokenizer():
         vocab_size=len(WORDS), hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64
     )
     torch.manual_seed(0)
-    backend = Tokenizer(models.WordLevel({word: i for i, word in enumerate(WORDS)}, unk_token="w2"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    words = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="w0")
-    return BertModel(config).eval(), words
+    return BertModel(config).eval(), word_tokenizer(len(WORDS), eos_token=None)
 
 
 def test_concurrent_embedding_requests_are_batched_and_equal_the_unsplit_model_s(tmp_path):
@@ -295,11 +297,11 @@ def test_tpcore_serve_stops_its_ranks_on_sigterm_and_a_dead_rank_gives_503(tmp_p
 def test_text_that_may_start_a_stop_string_is_held_back_until_the_next_token_decides():
     from tpcore.serve.text import TextStream
 
-    stream = TextStream(tokenizer(), stop=("w6 w7",))
+    stream = TextStream(word_tokenizer(), stop=("w6 w7",))
     assert stream.add(5) == ("w5", False)
     assert stream.add(6) == (" ", False)  # "w6" may begin "w6 w7": held
     assert stream.add(7) == ("", True)  # it did: the text ends before it
-    other = TextStream(tokenizer(), stop=("w6 w7",))
+    other = TextStream(word_tokenizer(), stop=("w6 w7",))
     assert [other.add(token)[0] for token in (5, 6, 8)] == ["w5", " ", "w6 w8"]
 
 

@@ -14,7 +14,7 @@ import copy
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+from transformers import DynamicCache, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 import tpcore
 from tpcore.ranks.worker import RankContext
@@ -22,24 +22,18 @@ from tpcore.served.caches import CacheRef, cache_keyword
 from tpcore.served.call import Call
 from tpcore.served.lookahead import ENABLED_ENV, Lookahead, decode_shaped, predicted_call, serve
 from tpcore.served.random_state import RandomState
-from tpcore.testing import compare_outputs
+from tpcore.testing import compare_outputs, tiny_llama
 
-VOCAB = 100
+VOCAB = 100  # tiny_llama's
 PROMPTS = torch.tensor([[5, 7, 9, 11, 3], [0, 0, 4, 8, 6]])
 MASK = (PROMPTS != 0).long()
+#: tiny_llama's sizes, for a Mistral of the same shape
 SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 
 
-def llama(**overrides) -> LlamaForCausalLM:
-    config = LlamaConfig(
-        **SIZES,
-        vocab_size=VOCAB,
-        pad_token_id=0,
-        eos_token_id=None,  # no row finishes early: each step's argmax is the caller's next token
-        **overrides,
-    )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config).eval()
+def llama() -> LlamaForCausalLM:
+    """tiny_llama with no eos: no row finishes early, each step's argmax is the caller's next token."""
+    return tiny_llama(eos_token_id=None)
 
 
 def counts(context) -> tuple[int, int]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from tpcore.authoring import hookspecs
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "writing-a-policy.md"
 SECURITY = ROOT / "docs" / "security.md"
 

@@ -1,4 +1,4 @@
-"""One rank of the two-host world of tests/test_multihost.py, run by torchrun on each host:
+"""One rank of the two-host world of tests/ranks/test_multihost.py, run by torchrun on each host:
 ``multihost_rank.py CHECKPOINT RESULTS``.
 
 It splits the saved model over the whole world (4 ranks, a group across both hosts) from the model object,

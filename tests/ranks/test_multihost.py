@@ -213,7 +213,7 @@ def stop(agent: subprocess.Popen) -> int | None:
 
 @pytest.fixture(scope="module")
 def reports(two_hosts, llama_dir, tmp_path_factory) -> dict[int, dict]:
-    """Every rank's report from one run of tests/multihost_rank.py over the two hosts, by rank."""
+    """Every rank's report from one run of tests/ranks/multihost_rank.py over the two hosts, by rank."""
     results, logs = tmp_path_factory.mktemp("results"), tmp_path_factory.mktemp("logs")
     codes = run_world(two_hosts, logs, str(RANK_SCRIPT), str(llama_dir), str(results))
     output = "\n".join(f"--- {log.name}\n{log.read_text()[-6000:]}" for log in sorted(logs.iterdir()))

@@ -21,7 +21,7 @@ import pytest
 
 import tpcore
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 #: a function whose code (its lines after the docstring) is longer than this is split; bench/ is exempt
 MAX_FUNCTION_LINES = 60
 

@@ -14,12 +14,10 @@ import threading
 import pytest
 import torch
 import transformers
-from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
     BartConfig,
     BartForConditionalGeneration,
     DynamicCache,
-    LlamaConfig,
     LlamaForCausalLM,
     LogitsProcessor,
     StoppingCriteria,
@@ -27,27 +25,14 @@ from transformers import (
 )
 
 import tpcore
-from tpcore.testing import compare_outputs
+from tpcore.testing import compare_outputs, tiny_llama, word_tokenizer
 
-VOCAB = 100
-WORDS = [f"w{index}" for index in range(VOCAB)]
+VOCAB = 100  # tiny_llama's and word_tokenizer's
 
 
-def llama(**overrides) -> LlamaForCausalLM:
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        pad_token_id=0,
-        eos_token_id=1,
-        attn_implementation="eager",
-        **overrides,
-    )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config).eval()
+def llama() -> LlamaForCausalLM:
+    """tiny_llama with word_tokenizer's eos (``w1``) and eager attention."""
+    return tiny_llama(eos_token_id=1, attn_implementation="eager")
 
 
 def bart() -> BartForConditionalGeneration:
@@ -64,14 +49,6 @@ def bart() -> BartForConditionalGeneration:
     )
     torch.manual_seed(0)
     return BartForConditionalGeneration(config).eval()
-
-
-def tokenizer() -> transformers.PreTrainedTokenizerFast:
-    """A word-level tokenizer of this vocabulary (``"w5 w7"`` -> ``[5, 7]``): real decoding, no download."""
-    model = models.WordLevel({word: index for index, word in enumerate(WORDS)}, unk_token="w2")
-    backend = Tokenizer(model)
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="w0", eos_token="w1")
 
 
 PROMPTS = torch.tensor([[5, 7, 9, 11, 3], [0, 0, 4, 8, 6]])
@@ -149,7 +126,7 @@ def test_streamers_stopping_criteria_and_logits_processors_run_in_the_caller(ser
             scores[:, 13] = -float("inf")
             return scores
 
-    words = tokenizer()
+    words = word_tokenizer()
     streamer = TextIteratorStreamer(words, skip_prompt=True)
     stop, ban = Counting(), Banning()
     options = {"max_new_tokens": 10, "stopping_criteria": [stop], "logits_processor": [ban]}
@@ -358,9 +335,9 @@ def test_a_directory_s_model_reports_the_ranks_device_works_in_a_pipeline_saves_
     try:
         assert model.device == torch.device("cpu") and model.dtype == torch.float32  # the ranks', not meta
         assert next(model.parameters()).device.type == "meta"  # this process holds no weights
-        inputs = tokenizer()(["w5 w7 w9"], return_tensors="pt").to(model.device)
+        inputs = word_tokenizer()(["w5 w7 w9"], return_tensors="pt").to(model.device)
         compare_outputs(reference(**inputs).logits, model(**inputs).logits)
-        words = tokenizer()
+        words = word_tokenizer()
         generate = transformers.pipeline("text-generation", model=model, tokenizer=words)
         expected = transformers.pipeline("text-generation", model=reference, tokenizer=words)
         options = {"max_new_tokens": 5, "do_sample": False}

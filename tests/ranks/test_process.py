@@ -407,7 +407,7 @@ def test_a_world_joined_from_master_addr_without_torchrun_listens_there_only(tmp
     script = tmp_path / "spmd.py"
     script.write_text(SPMD_WITHOUT_TORCHRUN)
     port = free_port()
-    path = os.pathsep.join([os.path.dirname(__file__), *sys.path])
+    path = os.pathsep.join([os.path.dirname(os.path.dirname(__file__)), *sys.path])  # tests/: process_probes
     world = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "PYTHONPATH": path}
     ranks = [
         subprocess.Popen(
@@ -649,8 +649,8 @@ KILLED_DURING_START = textwrap.dedent(
 
 def test_a_caller_killed_while_its_ranks_start_leaves_no_rank_and_no_control_socket(time_to_error):
     """SIGKILL 0.2 s after the ranks spawned, while they still import torch: each watches its caller from the first
-    line of its interpreter (``tests/test_worker.py``), so they end within a poll or two (measured: 0.4-0.6 s; they
-    lived 3-8 s when the watch began after the imports), and they remove the control socket and its directory,
+    line of its interpreter (``tests/ranks/test_worker.py``), so they end within a poll or two (measured: 0.4-0.6 s;
+    they lived 3-8 s when the watch began after the imports), and they remove the control socket and its directory,
     which the killed caller cannot."""
     caller = subprocess.Popen([sys.executable, "-c", KILLED_DURING_START], stdout=subprocess.PIPE, text=True)
     try:
@@ -665,5 +665,5 @@ def test_a_caller_killed_while_its_ranks_start_leaves_no_rank_and_no_control_soc
     lifetime = time.monotonic() - killed
     time_to_error("ranks outliving their caller, SIGKILLed 0.2 s into the start", lifetime)
     assert all(gone(pid) for pid in started["pids"])
-    assert lifetime < 10  # a bound no loaded machine reaches; the mechanism is proven in tests/test_worker.py
+    assert lifetime < 10  # a bound no loaded machine reaches; the mechanism is proven in tests/ranks/test_worker.py
     assert not os.path.exists(os.path.dirname(started["address"]))

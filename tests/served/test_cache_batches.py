@@ -1,5 +1,5 @@
 """Batch operations on a KV cache (``tpcore.served.cache_batches``): rows joined left-padded, leading positions dropped;
-the same on a local ``DynamicCache`` and, through a stand-in, on a split model's ranks (tests/test_serve.py)."""
+the same on a local ``DynamicCache`` and, through a stand-in, on a split model's ranks (tests/serve/test_serve.py)."""
 
 from __future__ import annotations
 

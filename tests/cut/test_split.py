@@ -1,4 +1,6 @@
-"""Property tests of :mod:`tpcore.compat.parallelformers`: pure (tensor, rank, world) -> shard functions."""
+"""Property tests of the cut: :class:`tpcore.cut.split.Split` and the parallelformers functions over it
+(:mod:`tpcore.compat.parallelformers`: ``shard``, ``split_dims``, ``TensorSlicer``), pure (tensor, rank, world)
+-> shard."""
 
 from __future__ import annotations
 

@@ -153,7 +153,7 @@ def mlm_batch(seed: int, lengths=(7, 3, 5), seq: int = 7) -> dict:
 
 # -- 1. equivalence ------------------------------------------------------------------------------
 
-#: per span and per choice over 4 and 2 ranks (uneven worlds: tests/test_uneven.py); every head of the
+#: per span and per choice over 4 and 2 ranks (uneven worlds: tests/plan/test_uneven.py); every head of the
 #: family runs through the engine in tp-bert's tests
 EQUIVALENCE = [
     ("DistilBert", "ForQuestionAnswering", 4),

@@ -41,7 +41,7 @@ from packaging.requirements import Requirement
 
 pytestmark = [pytest.mark.packaging, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONSTRAINTS = ROOT / "constraints.txt"
 #: the import (and normalized distribution) names of tpcore and the plugins, each one package
 PACKAGES = ["tpcore", *sorted(path.parent.name.replace("-", "_") for path in ROOT.glob("plugins/*/pyproject.toml"))]
