@@ -134,7 +134,7 @@ class ShardPlan:
 
     def assemble(self, name: str, pieces: list[torch.Tensor]) -> torch.Tensor:
         """The whole tensor ``name`` from every rank's part of it (``pieces[r]``: rank ``r``'s), the inverse of
-        :meth:`share`: each rank's ranges put back in place (a replicated unit written by each rank that holds it,
+        :meth:`shard`: each rank's ranges put back in place (a replicated unit written by each rank that holds it,
         the same values), padding rows dropped."""
         split = self.splits.get(name)
         if split is None:
