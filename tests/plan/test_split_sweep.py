@@ -23,7 +23,7 @@ from tpcore.select import choose_policies
 from tpcore.testing import ModelSpec, check_equivalence
 from tpcore.testing.samples import sample_inputs, small_config
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 #: MLA widths that all differ: a query head is nope + rope = 12 features, a kv_b head nope + v = 20, an o head 12
 MLA = dict(qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=12, kv_lora_rank=16)
