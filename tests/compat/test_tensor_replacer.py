@@ -20,20 +20,12 @@ from transformers.pytorch_utils import Conv1D
 from tpcore import Layer, Policy, ShardingError, TensorReplacer, divide
 from tpcore.compat.parallelformers import shard
 from tpcore.parallel.layers import RowParallelConv1D, RowParallelLinear
+from tpcore.testing import random_weights
 
 HEADS, HEAD_DIM, INTERMEDIATE = 12, 2, 48  # 12 heads and 48 MLP features divide over 1, 2, 3, 4 ranks
 HIDDEN = HEADS * HEAD_DIM
 WORLDS = [2, 3, 4]
 ATOL, RTOL = 1e-6, 1.3e-6  # fp32: sums over shards add in another order than the whole matmul
-
-
-def randomize(model: nn.Module) -> nn.Module:
-    """Random values in every parameter: HF init leaves biases at zero, which would hide bias bugs."""
-    generator = torch.Generator().manual_seed(1234)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
-    return model
 
 
 def make_bert(**overrides) -> BertModel:
@@ -47,14 +39,14 @@ def make_bert(**overrides) -> BertModel:
         type_vocab_size=2,
     )
     options.update(overrides)
-    return randomize(BertModel(BertConfig(**options)).eval())
+    return random_weights(BertModel(BertConfig(**options)).eval(), seed=1234)
 
 
 def make_gpt2() -> GPT2Model:
     config = GPT2Config(
         vocab_size=32, n_positions=16, n_embd=HIDDEN, n_layer=2, n_head=HEADS, bos_token_id=0, eos_token_id=0
     )
-    return randomize(GPT2Model(config).eval())
+    return random_weights(GPT2Model(config).eval(), seed=1234)
 
 
 @pytest.fixture(scope="module")

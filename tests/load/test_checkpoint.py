@@ -3,6 +3,7 @@ or pickle files opened with ``weights_only``), and the caller never holds the we
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -19,20 +20,16 @@ from output_probes import bar_states, on_terminal
 from process_probes import children
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
-from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, GPT2Model
+from transformers import BertConfig, BertForMaskedLM, GPT2LMHeadModel, GPT2Model
 
 import tpcore
 from tpcore.compat.parallelformers import shard
 from tpcore.cut.split import Split
 from tpcore.load.checkpoint import Checkpoint
-from tpcore.testing import compare_outputs
+from tpcore.testing import compare_outputs, tiny_gpt2
 
-GPT2 = GPT2Config(vocab_size=101, n_embd=48, n_layer=2, n_head=12, n_positions=32, bos_token_id=0, eos_token_id=0)
-
-
-def gpt2(seed: int = 0, model_class=GPT2LMHeadModel):
-    torch.manual_seed(seed)
-    return model_class(GPT2).eval()
+#: tiny_gpt2 with its special ids inside the vocabulary: ``gpt2(seed=0, model_class=GPT2LMHeadModel)``
+gpt2 = functools.partial(tiny_gpt2, bos_token_id=0, eos_token_id=0)
 
 
 @pytest.fixture(scope="module")
@@ -214,7 +211,7 @@ def test_a_sharded_safetensors_bert_loads_split_over_the_ranks(tmp_path, world_s
 def test_a_base_model_checkpoint_fills_a_model_with_a_head_through_the_prefix(tmp_path):
     base = gpt2(seed=4, model_class=GPT2Model)
     base.save_pretrained(tmp_path)
-    reference = GPT2LMHeadModel(GPT2).eval()
+    reference = gpt2(seed=None)  # the RNG as the base left it
     reference.transformer.load_state_dict(base.state_dict())  # the head is tied to the base's embeddings
     inputs = ids()
     with torch.inference_mode():

@@ -9,6 +9,7 @@ The reference is transformers itself: the same random-init model saved and loade
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import rank_helpers
@@ -18,7 +19,7 @@ import transformers
 import tpcore
 from tpcore.load import precision
 from tpcore.load.precision import cast_model, resolve_dtype
-from tpcore.testing import HALF_PRECISION_RTOL, ModelSpec, check_equivalence, compare_outputs
+from tpcore.testing import HALF_PRECISION_RTOL, ModelSpec, check_equivalence, compare_outputs, tiny_gpt2, tiny_llama
 
 VOCAB = 64
 
@@ -39,25 +40,11 @@ def t5() -> torch.nn.Module:
     return transformers.T5ForConditionalGeneration(config).eval()
 
 
-def llama() -> torch.nn.Module:
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        pad_token_id=0,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).eval()
-
-
-def gpt2() -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64)
-    return transformers.GPT2LMHeadModel(config).eval()
+#: tiny_llama and tiny_gpt2 as wide as the T5: 32 features, VOCAB tokens
+llama = functools.partial(
+    tiny_llama, vocab_size=VOCAB, hidden_size=32, intermediate_size=64, max_position_embeddings=64
+)
+gpt2 = functools.partial(tiny_gpt2, vocab_size=VOCAB, n_embd=32, n_head=4, n_positions=64)
 
 
 MODELS = {"t5": t5, "llama": llama, "gpt2": gpt2}

@@ -44,20 +44,16 @@ from tpcore.parallel.layers import (
     row_parallel_class,
     vocab_parallel_class,
 )
+from tpcore.testing import seeded_model
 
 VOCAB, HIDDEN = 50, 32
 TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 ATTENTION = {"num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 1, "vocab_size": VOCAB}
 
 
-def build(model_class, config, seed=0):
-    torch.manual_seed(seed)
-    return model_class(config).eval()
-
-
 def gemma():
     config = GemmaConfig(hidden_size=HIDDEN, intermediate_size=64, head_dim=8, **ATTENTION, **TOKENS)
-    return build(GemmaForCausalLM, config)
+    return seeded_model(GemmaForCausalLM, config)
 
 
 def bart():
@@ -74,22 +70,22 @@ def bart():
         scale_embedding=True,
         **TOKENS,
     )
-    return build(BartForConditionalGeneration, config)
+    return seeded_model(BartForConditionalGeneration, config)
 
 
 def olmo2():
-    return build(Olmo2ForCausalLM, Olmo2Config(hidden_size=HIDDEN, intermediate_size=64, **ATTENTION, **TOKENS))
+    return seeded_model(Olmo2ForCausalLM, Olmo2Config(hidden_size=HIDDEN, intermediate_size=64, **ATTENTION, **TOKENS))
 
 
 MOE = {"hidden_size": HIDDEN, "intermediate_size": 32, "num_experts_per_tok": 2, "initializer_range": 0.3}
 
 
 def mixtral():
-    return build(MixtralForCausalLM, MixtralConfig(num_local_experts=4, **MOE, **ATTENTION, **TOKENS))
+    return seeded_model(MixtralForCausalLM, MixtralConfig(num_local_experts=4, **MOE, **ATTENTION, **TOKENS))
 
 
 def olmoe():
-    return build(OlmoeForCausalLM, OlmoeConfig(num_experts=4, **MOE, **ATTENTION, **TOKENS))
+    return seeded_model(OlmoeForCausalLM, OlmoeConfig(num_experts=4, **MOE, **ATTENTION, **TOKENS))
 
 
 def close(actual, expected):
@@ -310,7 +306,7 @@ def test_bias_free_experts_get_a_row_parallel_subclass(model):
 
 def test_modules_holding_a_bias_are_refused_as_row_parallel():
     config = GptOssConfig(hidden_size=HIDDEN, intermediate_size=32, head_dim=8, num_local_experts=4, **ATTENTION)
-    experts = build(GptOssForCausalLM, config).model.layers[0].mlp.experts
+    experts = seeded_model(GptOssForCausalLM, config).model.layers[0].mlp.experts
     with pytest.raises(ShardingError, match="GptOssExperts: it holds 'gate_up_proj_bias', which every rank would add"):
         row_parallel_class(experts)
     with pytest.raises(ShardingError, match="MyLinear: it holds 'bias'"):

@@ -11,24 +11,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from tpcore import TensorReplacer
 from tpcore.parallel.layers import VocabParallelEmbedding, VocabParallelLMHead
-from tpcore.testing import ModelSpec, check_equivalence, parameter_count
+from tpcore.testing import ModelSpec, check_equivalence, parameter_count, tiny_gpt2_config
 
 
 def gpt2_spec(vocab: int, seed: int = 0, tie: bool = True) -> ModelSpec:
-    config = GPT2Config(
-        vocab_size=vocab,
-        n_embd=48,
-        n_layer=2,
-        n_head=12,
-        n_positions=32,
-        tie_word_embeddings=tie,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
+    config = tiny_gpt2_config(vocab_size=vocab, tie_word_embeddings=tie, bos_token_id=0, eos_token_id=0)
     return ModelSpec(GPT2LMHeadModel, config, seed)
 
 

@@ -36,17 +36,14 @@ from tpcore import Layer, Policy, divide
 from tpcore.load.skeleton import named_tensors
 from tpcore.parallel.layers import VocabParallelEmbedding, column_split_norm_class
 from tpcore.plan import apply_plan, plan_for
+from tpcore.testing import random_weights
 
 VOCAB = 61  # odd: the vocabulary is padded over any world size
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 
 
 def seeded(model: torch.nn.Module) -> torch.nn.Module:
-    generator = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for tensor in model.parameters():
-            tensor.copy_(torch.randn(tensor.shape, generator=generator) * 0.3)
-    return model.eval()
+    return random_weights(model, seed=3, scale=0.3).eval()
 
 
 def attention_arguments(config, world_size: int, **more) -> dict:

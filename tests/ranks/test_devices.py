@@ -12,11 +12,11 @@ import pytest
 import rank_helpers
 import torch
 import torch.distributed as dist
-import transformers
 
 import tpcore
 from tpcore import engine
 from tpcore.ranks import distributed, process, worker
+from tpcore.testing import tiny_bert
 
 
 @pytest.fixture
@@ -30,14 +30,6 @@ def fake_gpus(monkeypatch):
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     return fake
-
-
-def tiny_bert() -> torch.nn.Module:
-    config = transformers.BertConfig(
-        hidden_size=16, num_attention_heads=2, num_hidden_layers=1, intermediate_size=32, vocab_size=32
-    )
-    torch.manual_seed(0)
-    return transformers.BertModel(config).eval()
 
 
 # -- the default backend and each rank's device ---------------------------------------------------

@@ -550,16 +550,14 @@ def test_the_exceptions_a_user_catches_are_importable_from_tpcore():
 FORKING_CALLER = textwrap.dedent(
     """
     import io, json, multiprocessing, os, sys
-    import torch, transformers, tpcore
+    import torch, tpcore
+    from tpcore.testing import tiny_bert
 
     class Terminal(io.StringIO):
         def isatty(self):
             return True
 
-    config = transformers.BertConfig(
-        hidden_size=16, num_attention_heads=2, num_hidden_layers=1, intermediate_size=32, vocab_size=32
-    )
-    model = transformers.BertModel(config).eval()
+    model = tiny_bert(seed=None)
     ids = torch.tensor([[5, 6, 7]])
     with torch.no_grad():
         expected = model(input_ids=ids).last_hidden_state

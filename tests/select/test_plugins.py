@@ -9,7 +9,7 @@ import warnings
 from dataclasses import dataclass, field
 
 import pytest
-from transformers import BertConfig, BertModel, ResNetConfig, ResNetModel
+from transformers import BertModel, ResNetConfig, ResNetModel
 
 import tpcore
 from tpcore import AutoPolicy, Policy, UnsupportedModelError
@@ -21,6 +21,7 @@ from tpcore.select.plugins import (
     registered_policies,
     reset_plugins,
 )
+from tpcore.testing import tiny_bert
 from tpcore.tools.cli import main
 
 # Policies tp-bert has registered since its first release (it may add more).
@@ -328,7 +329,7 @@ def test_policy_lookup_survives_a_plugin_that_exits_on_import(monkeypatch, exits
     exits = ImportingEntryPoint("exits", exits_on_import, FakeDist("tp-exits", "0.1"))
     monkeypatch.setattr(importlib.metadata, "entry_points", lambda **params: [exits, *real(**params)])
     with pytest.warns(PluginLoadWarning, match=r"tp-exits 0\.1 failed to load: SystemExit: 1"):
-        assert AutoPolicy().get_policy(tiny_bert()) == [BertPolicy]
+        assert AutoPolicy().get_policy(bert()) == [BertPolicy]
 
 
 def test_tpcore_plugins_lists_a_plugin_that_exits_on_import_as_failed(fake_entry_points, exits_on_import, capsys):
@@ -429,16 +430,9 @@ def test_installed_tp_bert_plugin_is_found_via_its_entry_point():
     assert policies.BertPolicy.layer_class_name() == "transformers.models.bert.modeling_bert.BertLayer"
 
 
-def tiny_bert() -> BertModel:
-    config = BertConfig(
-        vocab_size=32,
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        intermediate_size=32,
-        max_position_embeddings=16,
-    )
-    return BertModel(config)
+def bert() -> BertModel:
+    """A tiny BERT whose policy is asked for."""
+    return tiny_bert(seed=None, num_attention_heads=4, max_position_embeddings=16)
 
 
 def tiny_uncovered() -> ResNetModel:
@@ -450,7 +444,7 @@ def tiny_uncovered() -> ResNetModel:
 def test_auto_policy_finds_bert_policy():
     from tp_bert.policies import BertPolicy
 
-    model = tiny_bert()
+    model = bert()
     assert AutoPolicy().get_policy(model) == [BertPolicy]
     (entry,) = AutoPolicy().entries_for(model)
     assert (entry.policy, entry.plugin, entry.distribution) == (BertPolicy, "bert", "tp-bert")

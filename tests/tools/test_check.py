@@ -23,6 +23,7 @@ from tpcore.testing import (
     compare_outputs,
     flatten_outputs,
     parameter_count,
+    tiny_bert_config,
 )
 from tpcore.testing.samples import (
     HEAD_DIM,
@@ -40,6 +41,11 @@ from tpcore.tools.check import resolve, run_check
 from tpcore.tools.cli import main
 
 
+def bert_config() -> transformers.BertConfig:
+    """tiny_bert's config with 4 heads of 8 features and 64 tokens: 2 and 3 ranks split it, 5 do not."""
+    return tiny_bert_config(vocab_size=64, hidden_size=32, num_attention_heads=4, intermediate_size=64)
+
+
 @pytest.mark.slow  # seconds of rank start-up or a long equivalence run: the full suite only
 def test_check_a_class_covered_by_a_tp_plan_passes(rank_pools, capsys):
     assert run_check("Qwen3ForCausalLM", [1, 2], pools=rank_pools) == 0
@@ -49,9 +55,7 @@ def test_check_a_class_covered_by_a_tp_plan_passes(rank_pools, capsys):
 
 
 def test_check_a_saved_model_directory_names_the_plugin(rank_pools, tmp_path, capsys):
-    config = transformers.BertConfig(
-        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64
-    )
+    config = bert_config()
     transformers.BertForMaskedLM(config).save_pretrained(tmp_path)
     assert run_check(str(tmp_path), [2, 3, 5], pools=rank_pools) == 1
     out = capsys.readouterr().out
@@ -132,9 +136,7 @@ class ForgetsTheAllReduce(BertPolicy):
 
 
 def test_a_broken_policy_fails_naming_output_world_size_rank_and_amount(rank_pools):
-    config = transformers.BertConfig(
-        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64
-    )
+    config = bert_config()
     spec = ModelSpec(transformers.BertModel, config, seed=0)
     inputs = {"input_ids": torch.randint(3, 64, (2, 5), generator=torch.Generator().manual_seed(0))}
     expected = r"BertModel split over 2 ranks, rank 0: last_hidden_state: max abs diff"
@@ -157,17 +159,13 @@ def test_outputs_are_compared_at_their_scale_and_tiny_ones_at_the_floor():
 
 @pytest.mark.slow  # seconds of rank start-up or a long equivalence run: the full suite only
 def test_check_model_draws_inputs_and_passes_for_a_good_policy(tp_check):
-    config = transformers.BertConfig(
-        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64
-    )
+    config = bert_config()
     tp_check(transformers.BertForMaskedLM, config, world_sizes=(2, 4), max_examples=5)
 
 
 @pytest.mark.slow  # seconds of rank start-up or a long equivalence run: the full suite only
 def test_check_model_finds_a_broken_policy(tp_check):
-    config = transformers.BertConfig(
-        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64
-    )
+    config = bert_config()
     with pytest.raises(EquivalenceError, match="split over 2 ranks, rank 0"):
         tp_check(transformers.BertModel, config, policies=[ForgetsTheAllReduce], max_examples=5)
 
@@ -418,9 +416,7 @@ class RaisesOnTheRanks(BertPolicy):
 
 
 def test_a_rank_exception_comes_out_as_its_own_type(rank_pools, capsys):
-    config = transformers.BertConfig(
-        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64
-    )
+    config = bert_config()
     spec = ModelSpec(transformers.BertModel, config, seed=0)
     inputs = {"input_ids": torch.randint(3, 64, (2, 5), generator=torch.Generator().manual_seed(0))}
     with pytest.raises(KeyError, match="no such head count on the ranks") as raised:

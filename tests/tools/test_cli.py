@@ -20,6 +20,7 @@ import tpcore
 from tpcore import Policy
 from tpcore.errors import PluginLoadWarning
 from tpcore.select.plugins import reset_plugins
+from tpcore.testing import tiny_gpt2
 from tpcore.tools.cli import main
 
 BERT_LAYER = "transformers.models.bert.modeling_bert.BertLayer"
@@ -186,9 +187,7 @@ class ClampedEmbedding(torch.nn.Embedding):
 def gpt2_dir(tmp_path_factory):
     """A small GPT-2 saved with ``save_pretrained``."""
     directory = tmp_path_factory.mktemp("gpt2")
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(vocab_size=101, n_embd=48, n_layer=2, n_head=12, n_positions=32)
-    transformers.GPT2LMHeadModel(config).save_pretrained(directory)
+    tiny_gpt2().save_pretrained(directory)
     return directory
 
 

@@ -20,7 +20,7 @@ from tpcore.configs import config_of, module_configs, sub_models
 from tpcore.select.auto import AutoPolicy, sub_model_coverage
 from tpcore.select.plugins import PolicyEntry, reset_plugins
 from tpcore.select.tp_plan import TpPlanError, derive_policies, sub_model_plans
-from tpcore.testing import ModelSpec, check_equivalence
+from tpcore.testing import ModelSpec, check_equivalence, tiny_llama_config
 from tpcore.tools.cli import main
 
 IMAGE_TOKEN = 63
@@ -28,15 +28,7 @@ IMAGE_FEATURES = 4  # (8 / 4) ** 2 patches of the tiny vision tower; its CLS fea
 
 
 def llava_config() -> transformers.LlavaConfig:
-    text = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=64,
-        pad_token_id=0,
-    )
+    text = tiny_llama_config(vocab_size=64, hidden_size=32, intermediate_size=64)
     vision = transformers.CLIPVisionConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=8, patch_size=4
     )

@@ -40,7 +40,7 @@ from tqdm import tqdm
 import tpcore
 from tpcore.plan import bytes_summary, replicated_warning
 from tpcore.ranks.process import WorkerDiedError, WorkerError
-from tpcore.testing import ModelSpec, compare_outputs
+from tpcore.testing import ModelSpec, compare_outputs, tiny_bert
 
 VOCAB = 64
 #: hidden 48, 12 heads and an MLP of 96 split evenly over 1, 2, 3 and 4 ranks
@@ -61,14 +61,6 @@ def bert_family_spec(arch: str, head: str, seed: int = 1, **overrides) -> ModelS
     values["num_labels"] = 2 if head == "ForQuestionAnswering" else 3
     config = getattr(transformers, f"{arch}Config")(vocab_size=VOCAB, **values, **overrides)
     return ModelSpec(getattr(transformers, arch + head), config, seed)
-
-
-def tiny_bert(seed: int = 0) -> nn.Module:
-    """The cheapest BERT that still splits over 2 ranks."""
-    config = transformers.BertConfig(
-        hidden_size=16, num_attention_heads=2, num_hidden_layers=1, intermediate_size=32, vocab_size=32
-    )
-    return ModelSpec(transformers.BertModel, config, seed).build()
 
 
 def padded_batch(lengths: list[int], seq: int, seed: int, choices: int | None = None) -> dict:
@@ -390,8 +382,7 @@ def gpt2():
 
 
 def bert_with(**sizes):
-    values = {"hidden_size": 48, "num_attention_heads": 12, "intermediate_size": 96} | sizes
-    return transformers.BertModel(transformers.BertConfig(num_hidden_layers=1, vocab_size=32, **values)).eval()
+    return tiny_bert(seed=None, **({"hidden_size": 48, "num_attention_heads": 12, "intermediate_size": 96} | sizes))
 
 
 INVALID = [
@@ -599,15 +590,13 @@ def test_repeated_cycles_leave_no_process_port_or_shared_memory_behind():
 CALLER = textwrap.dedent(
     """
     import json, signal, sys, time
-    import torch, transformers, tpcore
+    import torch, tpcore
+    from tpcore.testing import tiny_bert
 
     # Ctrl-C raises KeyboardInterrupt here even when started with SIGINT ignored (as a background job is)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     mode = sys.argv[1]
-    config = transformers.BertConfig(
-        hidden_size=16, num_attention_heads=2, num_hidden_layers=1, intermediate_size=32, vocab_size=32
-    )
-    model = transformers.BertModel(config).eval()
+    model = tiny_bert(seed=None)
 
     def stall(module, args):
         time.sleep(900)
@@ -803,13 +792,11 @@ def test_the_caller_exiting_in_any_way_leaves_no_orphans(tmp_path, time_to_error
 REPL = textwrap.dedent(
     """
     import json, signal, time
-    import torch, transformers, tpcore
+    import torch, tpcore
+    from tpcore.testing import tiny_bert
 
     signal.signal(signal.SIGINT, signal.default_int_handler)  # as an interactive interpreter has it
-    config = transformers.BertConfig(
-        hidden_size=16, num_attention_heads=2, num_hidden_layers=1, intermediate_size=32, vocab_size=32
-    )
-    model = transformers.BertModel(config).eval()
+    model = tiny_bert(seed=None)
     ids = torch.tensor([[5, 6, 7]])
     with torch.inference_mode():
         expected = model(input_ids=ids).last_hidden_state

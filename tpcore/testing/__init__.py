@@ -25,8 +25,9 @@ model's config, :func:`seeds` the init seed::
         check_equivalence(ModelSpec(MyModel, config, seed), inputs, (sizes.world_size,), pools=rank_pools)
 
 Tiny random-init models for tests (:mod:`tpcore.testing.tiny_models`): :func:`tiny_llama`, :func:`tiny_gpt2` and
-:func:`tiny_bert` (and their ``*_config``), seeded, any config field overridden by keyword; :func:`word_tokenizer`
-for their vocabularies; :func:`random_weights` for weights with no zero bias.
+:func:`tiny_bert` (and their ``*_config``), seeded, any config field overridden by keyword (:func:`seeded_model` for
+any other class and config); :func:`word_tokenizer` for their vocabularies; :func:`random_weights` for weights with
+no zero bias.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from tpcore.ranks.process import RankContext, RankPool, WorkerError, reraise
 from tpcore.ranks.transfer import to_cpu, to_device
 from tpcore.testing.tiny_models import (
     random_weights,
+    seeded_model,
     tiny_bert,
     tiny_bert_config,
     tiny_gpt2,
@@ -73,6 +75,7 @@ __all__ = [
     "sharded_forward",
     "split_sizes",
     "random_weights",
+    "seeded_model",
     "tiny_bert",
     "tiny_bert_config",
     "tiny_gpt2",

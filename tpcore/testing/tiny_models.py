@@ -52,7 +52,7 @@ def tiny_llama(*, seed: int | None = 0, model_class=None, **overrides: Any) -> n
     """``model_class`` (``LlamaForCausalLM`` by default) of :func:`tiny_llama_config` ``(**overrides)``, seeded."""
     import transformers
 
-    return built(model_class or transformers.LlamaForCausalLM, tiny_llama_config(**overrides), seed)
+    return seeded_model(model_class or transformers.LlamaForCausalLM, tiny_llama_config(**overrides), seed)
 
 
 def tiny_gpt2_config(**overrides: Any):
@@ -66,7 +66,7 @@ def tiny_gpt2(*, seed: int | None = 0, model_class=None, **overrides: Any) -> nn
     """``model_class`` (``GPT2LMHeadModel`` by default) of :func:`tiny_gpt2_config` ``(**overrides)``, seeded."""
     import transformers
 
-    return built(model_class or transformers.GPT2LMHeadModel, tiny_gpt2_config(**overrides), seed)
+    return seeded_model(model_class or transformers.GPT2LMHeadModel, tiny_gpt2_config(**overrides), seed)
 
 
 def tiny_bert_config(**overrides: Any):
@@ -80,10 +80,10 @@ def tiny_bert(*, seed: int | None = 0, model_class=None, **overrides: Any) -> nn
     """``model_class`` (``BertModel`` by default) of :func:`tiny_bert_config` ``(**overrides)``, seeded."""
     import transformers
 
-    return built(model_class or transformers.BertModel, tiny_bert_config(**overrides), seed)
+    return seeded_model(model_class or transformers.BertModel, tiny_bert_config(**overrides), seed)
 
 
-def built(model_class, config, seed: int | None = 0) -> nn.Module:
+def seeded_model(model_class, config, seed: int | None = 0) -> nn.Module:
     """``model_class(config)`` in eval mode, built right after ``torch.manual_seed(seed)`` (``None``: no seeding)."""
     if seed is not None:
         torch.manual_seed(seed)
