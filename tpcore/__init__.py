@@ -114,7 +114,7 @@ __all__ = [
     "share",
     "subclassing",
     "transformers_class",
-]  # the names of _EXPORTS (tests/test_architecture.py)
+]  # the names of _EXPORTS (tests/architecture/test_architecture.py)
 
 
 def __getattr__(name: str) -> Any:

@@ -48,3 +48,20 @@ def test_every_test_the_threat_model_cites_exists():
         if name not in {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)}:
             missing.append(f"{file}::{name}")
     assert not missing, f"docs/security.md cites tests that do not exist: {missing}"
+
+
+def test_every_source_and_test_file_the_docs_name_exists():
+    """A path of tpcore's sources, of the core's tests or of bench/ named in the README, docs/ or bench/README.md
+    (``tpcore/served/handle.py``, ``tests/served/test_lookahead.py``): moved or renamed, the docs follow. A line
+    that names a commit (a record of a probe at that commit) may name a file of that commit."""
+    documents = [ROOT / "README.md", ROOT / "bench" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    named = {
+        (document.name, path)
+        for document in documents
+        for line in document.read_text().splitlines()
+        if not re.search(r"\b[0-9a-f]{7,40}\b", line)
+        for path in re.findall(r"(?<![\w/.-])((?:tpcore|tests|bench)/[\w/]+\.(?:py|sh))", line)
+    }
+    assert len(named) >= 20
+    missing = sorted(f"{document}: {path}" for document, path in named if not (ROOT / path).exists())
+    assert missing == []
