@@ -1,18 +1,16 @@
-"""Helpers shared by the benchmark scripts (caller side only: nothing here runs on a rank): arguments and
-where results go, the environment, timing figures of the ways a script compares, tables."""
+"""What every benchmark script does around its measurement (caller side only: nothing here runs on a rank): its
+command line (``--quick``, ``--note``, ``--output``), where its result goes and what it records of the machine,
+tables, and the short forms of a figure or an error in a table's cell."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import shlex
-import statistics
 import subprocess
 import sys
 import time
-import traceback
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
@@ -42,7 +40,7 @@ def command_line() -> str:
     return shlex.join(["python", shown, *args])
 
 
-def _commit() -> str:
+def git_commit() -> str:
     """The repository's commit, ``+dirty`` if tpcore or a plugin has uncommitted changes (a git checkout only)."""
     root = BENCH_DIR.parent
     try:
@@ -56,7 +54,7 @@ def _commit() -> str:
     return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
-def _version(distribution: str) -> str:
+def installed_version(distribution: str) -> str:
     try:
         return metadata.version(distribution)
     except metadata.PackageNotFoundError:
@@ -70,9 +68,9 @@ def environment(backend: str) -> dict[str, str]:
     info = {
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "transformers": _version("transformers"),
-        "tpcore": f"{_version('tpcore')} (commit {_commit()})",
-        **{plugin: _version(plugin) for plugin in PLUGINS},
+        "transformers": installed_version("transformers"),
+        "tpcore": f"{installed_version('tpcore')} (commit {git_commit()})",
+        **{plugin: installed_version(plugin) for plugin in PLUGINS},
         "os": f"{platform.system()} {platform.release()}",
         "cpu cores (os.cpu_count)": str(os.cpu_count()),
         "backend": backend,
@@ -124,10 +122,6 @@ def cpu_busy(seconds: float = 2.0) -> float | None:
     return 1 - (idle_after - idle_before) / total if total > 0 else None
 
 
-def median_ms(seconds: list[float]) -> float:
-    return statistics.median(seconds) * 1e3
-
-
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
@@ -143,13 +137,31 @@ def plain_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def common_arguments(parser, name: str, quick: str) -> None:
-    """``--quick``, ``--note`` and ``--output``, alike in every script (``name``: its result's name)."""
+def printed(header: list[str], rows: list[list[str]]) -> str:
+    """Print a table as plain text (the console's copy); return it in Markdown (the result's)."""
+    print(plain_table(header, rows))
+    return markdown_table(header, rows)
+
+
+def arguments(doc: str, name: str, quick: str) -> argparse.ArgumentParser:
+    """A script's parser, described by the first line of its docstring ``doc``, with the arguments alike in every
+    script: ``--quick`` (``quick`` says what its trial runs), ``--note`` and ``--output`` (``name``: its result's
+    name)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help=f"a trial run in seconds to minutes: {quick}")
     parser.add_argument("--note", default=None, help="a remark to put in the result file")
     parser.add_argument(
         "--output", default=None, help=f"result file (*.md), or a folder for {name}.md (default bench/results/)"
     )
+    return parser
+
+
+def parse(parser: argparse.ArgumentParser, argv=None, quick: dict | None = None) -> argparse.Namespace:
+    """The arguments, with ``quick``'s values in place of theirs under ``--quick`` (a trial's small sizes)."""
+    args = parser.parse_args(argv)
+    if args.quick:
+        vars(args).update(quick or {})
+    return args
 
 
 def result_path(name: str, output: str | None, suffix: str = ".md") -> Path:
@@ -191,9 +203,6 @@ def write_result(name: str, title: str, sections: list[str], backend: str, note:
     print(f"wrote {shown(path)}")
 
 
-# -- the figures of the ways a script compares ----------------------------------------------------------
-
-
 def first_line(error: BaseException, limit: int = 200) -> str:
     """The gist of an error (a rank's error without the remote traceback), for an ``n/a (...)`` cell."""
     message = getattr(error, "remote_message", None) or str(error)
@@ -204,203 +213,3 @@ def first_line(error: BaseException, limit: int = 200) -> str:
 
 def fmt(value: float | None, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
-
-
-def spread_ms(seconds: list[float]) -> str:
-    """``p25 - p75`` in ms, interpolated within the samples (so also right for a handful of them)."""
-    if len(seconds) < 2:
-        return f"{seconds[0] * 1e3:.1f}" if seconds else "n/a"
-    q1, _, q3 = statistics.quantiles(seconds, n=4, method="inclusive")
-    return f"{q1 * 1e3:.1f} - {q3 * 1e3:.1f}"
-
-
-@dataclass
-class Entry:
-    """What one way measured on one model: loading, each timed call's seconds, memory, outputs to compare."""
-
-    way: str
-    na: str | None = None  # why the way could not run it
-    ready_s: float | None = None  # checkpoint to a model ready to run
-    start_s: float | None = None  # starting its ranks, before the clock of ready_s
-    floor: int | None = None  # a rank's memory after its imports, before loading
-    load_peak: int | None = None
-    run_peak: int | None = None
-    rank_bytes: int | None = None  # parameter and buffer bytes of the largest rank
-    dtype: str | None = None  # of the model as loaded
-    attn: str | None = None
-    times: dict[str, list[float]] = field(default_factory=dict)
-    outputs: dict = field(default_factory=dict)  # rank 0's outputs of the first timed round
-    collectives: dict | None = None
-    notes: list[str] = field(default_factory=list)
-
-    def add_times(self, times: dict[str, list[float]]) -> None:
-        for name, values in times.items():
-            self.times.setdefault(name, []).extend(values)
-
-    def ms(self, call: str) -> float | None:
-        """Median ms of a call."""
-        return None if self.na or not self.times.get(call) else median_ms(self.times[call])
-
-    def per_token_ms(self, one: str, many: str, tokens: int) -> float | None:
-        """``(t(1 + K) - t(1)) / K`` from the medians of two ``generate()`` calls of 1 and 1 + K new tokens."""
-        first, last = self.ms(one), self.ms(many)
-        return None if first is None or last is None else (last - first) / tokens
-
-    def peak_above_floor(self) -> int | None:
-        return None if self.run_peak is None or self.floor is None else self.run_peak - self.floor
-
-
-#: a figure of an Entry: (key, label, the function that reads it)
-Figure = tuple[str, str, Callable[[Entry], float | None]]
-
-
-def ratio_tables(entries: list[Entry], figures: list[Figure]) -> list[tuple[list[str], list[list[str]]]]:
-    """Per figure: the row way's figure / the column way's (below 1: the row way is faster or smaller)."""
-    live = [e for e in entries if not e.na]
-    tables = []
-    for _, label, read in figures:
-        rows = []
-        for row in live:
-            cells = [row.way]
-            for column in live:
-                a, b = read(row), read(column)
-                cells.append("-" if row is column else ("n/a" if a is None or not b else f"{a / b:.2f}"))
-            rows.append(cells)
-        tables.append(([f"{label}: row / column", *(e.way for e in live)], rows))
-    return tables
-
-
-# -- ways side by side ----------------------------------------------------------------------------------
-# A way has ``name`` and ``load(task, entry)``, ``round(task, plan) -> {"times", "outputs"}``, ``memory()``,
-# ``collectives(task)`` and ``unload()``; a task has ``name``, ``calls``, ``repeat`` (timed calls per round
-# where not 1), ``keep`` (``{call: (output attribute or None for tokens, label)}``) and ``figures``.
-
-
-def run_part(task, ways: list, rounds: int, measure_ranks: bool) -> list[Entry]:
-    """Load ``task`` every way (then one untimed round), time ``rounds`` interleaved rounds (who goes first
-    rotates, so drifting load hits all alike), read each way's memory and collectives (``measure_ranks``),
-    unload. A way that fails is ``n/a`` with the reason, and the others go on."""
-    entries = {way.name: Entry(way.name) for way in ways}
-    plan = {"warmup": False, "repeat": task.repeat, "keep": {}}
-    for way in ways:
-        try:
-            way.load(task, entries[way.name])
-            way.round(task, {**plan, "warmup": True})
-            print(f"  {task.name} / {way.name}: ready in {entries[way.name].ready_s:.1f} s", flush=True)
-        except Exception as error:
-            _fail(way, entries[way.name], error)
-    keep = {call: attribute for call, (attribute, _) in task.keep.items()}
-    for number in range(rounds):
-        live = [way for way in ways if not entries[way.name].na]
-        first = number % max(1, len(live))
-        for way in live[first:] + live[:first]:
-            try:
-                result = way.round(task, {**plan, "keep": keep if number == 0 else {}})
-            except Exception as error:
-                _fail(way, entries[way.name], error, f"round {number + 1}: ")
-                continue
-            entries[way.name].add_times(result["times"])
-            entries[way.name].outputs = entries[way.name].outputs or result["outputs"]
-        figures = [
-            f"{e.way} " + " / ".join(fmt(read(e), ".0f") for _, _, read in task.figures) for e in entries.values()
-        ]
-        print(f"  {task.name} round {number + 1}/{rounds} (ms): " + ", ".join(figures), flush=True)
-    for way in ways:
-        entry = entries[way.name]
-        if entry.na:
-            continue
-        if measure_ranks:
-            try:
-                entry.collectives = way.collectives(task)
-                figures = way.memory()
-                entry.rank_bytes, entry.run_peak = figures["rank_bytes"], figures["peak"]
-            except Exception as error:
-                entry.notes.append(f"collectives / rank memory not measured: {first_line(error)}")
-        way.unload()
-    return list(entries.values())
-
-
-def _fail(way, entry: Entry, error: Exception, when: str = "") -> None:
-    entry.na = when + first_line(error)
-    print(f"  {way.name}: n/a ({entry.na})", flush=True)
-    traceback.print_exc()  # the whole story on stderr; the result keeps the gist
-    try:
-        way.unload()
-    except Exception as unloading:
-        print(f"  {way.name}: unloading failed too: {first_line(unloading)}")
-
-
-def max_abs_diff(mine, theirs) -> str:
-    """The largest absolute difference of two outputs (token ids: ``same`` or ``differ (k tokens)``)."""
-    if mine is None or theirs is None:
-        return "n/a"
-    if mine.is_floating_point():
-        return f"{(mine.double() - theirs.double()).abs().max().item():.1e}"
-    if mine.shape != theirs.shape:
-        return f"differ (shape {tuple(mine.shape)})"
-    return "same" if mine.equal(theirs) else f"differ ({int((mine != theirs).sum())} tokens)"
-
-
-def way_table(task, entries: list[Entry], model_bytes: int, with_memory: bool) -> str:
-    """A part's table, one row per way: ready time, the task's figures, the largest rank's parameter bytes
-    (``with_memory``: its peak, above its floor, and the collectives), and each kept output against the
-    first unsplit way's."""
-    reference = next((e for e in entries if e.way.startswith("unsplit") and not e.na), None)
-    header = ["way", "ready s", *(label for _, label, _ in task.figures), "rank params MiB (x model)"]
-    if with_memory:
-        header += ["rank peak MiB", "peak - floor MiB: loaded / all calls", "collectives / layer", "/ forward"]
-    header += [label for _, label in task.keep.values()]
-    rows = []
-    for entry in entries:
-        if entry.na:
-            rows.append([entry.way, f"n/a ({entry.na})", *[""] * (len(header) - 2)])
-            continue
-        row = [entry.way, fmt(entry.ready_s, ".1f"), *(fmt(read(entry), ".1f") for _, _, read in task.figures)]
-        share = entry.rank_bytes
-        row.append(f"{share / MIB:.1f} ({share / model_bytes:.3f}x)" if share else "n/a")
-        if with_memory:
-            comm = entry.collectives or {}
-            row += [
-                fmt(entry.run_peak and entry.run_peak / MIB, ".0f"),
-                f"{_above(entry.load_peak, entry.floor)} / {_above(entry.run_peak, entry.floor)}",
-                str(comm.get("layer0", "n/a")),
-                str(comm.get("total", "n/a")),
-            ]
-        for call in task.keep:
-            theirs = reference.outputs.get(call) if reference else None
-            row.append("reference" if entry is reference else max_abs_diff(entry.outputs.get(call), theirs))
-        rows.append(row)
-    return markdown_table(header, rows)
-
-
-def _above(peak: int | None, floor: int | None) -> str:
-    return "n/a" if peak is None or floor is None else f"{(peak - floor) / MIB:.0f}"
-
-
-def bar_chart(entries: list[Entry], panels: list, path: Path, title: str) -> str | None:
-    """One bar panel per ``(title, [(label, read, scale)])`` over the ways; the reason if there is no matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as error:
-        return f"no chart: {error}"
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.4 * len(panels), 4.8))
-    for ax, (panel, series) in zip(axes, panels, strict=True):
-        width = 0.8 / len(series)
-        for i, (label, read, scale) in enumerate(series):
-            values = [(read(e) or 0.0) * scale if not e.na else 0.0 for e in entries]
-            offset = (i - (len(series) - 1) / 2) * width
-            bars = ax.bar([x + offset for x in range(len(entries))], values, width, label=label)
-            ax.bar_label(bars, labels=[f"{v:.0f}" if v else "n/a" for v in values], fontsize=7)
-        ax.set_title(panel, fontsize=10)
-        ax.set_xticks(list(range(len(entries))), [e.way for e in entries], rotation=20, ha="right", fontsize=8)
-        if len(series) > 1:
-            ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return None

@@ -27,16 +27,16 @@ compute on the same cores leaves the caller's caches cold.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import itertools
 import os
 import statistics
 import time
 
-from _common import common_arguments, markdown_table, plain_table, write_result
-from generation import mark_forwards, prompts, spec_for
-from rank_scheduling import schedule_rank
+from _common import arguments, parse, printed, write_result
+from _decode import prompts
+from _models import smollm2_spec
+from _ranks import forward_spans, mark_forwards, schedule_rank
 
 import tpcore
 from tpcore.ranks import process
@@ -56,13 +56,9 @@ def marked(marks: list, label: str, function):
     return wrapper
 
 
-def forward_marks(context) -> list[tuple[int, int]]:
-    """On a rank: each forward's ``(start, end)`` since the last call (``generation.mark_forwards``), in ns; taken,
-    so the next call starts afresh."""
-    marks = context.store["forward marks"]
-    pairs = [(round(start * 1e9), round(end * 1e9)) for start, end in zip(marks[::2], marks[1::2], strict=True)]
-    marks.clear()
-    return pairs
+def forward_marks(pool) -> list[list[tuple[int, int]]]:
+    """Each rank's forwards since the last call (``(start, end)``, :func:`_ranks.forward_spans`), in ns."""
+    return [[(round(start * 1e9), round(end * 1e9)) for start, end in spans] for spans in pool.run(forward_spans)]
 
 
 def around_the_forward(
@@ -96,7 +92,7 @@ def _skew_class(ns: int) -> str:
 
 def stages(batch: int, layers: int, new_tokens: int, batch_policy: bool = False) -> list[list[str]]:
     marks: list = []
-    model = tpcore.parallelize(spec_for(layers).build(), num_gpus=2)
+    model = tpcore.parallelize(smollm2_spec(layers).build(), num_gpus=2)
     handle = model._tpcore_handle
     handle.pool.run(mark_forwards, "model")
     if batch_policy:  # the ranks scheduled as batch work (bench/rank_scheduling.py), not as any process is
@@ -123,7 +119,7 @@ def stages(batch: int, layers: int, new_tokens: int, batch_policy: bool = False)
                 if mark[0] == "call end":
                     calls.append(current)
                     current = []
-            forwards = handle.pool.run(forward_marks)
+            forwards = forward_marks(handle.pool)
             for stage, times in around_the_forward(calls[2:], forwards[0][2:], forwards[-1][2:]).items():
                 split.setdefault(stage, []).extend(times)
             for before, after in itertools.pairwise(calls[2:]):
@@ -154,23 +150,22 @@ def stages(batch: int, layers: int, new_tokens: int, batch_policy: bool = False)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    common_arguments(parser, "call_stages", "a few tokens")
+    parser = arguments(__doc__, "call_stages", "a few tokens")
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument(
         "--batch-policy", action="store_true", help="the ranks scheduled SCHED_BATCH instead of the default policy"
     )
-    args = parser.parse_args(argv)
+    args = parse(parser, argv)
     new_tokens = 6 if args.quick else 33
     rows = [row for batch in (1, 8) for row in stages(batch, args.layers, new_tokens, args.batch_policy)]
     header = ["batch", "stage", "per call", "caller CPU ms (median)", "wall ms (median)", "wall ms (mean)"]
-    print(plain_table(header, rows))
+    table = printed(header, rows)
     sections = [
         f"Llama of SmolLM2-135M's widths, {args.layers} layers, N=2 gloo ranks, greedy, {new_tokens} new tokens, "
         "3 runs; a stage `x` is the time inside `x`, a stage `a -> b` the time between those two marks "
         "(`call start -> pickle start`: the handle's preparation of the call); the ranks scheduled "
         + ("as batch work (SCHED_BATCH, `--batch-policy`)." if args.batch_policy else "by the default policy."),
-        markdown_table(header, rows),
+        table,
     ]
     write_result(
         "call_stages", "Where a served call's time goes, in the caller", sections, "gloo", args.note, args.output

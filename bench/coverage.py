@@ -22,16 +22,12 @@ Writes ``bench/results/coverage.md`` (the table, its totals and the largest caus
 
 from __future__ import annotations
 
-import argparse
 import collections
-import contextlib
-import io
 import json
 import re
-import time
-import warnings
 
-from _common import common_arguments, markdown_table, result_path, write_result
+from _common import arguments, markdown_table, parse, result_path, write_result
+from _model_types import check_each, model_class_for, quiet, registered_model_types
 
 QUICK = ("bert", "gpt2", "llama", "qwen3", "mamba", "sam", "siglip2", "qwen2_vl", "biogpt", "xglm", "resnet", "fnet")
 #: the auto mappings a model class is looked up in, in this order
@@ -43,32 +39,6 @@ MAPPINGS = (
     "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
 )
 STEPS = ("equal", "differs", "refused", "not run", "not built")
-
-
-def model_types() -> dict[str, type]:
-    """``{model_type: config class}`` of every config transformers registers (that imports here)."""
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    found = {}
-    for model_type in sorted(CONFIG_MAPPING.keys()):
-        try:
-            found[model_type] = CONFIG_MAPPING[model_type]
-        except Exception:  # a config module that does not import here
-            continue
-    return found
-
-
-def model_class_for(model_type: str):
-    import transformers
-    from transformers.models.auto import modeling_auto
-
-    for mapping in MAPPINGS:
-        name = getattr(modeling_auto, mapping, {}).get(model_type)
-        name = name[0] if isinstance(name, (list, tuple)) else name
-        model_class = getattr(transformers, name, None) if name else None
-        if model_class is not None:
-            return model_class
-    return None
 
 
 def first_line(error: BaseException) -> str:
@@ -97,7 +67,7 @@ def check_one(model_type: str, config_class, pools, world_size: int) -> dict:
     from tpcore.testing.samples import sample_inputs, small_config
 
     row = {"type": model_type, "model": "", "step": "not built", "by": "", "share": None, "reason": ""}
-    model_class = model_class_for(model_type)
+    model_class = model_class_for(model_type, MAPPINGS)
     if model_class is None:
         row["reason"] = "no model class in transformers' auto mappings (a sub-model's config)"
         return row
@@ -143,7 +113,7 @@ def cause(row: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__, "coverage", f"only {', '.join(QUICK)}")
     parser.add_argument("--only", nargs="*", help="model types to check (default: every one)")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument(
@@ -153,8 +123,7 @@ def main() -> None:
         help="check again the model types an earlier run's coverage.json gives one of these results "
         "(refused, differs, ...), and rewrite the result with their new rows",
     )
-    common_arguments(parser, "coverage", f"only {', '.join(QUICK)}")
-    args = parser.parse_args()
+    args = parse(parser)
     if args.quick and not args.only:
         args.only = list(QUICK)
     earlier = []
@@ -162,23 +131,16 @@ def main() -> None:
         earlier = json.loads(result_path("coverage", args.output, ".json").read_text())
         args.only = [row["type"] for row in earlier if row["step"] in args.again]
 
-    import transformers
-
-    from tpcore.testing import PoolCache
-
-    transformers.logging.set_verbosity_error()
-    warnings.filterwarnings("ignore")
-    types = model_types()
+    quiet()
+    types = registered_model_types()
     if args.only is not None:
         types = {name: types[name] for name in args.only if name in types}
-    rows, started = [], time.perf_counter()
-    with PoolCache() as pools:
-        for model_type, config_class in types.items():
-            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-                row = check_one(model_type, config_class, pools, args.world_size)
-            rows.append(row)
-            print(f"{row['step']:<10} {row['by']:<12} {model_type:<32} {row['reason']}", flush=True)
-    seconds = time.perf_counter() - started
+    rows, seconds, _ = check_each(
+        types,
+        lambda model_type, config_class, pools: check_one(model_type, config_class, pools, args.world_size),
+        lambda row: f"{row['step']:<10} {row['by']:<12} {row['type']:<32} {row['reason']}",
+        stderr=True,
+    )
     if earlier:
         again = {row["type"]: row for row in rows}
         rows = [again.get(row["type"], row) for row in earlier]

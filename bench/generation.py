@@ -34,33 +34,27 @@ and the time between two forwards. Writes
 
 from __future__ import annotations
 
-import argparse
+import itertools
 import os
 import statistics
 import time
 
 import torch
-from _common import common_arguments, markdown_table, plain_table, write_result
+from _common import arguments, parse, printed, write_result
+from _decode import caller_generate, decode_ms, paired_ratios, prompts, ranks_generate, set_lookahead
+from _models import smollm2_spec
+from _ranks import forward_spans, load_split, mark_forwards
+from _timing import median_range
 
 import tpcore
 from tpcore.ranks.process import RankPool
 from tpcore.ranks.worker import synchronize
 from tpcore.served.caches import cache_keyword
-from tpcore.testing import ModelSpec
 
 #: how long the ranks sleep before each step of the control run: about a caller's loop's time between two forwards
 ASLEEP_MS = 2.5
 
 # --- run on the ranks (module-level, so cloudpickle sends them by value) -------------------------------
-
-
-def ranks_load(context, spec) -> None:
-    model = spec.build()
-    engine = tpcore.ParallelEngine(
-        context.world_size, context.backend, process_group=context.tp_group, device=context.device.type
-    )
-    engine.parallelize(model)
-    context.store["bench_model"] = model
 
 
 def ranks_steps(context, prompt: torch.Tensor, steps: int, asleep_ms: float = 0.0) -> float:
@@ -84,68 +78,7 @@ def ranks_steps(context, prompt: torch.Tensor, steps: int, asleep_ms: float = 0.
     return statistics.median(times) * 1e3
 
 
-def ranks_generate(context, inputs: dict, new_tokens: int) -> tuple[float, torch.Tensor | None]:
-    model = context.store["bench_model"]
-    inputs = {key: value.to(context.device) for key, value in inputs.items()}
-    synchronize(context.device)
-    start = time.perf_counter()
-    with torch.inference_mode():
-        tokens = model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-    synchronize(context.device)
-    return time.perf_counter() - start, (tokens.cpu() if context.rank == 0 else None)
-
-
-def mark_forwards(context, key: str) -> None:
-    """On a rank: keep the wall time at the start and end of each forward of the model ``context.store[key]``."""
-    marks = context.store["forward marks"] = []
-    model = context.store[key]
-    model.register_forward_pre_hook(lambda *_: marks.append(time.perf_counter()))
-    model.register_forward_hook(lambda *_: marks.append(time.perf_counter()))
-
-
-def decode_forwards(context) -> tuple[list[float], list[float]] | None:
-    """On rank 0: the ms of each decode forward since the last call (the prefill left out) and of each time between
-    two of them; taken, so the next call starts afresh (on every rank)."""
-    marks = context.store["forward marks"]
-    starts, ends = marks[0::2], marks[1::2]
-    marks.clear()
-    if context.rank != 0:
-        return None
-    forwards = [(end - start) * 1e3 for start, end in zip(starts, ends, strict=True)]
-    between = [(start - end) * 1e3 for end, start in zip(ends, starts[1:], strict=False)]
-    return forwards[1:], between[1:]
-
-
 # --- caller side -------------------------------------------------------------------------------------
-
-
-def spec_for(layers: int) -> ModelSpec:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=layers,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        vocab_size=49152,
-        pad_token_id=0,
-        eos_token_id=1,
-    )
-    return ModelSpec(LlamaForCausalLM, config, seed=0)
-
-
-def prompts(batch: int, length: int = 16) -> dict:
-    ids = torch.randint(2, 49152, (batch, length), generator=torch.Generator().manual_seed(batch))
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-
-
-def caller_generate(model, inputs: dict, new_tokens: int) -> tuple[float, torch.Tensor]:
-    synchronize(model.device)
-    start = time.perf_counter()
-    tokens = model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-    synchronize(tokens.device)
-    return time.perf_counter() - start, tokens
 
 
 def caller_steps(model, prompt: torch.Tensor, steps: int) -> float:
@@ -164,33 +97,49 @@ def caller_steps(model, prompt: torch.Tensor, steps: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def set_lookahead(context, on: bool) -> tuple[int, int]:
-    """On a served model's rank: its lookahead (``tpcore.served.lookahead``) on or off, a pending guess dropped;
-    the guessed steps run and used so far."""
-    from tpcore.served.lookahead import rank_lookahead
-
-    lookahead = rank_lookahead(context)
-    lookahead.drop()
-    lookahead.enabled = on
-    lookahead.hitting = {False: on, True: on}
-    return lookahead.run_count, lookahead.used_count
+def decode_forwards(spans: list[tuple[float, float]]) -> tuple[list[float], list[float]]:
+    """The ms of each decode forward of a rank (the prefill left out) and of each time between two of them."""
+    forwards = [(end - start) * 1e3 for start, end in spans]
+    between = [(start - end) * 1e3 for (_, end), (start, _) in itertools.pairwise(spans)]
+    return forwards[1:], between[1:]
 
 
-def per_token_ms(long: list[float], short: list[float], new_tokens: int) -> float:
-    return (statistics.median(long) - statistics.median(short)) / (new_tokens - 1) * 1e3
+def loops(pools: dict, served, inputs: dict, caller_inputs: dict, rounds: int, new_tokens: int) -> tuple[dict, dict]:
+    """The two loops in rounds, the ranks' first: the seconds of each round and token count ``{way: {count:
+    [s]}}``, and rank 0's decode forwards and the times between two (the loop's own work, and in the caller's loop
+    each served step's round trip) ``{way: (forward ms, between ms)}``, the first round a warm-up."""
+    times = {"ranks": {1: [], new_tokens: []}, "caller": {1: [], new_tokens: []}}
+    parts: dict[str, tuple[list[float], list[float]]] = {"ranks": ([], []), "caller": ([], [])}
+    for round_ in range(rounds + 1):  # the first round warms up
+        for count in (1, new_tokens):
+            seconds, ranks_tokens = pools["ranks"].run(ranks_generate, inputs, count)[0]
+            times["ranks"][count].append(seconds)
+            seconds, caller_tokens = caller_generate(served, caller_inputs, count)
+            times["caller"][count].append(seconds)
+            assert torch.equal(ranks_tokens, caller_tokens.cpu()), "the two loops gave different tokens"
+            for way, ranks in pools.items():
+                forwards, between = decode_forwards(ranks.run(forward_spans)[0])
+                if round_ and count == new_tokens:
+                    parts[way][0].extend(forwards)
+                    parts[way][1].extend(between)
+    return times, parts
 
 
-def paired_ratios(times: dict[str, dict[int, list[float]]], way: str, new_tokens: int) -> list[float]:
-    """Each round's ms/token of ``way`` against the ranks' loop (``times[way][count]``: seconds of each round, the
-    first a warm-up): the two ran back to back, under the same load."""
-    long, short = times[way][new_tokens][1:], times[way][1][1:]
-    ranks_long, ranks_short = times["ranks"][new_tokens][1:], times["ranks"][1][1:]
-    return [(a - b) / (c - d) for a, b, c, d in zip(long, short, ranks_long, ranks_short, strict=True)]
+def bare_steps(pool, served, inputs: dict, caller_inputs: dict, rounds: int, new_tokens: int) -> tuple[float, ...]:
+    """Median ms of a bare decode step: on the ranks, on the ranks asleep before each, served (one call each, the
+    lookahead off); the first round a warm-up."""
+    steps = {"ranks": [], "asleep": [], "caller": []}
+    for _ in range(rounds + 1):
+        steps["ranks"].append(pool.run(ranks_steps, inputs["input_ids"], new_tokens)[0])
+        steps["asleep"].append(pool.run(ranks_steps, inputs["input_ids"], new_tokens, ASLEEP_MS)[0])
+        served._tpcore_handle.pool.run(set_lookahead, False)  # one served call each, none guessed
+        steps["caller"].append(caller_steps(served, caller_inputs["input_ids"], new_tokens))
+        served._tpcore_handle.pool.run(set_lookahead, True)
+    return tuple(statistics.median(steps[way][1:]) for way in steps)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    common_arguments(parser, "generation", "a few tokens, one round")
+    parser = arguments(__doc__, "generation", "a few tokens, one round")
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=7)
@@ -209,71 +158,44 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="the caller's inputs on model.device, as `inputs.to(model.device)` puts them (default: on the CPU)",
     )
-    args = parser.parse_args(argv)
-    new_tokens, rounds, layers = (6, 1, 2) if args.quick else (args.new_tokens, args.rounds, args.layers)
-    spec = spec_for(layers)
+    args = parse(parser, argv, quick={"new_tokens": 6, "rounds": 1, "layers": 2})
+    new_tokens, rounds, layers = args.new_tokens, args.rounds, args.layers
+    spec = smollm2_spec(layers)
     backend = "nccl" if args.device == "cuda" else "gloo"
     served = tpcore.parallelize(spec.build(), num_gpus=args.ranks, backend=backend, device=args.device)
     if args.caller_threads is not None:  # instead of tpcore's own setting (one thread while the ranks compute)
         served._tpcore_handle.one_thread.enabled = False
         torch.set_num_threads(args.caller_threads)
     caller_device = served.device if args.caller_on_device else torch.device("cpu")
-    rows = []
+    rows, parts_rows = [], []
     served._tpcore_handle.pool.run(mark_forwards, "model")
-    pools = {"caller": served._tpcore_handle.pool}
-    parts_rows = []
     with RankPool(args.ranks, backend, device=args.device) as pool:
-        pool.run(ranks_load, spec)
+        pool.run(load_split, spec, device=args.device)
         pool.run(mark_forwards, "bench_model")
-        pools["ranks"] = pool
+        pools = {"caller": served._tpcore_handle.pool, "ranks": pool}
         for batch in (1, 8):
             inputs = prompts(batch)
             caller_inputs = {key: value.to(caller_device) for key, value in inputs.items()}
-            times: dict[str, dict[int, list[float]]] = {
-                "ranks": {1: [], new_tokens: []},
-                "caller": {1: [], new_tokens: []},
-            }
-            # rank 0's decode forwards in each loop, and the times between two (the loop's own work, and the round
-            # trip of each served step): {way: (forward ms, between ms)}
-            parts: dict[str, tuple[list[float], list[float]]] = {"ranks": ([], []), "caller": ([], [])}
-            for round_ in range(rounds + 1):  # the first round warms up
-                for count in (1, new_tokens):
-                    seconds, ranks_tokens = pool.run(ranks_generate, inputs, count)[0]
-                    times["ranks"][count].append(seconds)
-                    seconds, caller_tokens = caller_generate(served, caller_inputs, count)
-                    times["caller"][count].append(seconds)
-                    assert torch.equal(ranks_tokens, caller_tokens.cpu()), "the two loops gave different tokens"
-                    for way, ranks in pools.items():
-                        forwards, between = ranks.run(decode_forwards)[0]
-                        if round_ and count == new_tokens:
-                            parts[way][0].extend(forwards)
-                            parts[way][1].extend(between)
+            times, parts = loops(pools, served, inputs, caller_inputs, rounds, new_tokens)
             parts_rows.append(
                 [
                     str(batch),
                     *(
                         f"{statistics.median(parts[way][i]):.2f} / {statistics.fmean(parts[way][i]):.2f}"
                         for i in (0, 1)
-                        for way in parts
+                        for way in ("ranks", "caller")
                     ),
                 ]
             )
-            ms = {way: per_token_ms(t[new_tokens][1:], t[1][1:], new_tokens) for way, t in times.items()}
+            ms = decode_ms(times, new_tokens)
             paired = paired_ratios(times, "caller", new_tokens)
-            steps = {"ranks": [], "asleep": [], "caller": []}
-            for _ in range(rounds + 1):
-                steps["ranks"].append(pool.run(ranks_steps, inputs["input_ids"], new_tokens)[0])
-                steps["asleep"].append(pool.run(ranks_steps, inputs["input_ids"], new_tokens, ASLEEP_MS)[0])
-                served._tpcore_handle.pool.run(set_lookahead, False)  # one served call each, none guessed
-                steps["caller"].append(caller_steps(served, caller_inputs["input_ids"], new_tokens))
-                served._tpcore_handle.pool.run(set_lookahead, True)
-            forward, asleep, served_step = (statistics.median(steps[way][1:]) for way in steps)
+            forward, asleep, served_step = bare_steps(pool, served, inputs, caller_inputs, rounds, new_tokens)
             rows.append(
                 [
                     str(batch),
                     f"{ms['ranks']:.1f}",
                     f"{ms['caller']:.1f}",
-                    f"{statistics.median(paired):.3f} ({min(paired):.3f}-{max(paired):.3f})",
+                    median_range(paired),
                     f"{forward:.2f}",
                     f"{asleep:.2f}",
                     f"{served_step:.2f}",
@@ -302,19 +224,18 @@ def main(argv: list[str] | None = None) -> None:
         "between two forwards, ranks' loop ms",
         "between two forwards, caller's loop ms",
     ]
-    print(plain_table(header, rows))
-    print(plain_table(parts_header, parts_rows))
+    table, parts_table = printed(header, rows), printed(parts_header, parts_rows)
     sections = [
         f"Llama of SmolLM2-135M's widths, {layers} layers, N={args.ranks} {backend} ranks on {args.device}, greedy, "
         f"{new_tokens} new tokens after a 16-token prompt, {rounds} rounds; the caller's inputs and outputs "
         f"{caller_place}, {os.cpu_count()} CPU cores, {caller_threads} in the caller's loops.",
-        markdown_table(header, rows),
+        table,
         "Where the difference is: rank 0's decode forwards in each loop's `generate()` (the hooks' wall time; CUDA "
         "ranks: the host's part), and the time between two forwards: the loop's own work, and in the caller's loop "
         "each served step's round trip. Median and mean over the decode steps of every round (a rare slow step moves "
         "the mean, and ms/token with it). The control column of the first table: the same steps on the ranks, each "
         f"rank asleep {ASLEEP_MS:g} ms before each step, as between the steps of a caller's loop.",
-        markdown_table(parts_header, parts_rows),
+        parts_table,
     ]
     write_result(
         "generation",

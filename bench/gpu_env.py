@@ -33,7 +33,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from xml.etree import ElementTree
 
-from _common import _commit, _version
+from _common import git_commit, installed_version
 
 try:
     import tomllib
@@ -192,7 +192,7 @@ def versions(site: Path, provided: str) -> dict:
 
     info = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "commit": _commit(),
+        "commit": git_commit(),
         "tpcore provided by": provided,
         "python": platform.python_version(),
         "os": f"{platform.system()} {platform.release()}",
@@ -210,10 +210,10 @@ def versions(site: Path, provided: str) -> dict:
     except (AttributeError, RuntimeError) as error:
         info["nccl"] = f"n/a ({error})"
     for name in ("transformers", "safetensors", "pytest", "hypothesis", "cloudpickle", "pluggy"):
-        info[name] = _version(name)
+        info[name] = installed_version(name)
     modules = {"tpcore": "tpcore", **{n: _normalized(n) for n in distribution_names()[1:]}}
     for name, module in modules.items():
-        info[name] = f"{_version(name)} ({_origin(module, site)})"
+        info[name] = f"{installed_version(name)} ({_origin(module, site)})"
     return info
 
 

@@ -14,22 +14,14 @@ and range), and how many guessed steps answered a call. Greedy; every loop gives
 
 from __future__ import annotations
 
-import argparse
 import os
-import statistics
 
 import torch
-from _common import common_arguments, markdown_table, plain_table, write_result
-from generation import (
-    caller_generate,
-    paired_ratios,
-    per_token_ms,
-    prompts,
-    ranks_generate,
-    ranks_load,
-    set_lookahead,
-    spec_for,
-)
+from _common import arguments, parse, printed, write_result
+from _decode import caller_generate, decode_ms, paired_ratios, prompts, ranks_generate, set_lookahead
+from _models import smollm2_spec
+from _ranks import load_split
+from _timing import median_range, rotated
 
 import tpcore
 from tpcore.ranks.process import RankPool
@@ -38,21 +30,20 @@ from tpcore.ranks.process import RankPool
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    common_arguments(parser, "lookahead", "a few tokens, one round")
+    parser = arguments(__doc__, "lookahead", "a few tokens, one round")
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--threads-per-rank", type=int, default=None)
-    args = parser.parse_args(argv)
-    new_tokens, rounds, layers = (6, 1, 2) if args.quick else (args.new_tokens, args.rounds, args.layers)
-    spec = spec_for(layers)
+    args = parse(parser, argv, quick={"new_tokens": 6, "rounds": 1, "layers": 2})
+    new_tokens, rounds, layers = args.new_tokens, args.rounds, args.layers
+    spec = smollm2_spec(layers)
     served = tpcore.parallelize(spec.build(), num_gpus=args.ranks, threads_per_rank=args.threads_per_rank)
     served_pool = served._tpcore_handle.pool
     rows = []
     with RankPool(args.ranks, "gloo", threads_per_rank=args.threads_per_rank) as pool:
-        pool.run(ranks_load, spec)
+        pool.run(load_split, spec, device="cpu")
         for batch in (1, 8):
             inputs = prompts(batch)
             times = {way: {1: [], new_tokens: []} for way in ("ranks", "caller", "lookahead")}
@@ -61,18 +52,17 @@ def main(argv: list[str] | None = None) -> None:
                 for count in (1, new_tokens):
                     seconds, tokens = pool.run(ranks_generate, inputs, count)[0]
                     times["ranks"][count].append(seconds)
-                    for way in ("caller", "lookahead") if round_ % 2 else ("lookahead", "caller"):
+                    for way in rotated(("lookahead", "caller"), round_):
                         served_pool.run(set_lookahead, way == "lookahead")
                         seconds, caller_tokens = caller_generate(served, inputs, count)
                         times[way][count].append(seconds)
                         assert torch.equal(tokens, caller_tokens), f"{way}: the caller's tokens differ"
             counts = served_pool.run(set_lookahead, True)[0]
             used = {"run": counts[0] - before[0], "used": counts[1] - before[1]}
-            ms = {way: per_token_ms(t[new_tokens][1:], t[1][1:], new_tokens) for way, t in times.items()}
+            ms = decode_ms(times, new_tokens)
             row = [str(batch), f"{ms['ranks']:.2f}"]
             for way in ("caller", "lookahead"):
-                ratios = paired_ratios(times, way, new_tokens)
-                row += [f"{ms[way]:.2f}", f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})"]
+                row += [f"{ms[way]:.2f}", median_range(paired_ratios(times, way, new_tokens))]
             rows.append([*row, f"{used['used']}/{used['run']}"])
     served.deparallelize()
     header = [
@@ -84,13 +74,13 @@ def main(argv: list[str] | None = None) -> None:
         "with lookahead / ranks (range)",
         "guessed forwards used / run",
     ]
-    print(plain_table(header, rows))
+    table = printed(header, rows)
     threads = args.threads_per_rank or max(1, (os.cpu_count() or 1) // args.ranks)
     sections = [
         f"Llama of SmolLM2-135M's widths, {layers} layers, N={args.ranks} gloo ranks of {threads} intra-op "
         f"thread(s) each, {os.cpu_count()} CPU cores, greedy, {new_tokens} new tokens after a 16-token prompt, "
         f"{rounds} rounds. ms/token: from the medians of the rounds; ratios: the median of the rounds' own.",
-        markdown_table(header, rows),
+        table,
     ]
     write_result(
         "lookahead", "Decode ms/token with the ranks guessing the next step", sections, "gloo", args.note, args.output

@@ -13,17 +13,13 @@ model, the median ms of a forward on the ranks, and the bytes one row all-reduce
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
-import sys
-import time
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import common_arguments, markdown_table, plain_table, write_result  # noqa: E402
+from _common import arguments, markdown_table, parse, plain_table, write_result
+from _ranks import load_split
+from _timing import timed_calls
 
 WAYS = ("bf16", "fp32")
 
@@ -42,22 +38,15 @@ def reduce_in(way: str):
 
 def rank_logits(context, spec, inputs: dict, repeats: int) -> dict:
     """On a rank: split ``spec`` in bf16, then per way the logits (rank 0) and the forward's ms."""
-    from tpcore import ParallelEngine
     from tpcore.parallel import layers
 
-    model = spec.build()
-    engine = ParallelEngine(context.world_size, context.backend, dtype=torch.bfloat16, process_group=context.tp_group)
-    engine.parallelize(model)
+    load_split(context, spec, dtype=torch.bfloat16)
+    model = context.store["bench_model"]
     results = {}
     for way in WAYS:
         layers.reduce_partial_sums = reduce_in(way)
-        times = []
         with torch.inference_mode():
-            for i in range(repeats + 1):
-                start = time.perf_counter()
-                logits = model(**inputs).logits
-                if i:
-                    times.append(time.perf_counter() - start)
+            times, logits = timed_calls(lambda: model(**inputs).logits, 1, repeats)
         results[way] = (logits.float() if context.rank == 0 else None, statistics.median(times) * 1e3)
     return results
 
@@ -87,15 +76,12 @@ def specs():
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__, "partial_sums", "N=2, 2 timed forwards")
     parser.add_argument("--ranks", default="2,4", help="world sizes dividing 4 (KV heads), comma-separated")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=10, help="timed forwards per way (default 10)")
-    common_arguments(parser, "partial_sums", "N=2, 2 timed forwards")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.ranks, args.repeats = "2", 2
+    args = parse(parser, argv, quick={"ranks": "2", "repeats": 2})
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     from tpcore.load.precision import cast_model

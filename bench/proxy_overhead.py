@@ -20,49 +20,27 @@ The proxy overhead is ``proxy - SPMD``. Writes ``bench/results/proxy_overhead.md
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
 from dataclasses import dataclass
 
 import torch
-from _common import choose_backend, common_arguments, markdown_table, median_ms, plain_table, write_result
+from _common import arguments, choose_backend, markdown_table, parse, plain_table, write_result
+from _models import BERT_VOCAB, bert_arguments, bert_spec, parameter_count
+from _ranks import load_split
+from _timing import median_ms, slowest_rank, spread_ms, timed_calls
 
 # --- run on the ranks (module-level, so cloudpickle sends them by value from __main__) -------------
-
-
-def spmd_load(context, spec) -> int:
-    """Build the seeded model, split it over the pool's group, keep it; return its parameter count."""
-    from tpcore import ParallelEngine
-
-    model = spec.build()
-    ParallelEngine(context.world_size, context.backend, process_group=context.tp_group).parallelize(model)
-    context.store["bench_model"] = model
-    return sum(p.numel() for p in model.parameters())
 
 
 def spmd_time(context, inputs: dict, warmup: int, repeats: int):
     """Run the forward ``warmup + repeats`` times back to back; return each timed call's seconds
     (and rank 0's last output, to check it against the unsplit model)."""
-    import time
-
-    import torch
-
     model = context.store["bench_model"]
     inputs = {k: v.to(context.device) for k, v in inputs.items()}
-    cuda = context.device.type == "cuda"
-    times = []
     with torch.inference_mode():
-        for i in range(warmup + repeats):
-            if cuda:
-                torch.cuda.synchronize(context.device)
-            start = time.perf_counter()
-            output = model(**inputs)
-            if cuda:
-                torch.cuda.synchronize(context.device)
-            if i >= warmup:
-                times.append(time.perf_counter() - start)
+        times, output = timed_calls(lambda: model(**inputs), warmup, repeats, context.device)
     if context.rank != 0:
         return times, None
     context.store["bench_output"] = output
@@ -106,68 +84,33 @@ def make_inputs(batch: int, seq: int, vocab: int) -> dict:
 
 
 def time_local(model, inputs: dict, warmup: int, repeats: int, device: torch.device):
-    times = []
     inputs = {k: v.to(device) for k, v in inputs.items()}
-    cuda = device.type == "cuda"
     with torch.inference_mode():
-        for i in range(warmup + repeats):
-            if cuda:
-                torch.cuda.synchronize(device)
-            start = time.perf_counter()
-            output = model(**inputs)
-            if cuda:
-                torch.cuda.synchronize(device)
-            if i >= warmup:
-                times.append(time.perf_counter() - start)
+        times, output = timed_calls(lambda: model(**inputs), warmup, repeats, device)
     return times, output.last_hidden_state.cpu()
 
 
 def time_proxy(model, inputs: dict, warmup: int, repeats: int):
     """Timed in the caller: CPU inputs in, CPU outputs back, as a user of parallelize() sees it."""
-    times = []
     with torch.inference_mode():
-        for i in range(warmup + repeats):
-            start = time.perf_counter()
-            output = model(**inputs)
-            if i >= warmup:
-                times.append(time.perf_counter() - start)
+        times, output = timed_calls(lambda: model(**inputs), warmup, repeats)
     return times, output.last_hidden_state
 
 
-def time_noop(pool, repeats: int) -> list[float]:
-    times = []
-    for i in range(repeats + 3):
-        start = time.perf_counter()
-        pool.run(noop)
-        if i >= 3:
-            times.append(time.perf_counter() - start)
-    return times
-
-
 def time_transport(pool, inputs: dict, repeats: int) -> tuple[list[float], int]:
-    times = []
-    for i in range(repeats + 2):
-        start = time.perf_counter()
-        output = pool.run(transport, inputs)[0]
-        if i >= 2:
-            times.append(time.perf_counter() - start)
+    times, output = timed_calls(lambda: pool.run(transport, inputs)[0], 2, repeats)
     moved = sum(t.numel() * t.element_size() for t in [*inputs.values(), *output.values()])
     return times, moved
 
 
 def quartiles_ms(seconds: list[float]) -> str:
-    if len(seconds) < 2:
-        return f"{seconds[0] * 1e3:.2f}"
-    q1, _, q3 = statistics.quantiles(seconds, n=4)
-    return f"{q1 * 1e3:.2f} - {q3 * 1e3:.2f}"
+    return spread_ms(seconds, digits=2, method="exclusive")
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__, "proxy_overhead", "1 round, few calls, 2 layers")
     parser.add_argument("--ranks", type=int, default=2, help="ranks N of the split model (default 2)")
-    parser.add_argument("--layers", type=int, default=4, help="encoder layers (bert-base has 12; default 4)")
-    parser.add_argument("--hidden", type=int, default=768)
-    parser.add_argument("--heads", type=int, default=12)
+    bert_arguments(parser, 4, "encoder layers (bert-base has 12; default 4)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of the unsplit run (default 2)")
     parser.add_argument("--backend", default=None, help="gloo or nccl; default: NCCL with a GPU per rank, else gloo")
     parser.add_argument("--rounds", type=int, default=10, help="interleaved rounds of the three ways (default 10)")
@@ -175,11 +118,7 @@ def parse_args(argv=None):
     parser.add_argument("--large", default="8x256", help="large input, BATCHxSEQ (default 8x256)")
     parser.add_argument("--small-repeats", type=int, default=10, help="timed calls per round and way (default 30)")
     parser.add_argument("--large-repeats", type=int, default=1, help="timed calls per round and way (default 4)")
-    common_arguments(parser, "proxy_overhead", "1 round, few calls, 2 layers")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.rounds, args.small_repeats, args.large_repeats, args.layers = 2, 5, 1, 2
-    return args
+    return parse(parser, argv, quick={"rounds": 2, "small_repeats": 5, "large_repeats": 1, "layers": 2})
 
 
 def parse_shape(text: str) -> tuple[int, int]:
@@ -190,24 +129,13 @@ def parse_shape(text: str) -> tuple[int, int]:
 def main(argv=None) -> None:
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import BertConfig, BertModel
-
     import tpcore
     from tpcore.ranks.process import RankPool
-    from tpcore.testing import ModelSpec
 
     backend = choose_backend(args.backend, args.ranks)
     torch.set_num_threads(args.threads)
     device = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
-    config = BertConfig(
-        hidden_size=args.hidden,
-        num_attention_heads=args.heads,
-        intermediate_size=4 * args.hidden,
-        num_hidden_layers=args.layers,
-        vocab_size=30522,
-        max_position_embeddings=512,
-    )
-    spec = ModelSpec(BertModel, config, seed=0)
+    spec = bert_spec(args.layers, args.hidden, args.heads)
     small, large = parse_shape(args.small), parse_shape(args.large)
     cases = [
         Case("small", *small, warmup=5, repeats=args.small_repeats, transport_repeats=50),
@@ -217,7 +145,7 @@ def main(argv=None) -> None:
 
     unsplit = spec.build().to(device)
     served = spec.build()
-    parameters = sum(p.numel() for p in unsplit.parameters())
+    parameters = parameter_count(unsplit)
     print(
         f"BertModel {args.layers} layers, hidden {args.hidden}, {args.heads} heads: {parameters / 1e6:.1f} M parameters"
     )
@@ -226,7 +154,7 @@ def main(argv=None) -> None:
 
     started = time.perf_counter()
     spmd_pool = RankPool(args.ranks, backend)
-    spmd_pool.run(spmd_load, spec)
+    spmd_pool.run(load_split, spec)
     tpcore.parallelize(served, num_gpus=args.ranks, backend=backend)
     setup_s = time.perf_counter() - started
     times: dict[tuple[str, str], list[float]] = {}
@@ -235,12 +163,12 @@ def main(argv=None) -> None:
     diffs: dict[str, float] = {}
     try:
         for case in cases:
-            inputs = make_inputs(case.batch, case.seq, config.vocab_size)
+            inputs = make_inputs(case.batch, case.seq, BERT_VOCAB)
             for round_ in range(args.rounds):
                 warmup = case.warmup if round_ == 0 else 0  # the three stay warm between rounds
                 local, reference = time_local(unsplit, inputs, warmup, case.repeats, device)
                 results = spmd_pool.run(spmd_time, inputs, warmup, case.repeats)
-                spmd = [max(per_rank) for per_rank in zip(*(rank_times for rank_times, _ in results), strict=True)]
+                spmd = slowest_rank([rank_times for rank_times, _ in results])
                 proxy, proxied = time_proxy(served, inputs, warmup, case.repeats)
                 for way, values in (("unsplit", local), ("spmd", spmd), ("proxy", proxy)):
                     times.setdefault((case.name, way), []).extend(values)
@@ -255,7 +183,8 @@ def main(argv=None) -> None:
                     f"SPMD {median_ms(spmd):.2f} ms, proxy {median_ms(proxy):.2f} ms"
                 )
             moved[case.name] = time_transport(spmd_pool, inputs, case.transport_repeats)
-        roundtrip = time_noop(served._tpcore_handle.pool, 100 if not args.quick else 10)
+        pool = served._tpcore_handle.pool
+        roundtrip, _ = timed_calls(lambda: pool.run(noop), 3, 100 if not args.quick else 10)
     finally:
         served.deparallelize()
         spmd_pool.close()

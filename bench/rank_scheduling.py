@@ -17,29 +17,22 @@ count that chance alone keeps near half). Linux only (the policies are Linux's).
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
 
-from _common import common_arguments, markdown_table, plain_table, write_result
-from generation import caller_generate, per_token_ms, prompts, spec_for
+from _common import arguments, parse, printed, write_result
+from _decode import caller_generate, prompts
+from _models import smollm2_spec
+from _ranks import schedule_rank
+from _timing import median_range, per_token_ms, rotated
 
 import tpcore
 
 POLICIES = {"batch": getattr(os, "SCHED_BATCH", None), "default": getattr(os, "SCHED_OTHER", None)}
 
 
-def schedule_rank(context, policy: int) -> None:
-    """On a rank: ``policy`` for each of its threads."""
-    for thread in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setscheduler(int(thread), policy, os.sched_param(0))
-        except OSError:  # a thread that has just ended
-            pass
-
-
-def decode_ms(model, inputs: dict, new_tokens: int) -> float:
+def ms_per_token(model, inputs: dict, new_tokens: int) -> float:
     """ms/token of one pair of runs (``new_tokens`` and 1 new token) of the caller's ``generate()``."""
     long, _ = caller_generate(model, inputs, new_tokens)
     short, _ = caller_generate(model, inputs, 1)
@@ -51,9 +44,9 @@ def compare(model, batch: int, rounds: int, new_tokens: int) -> list[str]:
     pool = model._tpcore_handle.pool
     ms: dict[str, list[float]] = {name: [] for name in POLICIES}
     for round_ in range(rounds + 1):  # the first round warms up
-        for name in sorted(POLICIES, reverse=round_ % 2 == 1):
+        for name in rotated(sorted(POLICIES), round_):
             pool.run(schedule_rank, POLICIES[name])
-            figure = decode_ms(model, inputs, new_tokens)
+            figure = ms_per_token(model, inputs, new_tokens)
             if round_:
                 ms[name].append(figure)
     pool.run(schedule_rank, POLICIES["default"])  # as tpcore left them
@@ -63,23 +56,22 @@ def compare(model, batch: int, rounds: int, new_tokens: int) -> list[str]:
         str(batch),
         f"{statistics.median(ms['default']):.2f}",
         f"{statistics.median(ms['batch']):.2f}",
-        f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})",
+        median_range(ratios),
         f"{faster}/{len(ratios)}",
     ]
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    common_arguments(parser, "rank_scheduling", "a few tokens, one round")
+    parser = arguments(__doc__, "rank_scheduling", "a few tokens, one round")
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=31)
-    args = parser.parse_args(argv)
+    args = parse(parser, argv, quick={"new_tokens": 6, "rounds": 1, "layers": 2})
     if POLICIES["batch"] is None:
         print("SCHED_BATCH is Linux's: nothing to compare here")
         sys.exit(0)
-    new_tokens, rounds, layers = (6, 1, 2) if args.quick else (args.new_tokens, args.rounds, args.layers)
-    model = tpcore.parallelize(spec_for(layers).build(), num_gpus=2)
+    new_tokens, rounds, layers = args.new_tokens, args.rounds, args.layers
+    model = tpcore.parallelize(smollm2_spec(layers).build(), num_gpus=2)
     try:
         rows = [compare(model, batch, rounds, new_tokens) for batch in (1, 8)]
     finally:
@@ -91,12 +83,12 @@ def main(argv: list[str] | None = None) -> None:
         "batch / default: median of rounds (range)",
         "batch faster",
     ]
-    print(plain_table(header, rows))
+    table = printed(header, rows)
     sections = [
         f"Llama of SmolLM2-135M's widths, {layers} layers, N=2 gloo ranks, greedy, {new_tokens} new tokens after a "
         f"16-token prompt, {rounds} rounds; the caller's loop (`generate()` in this process), the ranks' policy "
         "switched between runs. ms/token: the median of the rounds.",
-        markdown_table(header, rows),
+        table,
     ]
     write_result(
         "rank_scheduling",

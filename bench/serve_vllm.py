@@ -25,126 +25,23 @@ Writes ``bench/results/serve_vllm.md``.
 from __future__ import annotations
 
 import argparse
-import os
 import re
-import shlex
-import signal
-import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
 import torch
-from _common import common_arguments, markdown_table, plain_table, write_result
-from serve import CLIENTS, SENTENCES, load, measure, minilm, smollm2_shaped
-
-from tpcore.serve import free_port
-
-#: what CPU vLLM's documentation asks to set: KV cache GiB per rank, the cores each rank's OpenMP threads bind
-KV_CACHE_GIB = "1"
-
-
-def vllm_environment(tp: int) -> dict[str, str]:
-    """The environment variables ``vllm serve`` runs with at tensor_parallel_size ``tp``."""
-    cores = os.cpu_count() or 1
-    if tp == 1:
-        bind = f"0-{cores - 1}"
-    else:  # each rank its own share of the cores, as tpcore's ranks get
-        share = max(cores // tp, 1)
-        bind = "|".join(f"{r * share}-{r * share + share - 1}" if share > 1 else str(r) for r in range(tp))
-    return {"VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB, "VLLM_CPU_OMP_THREADS_BIND": bind}
-
-
-def vllm_command(python: str, directory: str, tp: int, port: int, args, extra: tuple[str, ...] = ()) -> list[str]:
-    command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", directory, "--served-model-name"]
-    command += ["bench", "--host", "127.0.0.1", "--port", str(port)]
-    command += ["--tensor-parallel-size", str(tp), "--dtype", "float32", "--max-model-len", str(args.max_model_len)]
-    command += ["--max-num-seqs", "16"]  # tpcore's Limits(max_batch=16)
-    if tp > 1:
-        command += ["--distributed-executor-backend", "mp"]
-    if args.enforce_eager:
-        command.append("--enforce-eager")
-    return command + list(extra)
-
-
-def vllm_versions(python: str) -> dict[str, str] | None:
-    """Versions in vLLM's own venv, None where ``import vllm`` fails there."""
-    code = "import vllm\n"
-    code += "from importlib import metadata as m\nfor d in ('vllm-cpu', 'torch', 'transformers'):\n"
-    code += "    try: print(d, m.version(d))\n    except m.PackageNotFoundError: print(d, 'not installed')"
-    done = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=300)
-    if done.returncode:
-        print(done.stderr[-2000:])
-        return None
-    return dict(line.split(" ", 1) for line in done.stdout.splitlines())
-
-
-def stop(process: subprocess.Popen) -> None:
-    """End the server and every process it started (its own process group), no orphans."""
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-    try:  # workers left behind in the group
-        os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
-def last_error(text: str) -> str:
-    """The log's last line that names an error (its Python exception), stripped."""
-    named = re.compile(r"\w+Error\b|Value error")
-    lines = [line.strip() for line in text.splitlines() if named.search(line) and "https://" not in line]
-    return lines[-1].split(" [type=")[0] if lines else "no error line in its log"
+from _common import arguments, parse, printed, write_result
+from _models import smollm2_checkpoint
+from _serving import CLIENTS, embedding_body, generation_body, measure, minilm, sweep
+from _vllm_server import VllmServer, vllm_command, vllm_environment, vllm_versions
 
 
 def measure_vllm(python: str, directory: str, tp: int, path: str, make_body, per_client: int, args, extra=()):
     """``({clients: (requests/s, p50 s, p95 s)}, seconds to /health, command line)`` for vLLM's server."""
-    port = free_port()
-    command = vllm_command(python, directory, tp, port, args, extra)
-    environment = vllm_environment(tp)
-    shown = " ".join(f"{k}={v}" for k, v in environment.items()) + " " + shlex.join(command)
-    print(f"  {shown}", flush=True)
-    log = Path(directory).parent / f"vllm_tp{tp}.log"
-    url = f"http://127.0.0.1:{port}"
-    started = time.perf_counter()
-    with open(log, "w") as output:
-        process = subprocess.Popen(
-            command, env={**os.environ, **environment}, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    figures = {}
-    try:
-        while True:
-            if process.poll() is not None:
-                print(log.read_text()[-4000:])
-                raise RuntimeError(f"exited {process.returncode}: {last_error(log.read_text())}")
-            if time.perf_counter() - started > args.start_timeout:
-                print(log.read_text()[-4000:])
-                raise RuntimeError(f"not healthy after {args.start_timeout:.0f} s")
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(2)
-        startup = time.perf_counter() - started
-        print(f"  vLLM tp={tp} healthy after {startup:.0f} s", flush=True)
-        load(url, path, [make_body(0)], 1)  # warm-up
-        for clients in CLIENTS:
-            bodies = [make_body(i) for i in range(per_client * clients)]
-            seconds, latencies = load(url, path, bodies, clients)
-            quantiles = statistics.quantiles(latencies, n=20) if len(latencies) > 1 else latencies * 19
-            figures[clients] = (len(bodies) / seconds, statistics.median(latencies), quantiles[18])
-            print(f"  vLLM tp={tp} {clients:>2} clients: {figures[clients][0]:.2f} req/s", flush=True)
-    finally:
-        stop(process)
-    return figures, startup, shown
+    with VllmServer(python, directory, tp, args, extra) as server:
+        figures = sweep(server.url, path, make_body, per_client, f"vLLM tp={tp}")
+    return figures, server.startup, server.shown
 
 
 def table(columns: dict[str, dict]) -> tuple[list[str], list[list[str]]]:
@@ -163,7 +60,7 @@ def table(columns: dict[str, dict]) -> tuple[list[str], list[list[str]]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__, "serve_vllm", "2 layers, 8 new tokens, 1 request a client")
     parser.add_argument("--vllm-python", default=sys.executable, help="the python of vLLM's own venv")
     parser.add_argument("--layers", type=int, default=30, help="layers of the SmolLM2-shaped model (30: its own)")
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -175,26 +72,19 @@ def main() -> None:
     parser.add_argument("--skip-tpcore", action="store_true", help="measure vLLM only")
     parser.add_argument("--embeddings", action="store_true", help="also all-MiniLM-L6-v2 embeddings")
     parser.add_argument("--skip-generation", action="store_true", help="no generation section")
-    common_arguments(parser, "serve_vllm", "2 layers, 8 new tokens, 1 request a client")
-    args = parser.parse_args()
+    args = parse(parser, quick={"layers": 2, "new_tokens": 8, "per_client": 1})
     versions = vllm_versions(args.vllm_python) if Path(args.vllm_python).exists() else None
     if versions is None:
         print(f"vLLM does not import in {args.vllm_python}: it needs a venv of its own (see this script's docstring);")
         print("skipped.")
         sys.exit(0)
-    layers, new_tokens, per_client = (2, 8, 1) if args.quick else (args.layers, args.new_tokens, args.per_client)
-    generator = torch.Generator().manual_seed(0)  # the prompts of serve.py
-    prompts = [torch.randint(1, 49152, (32,), generator=generator).tolist() for _ in range(16 * per_client)]
-
-    def body(i: int) -> dict:
-        return {"model": "bench", "prompt": prompts[i % len(prompts)], "max_tokens": new_tokens,
-                "temperature": 0, "ignore_eos": True}  # fmt: skip
-
+    layers, new_tokens, per_client = args.layers, args.new_tokens, args.per_client
+    body = generation_body(per_client, new_tokens)  # the prompts of serve.py
     sections = []
     with tempfile.TemporaryDirectory() as parent:
         if not args.skip_generation:
             directory = str(Path(parent) / "smollm2_shaped")
-            smollm2_shaped(Path(directory), layers)
+            smollm2_checkpoint(Path(directory), layers)
             print(f"generation: SmolLM2-shaped Llama, {layers} layers, {new_tokens} new tokens")
             title = f"Generation: SmolLM2-135M-shaped Llama (random init, {layers} layers), {new_tokens} new tokens"
             sections += compare(f"{title}, greedy", directory, "/v1/completions", body, per_client, args)
@@ -215,10 +105,6 @@ def main() -> None:
     write_result("serve_vllm", "tpcore serve against vLLM's CPU build", sections, "gloo", args.note, args.output)
 
 
-def embedding_body(i: int) -> dict:
-    return {"model": "bench", "input": SENTENCES[i % len(SENTENCES)]}
-
-
 def compare(title: str, directory: str, path: str, body, per_client: int, args, extra=()) -> list[str]:
     """tpcore whole and N=2, then vLLM at each ``--tp``, on the model of ``directory``: a section and its
     settings (vLLM's command lines, its start times, what could not be measured and why)."""
@@ -228,7 +114,7 @@ def compare(title: str, directory: str, path: str, body, per_client: int, args, 
         columns["tpcore N=2"] = measure(directory, 2, path, body, per_client)
     for tp in args.tp:
         environment = " ".join(f"{k}={v}" for k, v in vllm_environment(tp).items())
-        command = " ".join(vllm_command("python", "<model dir>", tp, 0, args, extra))
+        command = " ".join(vllm_command("python", "<model dir>", tp, 0, args.max_model_len, args.enforce_eager, extra))
         shown = f"{environment} {command}".replace("--port 0", "--port <free port>")
         try:
             figures, startup, shown = measure_vllm(args.vllm_python, directory, tp, path, body, per_client, args, extra)
@@ -240,13 +126,12 @@ def compare(title: str, directory: str, path: str, body, per_client: int, args, 
         shown = shown.replace(directory, "<model dir>").replace(args.vllm_python, "python")
         commands.append(re.sub(r"--port \d+", "--port <free port>", shown))
         startups.append(f"tp={tp}: {startup:.0f} s")
-    header, rows = table(columns)
-    print(plain_table(header, rows))
+    figures = printed(*table(columns))
     notes = ["vLLM command lines (`<model dir>`: the model directory):", ""]
     notes += [f"    {command}" for command in commands]
     notes += ["", f"vLLM start to /health (loading, compiling, warm-up): {', '.join(startups) or 'none started'}."]
     notes += ["", *failures] if failures else []
-    return [f"## {title}\n\n{markdown_table(header, rows)}\n\n" + "\n".join(notes)]
+    return [f"## {title}\n\n{figures}\n\n" + "\n".join(notes)]
 
 
 if __name__ == "__main__":

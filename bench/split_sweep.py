@@ -23,15 +23,12 @@ Writes ``bench/results/split_sweep.md`` and ``split_sweep.json``.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import io
 import json
 import time
-import warnings
 
-from _common import common_arguments, first_line, markdown_table, result_path, write_result
-from tp_plan_coverage import model_class_for, planned_model_types
+from _common import arguments, first_line, markdown_table, parse, result_path, write_result
+from _model_types import check_each, model_class_for, planned_model_types, quiet
 
 QUICK = ("llama", "deepseek_v2", "bert")
 MAX_WORLD_SIZE = 5
@@ -137,39 +134,26 @@ def sweep_pair(spec, model, inputs, world_size: int, pools) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__, "split_sweep", f"only {', '.join(QUICK)}")
     parser.add_argument("--only", nargs="*", help="model types to sweep (default: every claimed one)")
     parser.add_argument("--budget", type=float, default=None, help="seconds after which no new model type starts")
-    common_arguments(parser, "split_sweep", f"only {', '.join(QUICK)}")
-    args = parser.parse_args()
+    args = parse(parser)
     if args.quick and not args.only:
         args.only = list(QUICK)
 
     import logging
 
-    import transformers
-
-    from tpcore.testing import PoolCache
-
-    transformers.logging.set_verbosity_error()
+    quiet()
     logging.getLogger("tpcore").setLevel(logging.ERROR)  # the ranks log at the caller's level: no plan warnings
-    warnings.filterwarnings("ignore")
     types = claimed_model_types()
-    skipped = []
     if args.only:
         types = {name: types[name] for name in args.only if name in types}
-    rows, started = [], time.perf_counter()
-    with PoolCache() as pools:
-        for model_type, config_class in types.items():
-            if args.budget is not None and time.perf_counter() - started > args.budget:
-                skipped.append(model_type)
-                continue
-            with contextlib.redirect_stdout(io.StringIO()):
-                found = sweep_one(model_type, config_class, pools)
-            for row in found:
-                rows.append(row)
-                print(f"{row['outcome']:<22} {model_type:<28} {row['world_size'] or '-'}  {row['detail']}", flush=True)
-    seconds = time.perf_counter() - started
+    rows, seconds, skipped = check_each(
+        types,
+        sweep_one,
+        lambda row: f"{row['outcome']:<22} {row['type']:<28} {row['world_size'] or '-'}  {row['detail']}",
+        budget=args.budget,
+    )
     write_report(rows, skipped, len(types), seconds, args)
 
 

@@ -22,52 +22,16 @@ Writes ``bench/results/tp_plan_coverage.md``.
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import io
 import re
-import time
-import warnings
 
-from _common import common_arguments, markdown_table, write_result
+from _common import arguments, markdown_table, parse, write_result
+from _model_types import check_each, model_class_for, planned_model_types, quiet
 
 #: the model types of a --quick run: a dense decoder, one with grouped KV heads, a mixture of experts
 QUICK = ("llama", "qwen2", "mixtral")
 GATHERS = {"colwise_gather_output"}
 REDUCED_LINEARS = {"rowwise", "rowwise_split_input"}
 REDUCED_MODULES = {"moe_tp_experts", "all_reduce"}
-
-
-def planned_model_types() -> dict[str, type]:
-    """``{model_type: config class}`` of every config class carrying a tp plan itself or in a sub-config."""
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    found = {}
-    for model_type in sorted(CONFIG_MAPPING.keys()):
-        try:
-            config_class = CONFIG_MAPPING[model_type]
-        except Exception:  # a config module that does not import here
-            continue
-        subs = (getattr(config_class, "sub_configs", None) or {}).values()
-        if getattr(config_class, "base_model_tp_plan", None) or any(
-            getattr(sub, "base_model_tp_plan", None) for sub in subs
-        ):
-            found[model_type] = config_class
-    return found
-
-
-def model_class_for(model_type: str):
-    """The causal-LM class of ``model_type``, else its base model class (None if transformers has neither)."""
-    import transformers
-    from transformers.models.auto import modeling_auto
-
-    for names in (modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, modeling_auto.MODEL_MAPPING_NAMES):
-        name = names.get(model_type)
-        name = name[0] if isinstance(name, (list, tuple)) else name
-        model_class = getattr(transformers, name, None) if name else None
-        if model_class is not None:
-            return model_class
-    return None
 
 
 def plan_collectives(block, rules: dict[str, str]) -> tuple[int, int]:
@@ -184,31 +148,22 @@ def check_one(model_type: str, config_class, pools, world_size: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__, "tp_plan_coverage", f"only {', '.join(QUICK)}")
     parser.add_argument("--only", nargs="*", help="model types to check (default: every one with a tp plan)")
     parser.add_argument("--world-size", type=int, default=2)
-    common_arguments(parser, "tp_plan_coverage", f"only {', '.join(QUICK)}")
-    args = parser.parse_args()
+    args = parse(parser)
     if args.quick and not args.only:
         args.only = list(QUICK)
 
-    import transformers
-
-    from tpcore.testing import PoolCache
-
-    transformers.logging.set_verbosity_error()
-    warnings.filterwarnings("ignore")
+    quiet()
     types = planned_model_types()
     if args.only:
         types = {name: types[name] for name in args.only if name in types}
-    rows, started = [], time.perf_counter()
-    with PoolCache() as pools:
-        for model_type, config_class in types.items():
-            with contextlib.redirect_stdout(io.StringIO()):
-                row = check_one(model_type, config_class, pools, args.world_size)
-            rows.append(row)
-            print(f"{row['status']:<8} {model_type:<32} {row['reason']}", flush=True)
-    seconds = time.perf_counter() - started
+    rows, seconds, _ = check_each(
+        types,
+        lambda model_type, config_class, pools: check_one(model_type, config_class, pools, args.world_size),
+        lambda row: f"{row['status']:<8} {row['type']:<32} {row['reason']}",
+    )
     covered = [row for row in rows if row["status"] == "covered"]
     summary = (
         f"{len(covered)} of {len(rows)} model types whose config carries a `base_model_tp_plan` derive a policy "

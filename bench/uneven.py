@@ -18,21 +18,14 @@ Writes ``bench/results/uneven.md``.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import math
 
-from _common import MIB, choose_backend, common_arguments, markdown_table, plain_table, write_result
+from _common import MIB, arguments, choose_backend, markdown_table, parse, plain_table, write_result
+from _models import SMOLLM2_135M
 
 SHAPES = {
-    "SmolLM2-135M": (
-        "LlamaForCausalLM",
-        "LlamaConfig",
-        dict(
-            hidden_size=576, num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536,
-            num_hidden_layers=30, vocab_size=49152, tie_word_embeddings=True,
-        ),
-    ),
+    "SmolLM2-135M": ("LlamaForCausalLM", "LlamaConfig", dict(SMOLLM2_135M, tie_word_embeddings=True)),
     "Qwen2.5-0.5B": (
         "Qwen2ForCausalLM",
         "Qwen2Config",
@@ -138,13 +131,10 @@ def measured_rows(layers: int, world_sizes, backend: str | None) -> list[list[st
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__, "uneven", "1 layer")
     parser.add_argument("--layers", type=int, default=4, help="layers of the measured model (default 4)")
     parser.add_argument("--backend", choices=("gloo", "nccl"), default=None)
-    common_arguments(parser, "uneven", "1 layer")
-    args = parser.parse_args()
-    if args.quick:
-        args.layers = 1
+    args = parse(parser, quick={"layers": 1})
 
     header = [
         "model",
