@@ -19,7 +19,8 @@ what serving adds to each step. Rank 0's forward is also given apart for the cal
 
 While the ranks compute, the caller sleeps in its waits; every other stage is the caller's CPU on the critical
 path of a step. A stage's CPU here is several times its cost in a warm loop: between two steps the ranks'
-compute on the same cores leaves the caller's caches cold.
+compute on the same cores leaves the caller's caches cold. The ranks' lookahead is off here (every step is a
+forward of the ranks, none answered from a guessed step: ``lookahead.py`` measures that).
 
     python bench/call_stages.py                   # batch 1 and 8, about a minute
     python bench/call_stages.py --batch-policy    # the ranks scheduled as batch work (bench/rank_scheduling.py)
@@ -34,12 +35,12 @@ import statistics
 import time
 
 from _common import arguments, parse, printed, write_result
-from _decode import prompts
+from _decode import prompts, set_lookahead
 from _models import smollm2_spec
 from _ranks import forward_spans, mark_forwards, schedule_rank
 
 import tpcore
-from tpcore.ranks import process
+from tpcore.ranks import process, replies
 
 
 def marked(marks: list, label: str, function):
@@ -97,16 +98,15 @@ def stages(batch: int, layers: int, new_tokens: int, batch_policy: bool = False)
     handle.pool.run(mark_forwards, "model")
     if batch_policy:  # the ranks scheduled as batch work (bench/rank_scheduling.py), not as any process is
         handle.pool.run(schedule_rank, os.SCHED_BATCH)
-    originals = {name: getattr(process, name) for name in ("_encoded", "recv")}
-    wait = process._Readable.wait
-    send = process.RankPool._send
+    handle.pool.run(set_lookahead, False)  # every step a forward of the ranks, none answered from a guess
+    encoded, send, read, wait = process._encoded, process.RankPool._send, replies.recv, replies.Readable.wait
     per_stage: dict[str, list[tuple[float, float]]] = {}
     split: dict[str, list[float]] = {}
     steps = 0
     try:
-        process._encoded = marked(marks, "pickle", originals["_encoded"])
-        process.recv = marked(marks, "read reply", originals["recv"])
-        process._Readable.wait = marked(marks, "wait", wait)
+        process._encoded = marked(marks, "pickle", encoded)
+        replies.recv = marked(marks, "read reply", read)
+        replies.Readable.wait = marked(marks, "wait", wait)
         process.RankPool._send = marked(marks, "send", send)
         model.forward = functools.wraps(type(model).forward)(functools.partial(marked(marks, "call", handle.call), ""))
         inputs = prompts(batch)
@@ -132,10 +132,9 @@ def stages(batch: int, layers: int, new_tokens: int, batch_policy: bool = False)
                     stage = first.removesuffix(" start") if own else f"{first} -> {then}"
                     per_stage.setdefault(stage, []).append(((cpu1 - cpu0) / 1e6, (wall1 - wall0) / 1e6))
     finally:
-        for name, function in originals.items():
-            setattr(process, name, function)
-        process.RankPool._send = send
-        process._Readable.wait = wait
+        process._encoded, process.RankPool._send = encoded, send
+        replies.recv = read
+        replies.Readable.wait = wait
         model.deparallelize()
     rows = []
     for stage, times in per_stage.items():

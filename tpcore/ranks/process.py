@@ -34,24 +34,22 @@ import atexit
 import contextlib
 import datetime
 import logging
-import math
 import os
 import pickle
 import secrets
-import select
 import subprocess
 import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from multiprocessing.connection import wait
 from typing import TYPE_CHECKING, Any
 
 from tpcore import log
 from tpcore.ranks.failures import WorkerDiedError, WorkerError, reraise
 from tpcore.ranks.handshake import ControlListener
 from tpcore.ranks.rank_processes import raise_if_exited, rank_died, spawn_ranks, stop_ranks, stopping_thread
-from tpcore.ranks.wire import byte_view, encode, recv
+from tpcore.ranks.replies import Replies
+from tpcore.ranks.wire import byte_view, encode
 from tpcore.ranks.worker import RankContext
 
 if TYPE_CHECKING:
@@ -61,8 +59,6 @@ __all__ = ["RankContext", "RankPool", "WorkerDiedError", "WorkerError", "reraise
 
 START_TIMEOUT_S = 180.0
 CALL_TIMEOUT_S = 600.0
-#: after one rank fails, how long the others get to answer before the pool is presumed stuck
-ERROR_GRACE_S = 3.0
 #: how long the ranks a failed call leaves idle get to stop politely before they are killed
 STOP_GRACE_S = 3.0
 
@@ -339,48 +335,10 @@ class RankPool:
         wanted: list[int] | None = None,
         on_progress: Callable[[int, int], None] | None = None,
     ) -> dict[int, Any]:
-        """A reply from each of ``ranks`` (all by default), by rank, watching replies, deaths and the deadline; the
-        events a rank sends before its reply are handled on the way (log records re-emitted here, running counts
-        given to ``on_progress``). With ``wanted``, it returns once those ranks have answered (unless one failed:
-        then every rank gets its grace), leaving the others' replies to be read."""
-        results: dict[int, Any] = {}
-        errors: list[WorkerError] = []
-        deadline = time.monotonic() + timeout
-        waiting = {self._conns[rank]: rank for rank in (range(self.world_size) if ranks is None else ranks)}
-        wanted_conns = [self._conns[rank] for rank in wanted] if wanted is not None else list(waiting)
-        readable = _Readable(waiting)
-        while waiting and (errors or any(conn in waiting for conn in wanted_conns)):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                if errors:
-                    break
-                raise TimeoutError(f"{what}: ranks {sorted(waiting.values())} gave no answer within {timeout:.0f} s")
-            for ready in readable.wait(remaining):
-                rank = waiting.pop(ready)
-                try:
-                    status, payload = recv(ready)
-                except (EOFError, OSError):
-                    raise rank_died(self._procs[rank], rank, what) from None
-                if status in _EVENTS:
-                    waiting[ready] = rank  # the reply is still to come
-                    if status == "log":
-                        log.emit_rank_record(rank, payload)
-                    elif on_progress is not None:
-                        on_progress(rank, payload)
-                elif status == "error":
-                    readable.forget(ready)
-                    self._answered.add(rank)
-                    errors.append(WorkerError(rank, *payload))
-                    deadline = min(deadline, time.monotonic() + ERROR_GRACE_S)
-                else:
-                    readable.forget(ready)
-                    self._answered.add(rank)
-                    results[rank] = payload
-        if errors:
-            first = errors[0]
-            first.pool_consistent = not waiting
-            raise first
-        return results
+        """The replies of ``ranks`` (all by default) to the call ``what`` (:class:`~tpcore.ranks.replies.Replies`;
+        those that answer join ``self._answered``)."""
+        replies = Replies(self._conns, self._procs, what, self._answered, on_progress)
+        return replies.collect(timeout, ranks, wanted)
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop every rank (politely, then by force), release their connections and the rendezvous port, and wait
@@ -427,33 +385,6 @@ class RankPool:
     def __del__(self):
         if getattr(self, "_procs", None):
             self.close(timeout=1.0)
-
-
-#: what a rank may send before its reply: a log record, a running count
-_EVENTS = ("log", "progress")
-
-
-class _Readable:
-    """The connections one collection of replies waits on, in one ``poll`` set made for it (a served call
-    waits once or twice: ``multiprocessing.connection.wait`` builds a selector each time, tens of
-    microseconds on caches the ranks' step left cold). Where the system has no ``poll``, that ``wait``."""
-
-    def __init__(self, connections):
-        self._by_fd = {conn.fileno(): conn for conn in connections}
-        self._poll = select.poll() if hasattr(select, "poll") else None
-        for fd in self._by_fd if self._poll is not None else ():
-            self._poll.register(fd, select.POLLIN)
-
-    def wait(self, timeout: float) -> list:
-        """The connections that can be read (a reply, an event, or a closed end) within ``timeout`` seconds."""
-        if self._poll is None:
-            return wait(list(self._by_fd.values()), timeout=timeout)
-        return [self._by_fd[fd] for fd, _ in self._poll.poll(math.ceil(timeout * 1000))]
-
-    def forget(self, conn) -> None:
-        """Stop waiting on ``conn`` (its reply is read)."""
-        if self._by_fd.pop(conn.fileno(), None) is not None and self._poll is not None:
-            self._poll.unregister(conn.fileno())
 
 
 def _process_id() -> int:
