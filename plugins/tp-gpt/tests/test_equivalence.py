@@ -250,7 +250,7 @@ def test_generate_tokens_match_through_parallelize(served_llama, mode):
 THROUGH_PARALLELIZE = ("GPT2", "Llama", "Falcon", "GPTBigCode", "Bloom")
 
 
-@pytest.mark.slow  # a world per architecture (tests/user_path/test_parallelize.py runs the one-liner in the quick suite)
+@pytest.mark.slow  # a world per architecture (tests/user_path/test_parallelize.py runs the one-liner quickly)
 @pytest.mark.parametrize("arch", THROUGH_PARALLELIZE)
 def test_layouts_through_parallelize(arch):
     """The one-liner on 2 ranks: logits within tolerance and 12 greedy tokens identical; 5 heads
