@@ -68,9 +68,14 @@ def _cycles(graph: grimp.ImportGraph) -> list[list[str]]:
     return found
 
 
-def test_no_module_imports_itself_through_others():
+@pytest.fixture(scope="module")
+def graph() -> grimp.ImportGraph:
+    """tpcore's import graph, built once for the tests that read it."""
+    return grimp.build_graph("tpcore")
+
+
+def test_no_module_imports_itself_through_others(graph):
     """Imports inside functions count too: a lazy import that closes a circle is still a circle."""
-    graph = grimp.build_graph("tpcore")
     assert len(graph.modules) > 40
     assert _cycles(graph) == []
 
@@ -115,10 +120,9 @@ def test_the_root_holds_entry_points_and_leaves_and_no_file_name_is_used_twice()
     assert sorted({name for name in names if names.count(name) > 1}) == []
 
 
-def test_a_served_call_is_written_and_resolved_inside_the_served_runtime():
+def test_a_served_call_is_written_and_resolved_inside_the_served_runtime(graph):
     """The walk of one served call, caller to rank and back, stays in ``tpcore/served/``: no other module of tpcore
     imports the call's codecs or what runs on a rank (the server above it uses the caches' batch operations only)."""
-    graph = grimp.build_graph("tpcore")
     runtime = {"tpcore.served.call", "tpcore.served.rank_side", "tpcore.served.lookahead"}
     runtime |= {f"tpcore.served.{name}" for name in ("kept_tensors", "config_changes", "random_state")}
     outside = sorted(
