@@ -43,6 +43,7 @@ from tpcore.errors import ShardingError
 from tpcore.parallel.comm import all_gather, all_reduce, group_rank, group_size
 
 __all__ = [
+    "GROUPED_MM_FEATURES",
     "ColumnSplitRMSNorm",
     "RowParallelConv1D",
     "RowParallelLinear",
@@ -267,6 +268,11 @@ if _Conv1D is not None:
 
 else:  # pragma: no cover - transformers is a dependency
     RowParallelConv1D = None
+
+
+#: transformers' grouped-mm experts kernels need rows of a multiple of 16 bytes: 8 half-precision features, so a
+#: rank's share of a fused experts' intermediate size that is no multiple of this runs the eager experts instead
+GROUPED_MM_FEATURES = 8
 
 
 def row_parallel_class(module: nn.Module) -> type[nn.Module]:

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from tpcore.errors import ShardingError
+from tpcore.parallel.layers import GROUPED_MM_FEATURES
 from tpcore.plan.apply import apply_plan
 from tpcore.plan.shard_plan import ShardPlan
 
@@ -49,8 +50,6 @@ _LAYERS = ("num_hidden_layers", "num_layers", "n_layer", "num_decoder_layers", "
 #: the most layers of the tiny copy (a MoE stack's first dense layers, then the others)
 MAX_LAYERS = 4
 VOCAB = 64
-#: a share of the experts' intermediate size the grouped-mm kernels take is a multiple of this
-_GROUPED_MM_FEATURES = 8
 #: fields a config computes from the others (recomputed when it is rebuilt)
 _DERIVED = {"layer_types", "transformers_version", "model_type", "architectures", "qk_head_dim"}
 #: the token ids the tiny copy runs on
@@ -188,7 +187,7 @@ def tiny_config(config: Any, world_size: int) -> Any:
     _set_ints(values, _HEAD_WIDTHS, lambda _: HEAD_WIDTH)
     if isinstance(heads, int):
         _set_ints(values, _HIDDEN, lambda _: heads * HEAD_WIDTH)
-    modulus = _GROUPED_MM_FEATURES * world_size
+    modulus = GROUPED_MM_FEATURES * world_size
     _set_ints(values, _INTERMEDIATE, lambda size: min(size, 2 * modulus + size % modulus))
     _set_ints(values, _LAYERS, lambda layers: min(layers, MAX_LAYERS))
     for name, small in _SMALL.items():

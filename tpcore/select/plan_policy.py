@@ -23,6 +23,7 @@ from torch import nn
 from tpcore.authoring import COLUMN, NORM, PER_HEAD, ROW, IfHeld, Layer, PerRank, Policy, Style, local_config, share
 from tpcore.cut.shares import runs
 from tpcore.errors import ShardingError
+from tpcore.parallel.layers import GROUPED_MM_FEATURES
 
 __all__ = ["Instance", "PlanPolicy", "Rule", "Rules", "TpPlanError", "experts_arguments", "policy_for"]
 
@@ -230,10 +231,6 @@ def _head_attributes(block: nn.Module, attention_paths: set[str]) -> tuple[tuple
     )
 
 
-#: transformers' grouped-mm experts kernels need rows of a multiple of 16 bytes: 8 half-precision features
-_GROUPED_MM_FEATURES = 8
-
-
 def experts_arguments(config: Any, size: int, world_size: int) -> dict[str, Any]:
     """A fused experts module's per-rank attributes: ``intermediate_dim``, each rank's share of the
     ``size`` intermediate features; and where a share breaks the 16-byte rows that transformers'
@@ -242,7 +239,7 @@ def experts_arguments(config: Any, size: int, world_size: int) -> dict[str, Any]
     local = share(size, world_size, "intermediate_dim")
     arguments: dict[str, Any] = {"intermediate_dim": local}
     shares = tuple(local) if isinstance(local, PerRank) else (local,)
-    if world_size > 1 and any(count % _GROUPED_MM_FEATURES for count in shares):
+    if world_size > 1 and any(count % GROUPED_MM_FEATURES for count in shares):
         if getattr(config, "_experts_implementation", None) not in (None, "eager"):
             eager = copy.copy(config)
             eager._experts_implementation = "eager"
