@@ -364,3 +364,29 @@ def test_split_experts_equal_the_whole_block_over_real_ranks(rank_pools, model, 
     for out, counts, _ in results:
         assert counts == {"all_reduce": 1}  # one, after the experts; the router is replicated
         close(out, expected)
+
+
+# --- a linear over a slice of the positions ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "shape, rows", [((8, 32, 24), (slice(None), slice(-1, None))), ((4, 6, 24), (slice(None), slice(2, 4)))]
+)
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_linear_over_kept_positions_is_one_matrix_product_equal_to_f_linear(shape, rows, bias):
+    """The logits of the last position of each row (``hidden[:, -1:]``, whose leading dimensions are no view of
+    one) by a weight that needs no grad: one ``mm``/``addmm`` reading the weight once, not a ``bmm`` over the
+    weight broadcast to every row; the same numbers as ``F.linear``."""
+    from torch.profiler import profile
+
+    from tpcore.parallel.layers import folded_linear
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(*shape, generator=generator)[rows]
+    weight = torch.randn(40, shape[-1], generator=generator)
+    bias_tensor = torch.randn(40, generator=generator) if bias else None
+    with torch.inference_mode(), profile() as ops:
+        out = folded_linear(x, weight, bias_tensor)
+    names = {event.name for event in ops.events()}
+    assert "aten::bmm" not in names and {"aten::mm", "aten::addmm"} & names
+    torch.testing.assert_close(out, F.linear(x, weight, bias_tensor), rtol=1e-6, atol=1e-6)

@@ -51,6 +51,7 @@ __all__ = [
     "VocabParallelLMHead",
     "bind_group",
     "column_split_norm_class",
+    "folded_linear",
     "make_column_split_norm",
     "make_row_parallel",
     "make_vocab_parallel",
@@ -72,13 +73,26 @@ def reduce_partial_sums(partial: torch.Tensor, group) -> torch.Tensor:
     return all_reduce(partial, group)
 
 
+def folded_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` as one matrix product over all leading dimensions: ``x [..., in] -> [..., out]``.
+
+    ``F.linear`` of an input whose leading dimensions are no view of one (``hidden[:, -1:]``, the positions
+    generate keeps for the logits) by a weight that needs no grad runs as a batched product over the weight
+    broadcast to every row, reading it once per row; a split model's weights need no grad. Flattening first
+    (a copy of those few rows) reads the weight once, as the unsplit model's product does.
+    """
+    if x.dim() <= 2:
+        return F.linear(x, weight, bias)
+    return F.linear(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
+
+
 class RowParallelLinear(nn.Linear):
     """``nn.Linear`` holding an input-feature shard ``W_r: [out, in / N]``; output all-reduced."""
 
     tp_group = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = reduce_partial_sums(F.linear(x, self.weight), self.tp_group)
+        out = reduce_partial_sums(folded_linear(x, self.weight), self.tp_group)
         return out if self.bias is None else out + self.bias
 
 
@@ -123,7 +137,7 @@ class VocabParallelLMHead(nn.Linear):
     gather_output = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(x, self.weight, self.bias)
+        logits = folded_linear(x, self.weight, self.bias)
         if not self.gather_output:
             return logits
         return all_gather(logits, self.tp_group)[..., : self.vocab_size]
