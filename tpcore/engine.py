@@ -13,6 +13,7 @@ from tpcore.load.precision import cast_model, resolve_dtype
 from tpcore.load.skeleton import empty_model
 from tpcore.parallel import shm
 from tpcore.parallel.comm import group_rank
+from tpcore.parallel.cpu_layout import transpose_linear_weights
 from tpcore.plan import apply_plan, log_plan, plan_for
 from tpcore.progress import LoadBar
 from tpcore.ranks.distributed import bind_device, check_placement, default_backend, device_for, tensor_parallel_group
@@ -135,7 +136,10 @@ class ParallelEngine:
             self._load(checkpoint, model, reads, plan, rank, device, dtype)
         if dtype is not None:
             cast_model(model, dtype)
-        return model.to(device)  # module.to also moves non-persistent buffers
+        model = model.to(device)  # module.to also moves non-persistent buffers
+        if torch.device(device).type == "cpu":
+            transpose_linear_weights(model)
+        return model
 
     def _load(self, checkpoint: Checkpoint, model: nn.Module, reads, plan, rank: int, device, dtype) -> None:
         """Read this rank's slices into ``model`` (already split); rank 0 shows the bar of its own reads."""

@@ -24,6 +24,7 @@ from tpcore.load.checkpoint import Checkpoint, Read
 from tpcore.load.precision import cast_model
 from tpcore.load.skeleton import install_tensors, named_tensors, register_output_recording
 from tpcore.parallel import memfd
+from tpcore.parallel.cpu_layout import transpose_linear_weights
 from tpcore.parallel.layers import bind_group
 from tpcore.plan import format_bytes
 from tpcore.progress import ByteCounter
@@ -78,6 +79,8 @@ def keep(context: RankContext, skeleton: nn.Module, dtype) -> int:
     if dtype is not None:
         cast_model(skeleton, dtype)
     model = skeleton.to(context.device)
+    if context.device.type == "cpu":
+        transpose_linear_weights(model)
     register_output_recording(model)
     context.store["model"] = model
     return sum(t.numel() * t.element_size() for t in named_tensors(model).values())
