@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import json
 import math
 import os
 import re
@@ -32,7 +31,7 @@ from torch import nn
 
 from tpcore.cut.split import Split
 from tpcore.load.conversion import Sources, TargetShapes, combined_shape, model_sources
-from tpcore.load.safetensors_file import SafetensorsFile
+from tpcore.load.safetensors_file import MAX_HEADER_BYTES, JSONObject, SafetensorsFile, decode_json
 from tpcore.load.skeleton import install_tensors, named_tensors
 
 __all__ = ["Checkpoint", "Read", "is_checkpoint_path"]
@@ -96,14 +95,32 @@ class Checkpoint:
         raise FileNotFoundError(f"{self.directory.name!r} holds no weights (looked for {looked_for})")
 
     def _weight_map(self, index: Path) -> dict[str, Path]:
-        """The index's ``weight_map``: each tensor key's file."""
+        """The index's ``weight_map``: each tensor key's file, named inside the directory (:func:`_check_shard_names`).
+
+        A key given twice with different values (a tensor mapped to two files, two weight maps) is refused: JSON
+        readers differ on which one counts.
+        """
+        if index.stat().st_size > MAX_HEADER_BYTES:  # read whole: bounded as a safetensors header is
+            raise ValueError(
+                f"{index.name} in {str(self.directory)!r} is not a checkpoint index: it has more than the "
+                f"{MAX_HEADER_BYTES} bytes tpcore reads of one"
+            )
         try:
-            content = json.loads(index.read_bytes())
+            content = decode_json(index.read_bytes())
         except ValueError as error:  # not JSON, or not text
             raise ValueError(f"{index.name} in {str(self.directory)!r} is not valid JSON: {error}") from None
-        weight_map = content.get("weight_map") if isinstance(content, dict) else None
-        if not isinstance(weight_map, dict) or not all(isinstance(name, str) for name in weight_map.values()):
+        weight_map = content.get("weight_map") if isinstance(content, JSONObject) else None
+        if not isinstance(weight_map, JSONObject) or not all(
+            isinstance(name, str) for names in (weight_map.values(), *weight_map.repeated.values()) for name in names
+        ):
             raise ValueError(f"{index.name} in {str(self.directory)!r} has no 'weight_map' of tensor keys to files")
+        for level in (content, weight_map):
+            for key, values in level.repeated.items():
+                if any(value != values[0] for value in values):
+                    raise ValueError(
+                        f"{index.name} in {str(self.directory)!r} gives {key!r} {len(values)} times, differently"
+                    )
+        _check_shard_names(index, sorted(set(weight_map.values())))
         return {key: self.directory / name for key, name in weight_map.items()}
 
     def _keys_in(self, path: Path) -> Iterable[str]:
@@ -123,16 +140,20 @@ class Checkpoint:
     def verify(self, keys: Iterable[str]) -> None:
         """Check that the files holding ``keys`` are there and whole, reading no tensor data.
 
-        Each file must exist; a safetensors file's header must parse and lay every tensor out inside
-        the file, in the bytes its dtype and shape need; a pickle file must open (memory-mapped where
-        its format allows). Each file must hold the keys the index gives it. Raises
-        ``FileNotFoundError`` for a missing file, ``ValueError`` for a truncated or corrupt one.
+        Each file must exist and be a regular file (or a link to one); a safetensors file's header must
+        parse and lay every tensor out inside the file, in the bytes its dtype and shape need (reading the
+        header alone, :func:`~tpcore.load.safetensors_file.read_header`); a pickle file must open
+        (memory-mapped where its format allows). Each file must hold the keys the index gives it, and no
+        key the index gives another file. Raises ``FileNotFoundError`` for a missing file, ``ValueError``
+        for a truncated, corrupt or conflicting one.
         """
         wanted: dict[Path, list[str]] = {}
         for key in keys:
             wanted.setdefault(self.files[key], []).append(key)
         for path, names in wanted.items():
             if not path.is_file():
+                if path.exists():  # a pipe would never end a read, a directory has no tensors
+                    raise ValueError(f"{path.name} in the checkpoint in {str(self.directory)!r} is not a regular file")
                 count = sum(file == path for file in self.files.values())
                 raise FileNotFoundError(
                     f"{path.name} is missing from the checkpoint in {str(self.directory)!r}: "
@@ -143,6 +164,12 @@ class Checkpoint:
             if absent:
                 raise ValueError(
                     f"{path.name} lacks {len(absent)} of the tensors the index maps to it: {_listing(absent)}"
+                )
+            elsewhere = sorted(name for name in held if self.files.get(name, path) != path)
+            twice = [f"{name} (mapped to {self.files[name].name})" for name in elsewhere]
+            if twice:  # which copy counts would differ between readers
+                raise ValueError(
+                    f"{path.name} holds {len(twice)} tensors that the index maps to another file: {_listing(twice)}"
                 )
 
     def _handle(self, path: Path) -> SafetensorsFile | dict[str, torch.Tensor]:
@@ -412,6 +439,19 @@ def _shrinks(stored: torch.dtype | None, dtype: torch.dtype | None) -> bool:
 def _listing(names: list[str]) -> str:
     """The first few of ``names``, and how many more there are."""
     return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
+def _check_shard_names(index: Path, names: list[str]) -> None:
+    """Refuse a shard name that leaves the model directory (absolute, or with ``..`` parts), in transformers' words
+    (it refuses them since 5.25), and one that names no file in it (empty, ``.``). The names are read, not
+    resolved: a shard may be a symbolic link to elsewhere, as the hub's cache is made of them."""
+    for name in names:
+        if Path(name).anchor or ".." in Path(name).parts:
+            raise ValueError(
+                f"The checkpoint index {index} has a shard filename that points outside the model directory: {name}"
+            )
+        if not Path(name).parts:
+            raise ValueError(f"The checkpoint index {index} has a shard filename that names no file: {name!r}")
 
 
 def _computed_by_the_model(
