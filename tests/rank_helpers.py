@@ -313,3 +313,30 @@ def report_counts(context, counts):
     for count in counts:
         context.report_progress(count)
     return counts[-1]
+
+
+def compiled_generate(context, spec, input_ids, new_tokens, backend="aot_eager"):
+    """Build ``spec``, split it with ParallelEngine, and greedy-generate from ``input_ids`` with its forward eager and
+    then under ``torch.compile(fullgraph=True)`` (the graph whole: no break at a collective); both token tensors, and
+    the collectives the compiled decode step called when it ran."""
+    import torch._dynamo
+
+    from tpcore import ParallelEngine
+    from tpcore.parallel.comm import count_collectives
+
+    model = spec.build()
+    ParallelEngine(context.world_size, context.backend, process_group=context.tp_group).parallelize(model)
+    mask = torch.ones_like(input_ids)
+    with torch.inference_mode():
+        eager = model.generate(input_ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False)
+        forward = model.forward
+        torch._dynamo.reset()
+        model.forward = torch.compile(forward, backend=backend, dynamic=True, fullgraph=True)
+        try:
+            compiled = model.generate(input_ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False)
+            step = torch.tensor([[int(compiled[0, -1])]] * input_ids.shape[0])
+            with count_collectives() as counts:
+                model(input_ids=step)
+        finally:
+            model.forward = forward
+    return eager, compiled, dict(counts)

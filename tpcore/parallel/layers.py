@@ -120,7 +120,7 @@ class VocabParallelEmbedding(nn.Embedding):
             return
         low, high = torch.aminmax(ids)
         inside = (low >= 0) & (high < self.vocab_size)
-        if ids.device.type != "cpu" and hasattr(torch, "_assert_async"):
+        if (ids.device.type != "cpu" or torch.compiler.is_compiling()) and hasattr(torch, "_assert_async"):
             torch._assert_async(inside, "index out of range in self")
         elif not inside.item():
             raise IndexError("index out of range in self")
