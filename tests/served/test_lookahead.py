@@ -70,8 +70,38 @@ def test_greedy_generate_is_answered_from_guessed_steps_and_gives_the_unsplit_to
     got = served.generate(PROMPTS, attention_mask=MASK, max_new_tokens=12)
     assert torch.equal(got, expected)
     run_after, used_after = guesses(served)
-    # 11 decode steps follow the prefill, each guessed after the call before it; the guess after the last is unused
-    assert (run_after - run, used_after - used) == (12, 11)
+    # 11 decode steps follow the prefill, each guessed after the call before it; none after the 12th and last step
+    assert (run_after - run, used_after - used) == (11, 11)
+
+
+@pytest.mark.parametrize("given", ["call", "generation config"])
+@pytest.mark.parametrize("new_tokens", [1, 3])
+def test_no_guess_follows_the_last_step_of_a_generate_so_the_next_call_never_waits_for_one(
+    served, reference, given, new_tokens
+):
+    """``max_new_tokens`` of the call or of its generation config bounds the steps; the last one says so and the
+    ranks guess none after it (a prefill alone included), which the next call would wait for."""
+    from transformers import GenerationConfig
+
+    arguments = (
+        {"max_new_tokens": new_tokens}
+        if given == "call"
+        else {"generation_config": GenerationConfig(max_new_tokens=new_tokens, do_sample=False)}
+    )
+    expected = reference.generate(PROMPTS, attention_mask=MASK, **arguments)
+    run, used = guesses(served)
+    assert torch.equal(served.generate(PROMPTS, attention_mask=MASK, **arguments), expected)
+    run_after, used_after = guesses(served)
+    assert (run_after - run, used_after - used) == (new_tokens - 1, new_tokens - 1)
+
+
+def test_the_steps_of_a_generate_are_bounded_only_where_each_new_token_is_one_step(served):
+    from tpcore.served.handle import _generate_steps
+
+    assert _generate_steps(served, {"max_new_tokens": 5}) == 5
+    assert _generate_steps(served, {}) is None  # max_length alone: not counted
+    assert _generate_steps(served, {"max_new_tokens": 5, "prompt_lookup_num_tokens": 3}) is None
+    assert _generate_steps(served, {"max_new_tokens": 5, "assistant_model": object()}) is None
 
 
 def test_a_row_that_finished_in_a_batch_is_guessed_its_pad_token_from_the_step_after(served, reference):
@@ -83,8 +113,8 @@ def test_a_row_that_finished_in_a_batch_is_guessed_its_pad_token_from_the_step_a
     run_after, used_after = guesses(served)
     # guessed after the prefill and the steps of new tokens 1-3 (used at 1-3); the step of token 4 (a pad token
     # where the argmax was guessed) misses; the prediction after it holds that row at the pad token, so the step
-    # of token 5 matches it and guesses run again after the steps of tokens 5-11 (used at 6-11)
-    assert (run_after - run, used_after - used) == (11, 9)
+    # of token 5 matches it and guesses run again after the steps of tokens 5-10 (used at 6-11), none after the last
+    assert (run_after - run, used_after - used) == (10, 9)
 
 
 def test_a_step_the_guess_missed_and_what_else_touches_the_cache_see_the_cache_the_caller_left(served, reference):

@@ -41,7 +41,8 @@ class Call:
     encoder's ``get_image_features``) on ``args`` and ``kwargs`` (caches as :class:`~.caches.CacheRef`, kept
     tensors as :class:`~.kept_tensors.Kept`), with the caller's random state, the attributes of its config changed
     since the last call (``{sub-config path: {name: value}}``), and the ids of the caches and of the kept tensors
-    the caller dropped."""
+    the caller dropped. ``last_step``: the caller's ``generate()`` asks no step after this one (its
+    ``max_new_tokens``-th), so the ranks guess none (:mod:`.lookahead`)."""
 
     path: str
     args: tuple
@@ -51,6 +52,7 @@ class Call:
     caches_freed: tuple[int, ...] = ()
     method: str = ""
     kept_freed: tuple[int, ...] = ()
+    last_step: bool = False
 
 
 def reporting_rank(world_size: int) -> int:
@@ -68,7 +70,9 @@ class CallerState:
         self.kept = CallerKeptTensors()
         self.config = CallerConfig(config)
 
-    def write(self, path: str, method: str, args: tuple, kwargs: dict) -> tuple[Call, dict[int, Any]]:
+    def write(
+        self, path: str, method: str, args: tuple, kwargs: dict, last_step: bool = False
+    ) -> tuple[Call, dict[int, Any]]:
         """The :class:`Call` of ``path``'s forward (or ``method``) on ``args`` and ``kwargs``, its inputs on the CPU,
         and the caches it sends (id -> the caller's object, which :meth:`read` gives the ranks' state after)."""
         args, kwargs = to_device(self.kept.write((args, kwargs)), "cpu")
@@ -83,6 +87,7 @@ class CallerState:
             tuple(self.caches.take_freed()),
             method,
             self.kept.take_freed(),
+            last_step,
         )
         return call, sent
 

@@ -102,6 +102,8 @@ class ParallelHandle:
         self.state = CallerState(getattr(model, "config", None), CacheCalls(self.mutate_cache, self.cache_tensors))
         #: the caller's generate() works in one thread between the ranks' steps (tpcore.served.caller_threads)
         self.one_thread = OneThreadWhileServing(True)
+        #: inside a served generate(): the forward steps it may still take, where its arguments bound them
+        self._steps_left: int | None = None
         self._lock = threading.Lock()
         self._policies = describe_policies(plan.policies)
 
@@ -174,7 +176,7 @@ class ParallelHandle:
         """
         device = first_device((args, kwargs))
         with self._lock:  # one call's state at a time
-            request, sent = self.state.write(path, _method, args, kwargs)
+            request, sent = self.state.write(path, _method, args, kwargs, self._last_step(path, _method))
             try:
                 output, random_state, states = self._serve(request)
             except BaseException:
@@ -182,6 +184,23 @@ class ParallelHandle:
                 raise
             output = self.state.read(output, random_state, states, sent)
         return output if device is None or device.type == "cpu" else to_device(output, device)
+
+    @contextlib.contextmanager
+    def generating(self, steps: int | None) -> Iterator[None]:
+        """Inside a served ``generate()`` that takes at most ``steps`` forward steps (``None``: unknown), whose last
+        call then says so (``Call.last_step``: the ranks guess no step after it)."""
+        saved, self._steps_left = self._steps_left, steps
+        try:
+            yield
+        finally:
+            self._steps_left = saved
+
+    def _last_step(self, path: str, method: str) -> bool:
+        """Whether this call of the model's forward is the last step of the ``generate()`` it serves."""
+        if path or method or self._steps_left is None:
+            return False
+        self._steps_left -= 1
+        return self._steps_left == 0
 
     def mutate_cache(self, cache_id: int, part: str | None, method: str, args: tuple) -> CacheState:
         """Run a method of the ranks' cache ``cache_id`` that changes it; its state after."""
@@ -321,10 +340,26 @@ def _served_generate(model_class: type):
 
     @functools.wraps(own)
     def generate(self, *args, **kwargs):
-        with self.__dict__["_tpcore_handle"].one_thread():
+        handle = self.__dict__["_tpcore_handle"]
+        with handle.one_thread(), handle.generating(_generate_steps(self, kwargs)):
             return own(self, *args, **kwargs)
 
     return generate
+
+
+#: generate() arguments under which a new token may take other than one forward step (candidates checked at once)
+_NOT_ONE_STEP_A_TOKEN = ("assistant_model", "prompt_lookup_num_tokens", "custom_generate", "assistant_early_exit")
+
+
+def _generate_steps(model: nn.Module, kwargs: dict) -> int | None:
+    """The forward steps a ``generate(**kwargs)`` takes at most: its ``max_new_tokens`` (of the call, else of its
+    generation config), one step a token; ``None`` where that is not known. An estimate off by one costs a
+    guessed step or saves none, never an output."""
+    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    if any(kwargs.get(key, getattr(config, key, None)) is not None for key in _NOT_ONE_STEP_A_TOKEN):
+        return None
+    steps = kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
+    return steps if isinstance(steps, int) and not isinstance(steps, bool) and steps > 0 else None
 
 
 _SERVED_CLASSES: dict[type, type] = {}

@@ -21,9 +21,10 @@ step next, a server for its running batch's step). A row given another token tha
 (the pad token of a row that finished in a batch) is guessed that token again at the next step. Guesses run only
 where dropping one is exact: caches whose every layer is a ``DynamicLayer`` (not sliding, not linear), a model in
 eval mode, a forward that drew no random numbers. A call that comes while a guess runs waits for it (one decode
-step at most: the guess after a ``generate()``'s last step is never asked for). A guess that raises (out of memory)
-is taken back and turns the lookahead off on that rank. ``TPCORE_LOOKAHEAD=0`` in the environment the ranks start
-from turns it off.
+step at most). No guess follows the step a ``generate()`` takes last by its ``max_new_tokens`` (the call says so:
+``Call.last_step``), which is never asked for; a generation that ends earlier (end of sequence, a stop string)
+leaves one guess that the next call waits for. A guess that raises (out of memory) is taken back and turns the
+lookahead off on that rank. ``TPCORE_LOOKAHEAD=0`` in the environment the ranks start from turns it off.
 
 The lookahead is a wrapper: :func:`serve`, :func:`mutate_cache` and :func:`cache_tensors` are the functions of
 :mod:`tpcore.served.rank_side` that the caller sends, with the guess taken, kept or dropped around them; the
@@ -302,7 +303,7 @@ def serve(context: RankContext, call: Call):
 
     def compute(forward: Forward) -> Any:
         output = guessed if guessed is not None else forward.run()
-        if lookahead.predict(shaped, output, forward.caches, model, forward.random.moved):
+        if not call.last_step and lookahead.predict(shaped, output, forward.caches, model, forward.random.moved):
             shared = rank_side.shared_outputs(context)
             context.idle_work = functools.partial(lookahead.run, model, forward.caches, context.device, shared)
         return output
