@@ -143,7 +143,7 @@ def demo_vision(session: nox.Session) -> None:
     session.run("python", "-m", "tpcore.tools.demo_vision", *session.posargs)
 
 
-#: every benchmark script, in the order ``nox -s bench`` runs them (about 25 minutes on 2 idle cores)
+#: every benchmark script, in the order ``nox -s bench`` runs them (about 35 minutes on 2 idle cores)
 BENCH_SCRIPTS = (
     "proxy_overhead.py",
     "memory.py",
@@ -155,6 +155,7 @@ BENCH_SCRIPTS = (
     "call_stages.py",
     "rank_scheduling.py",
     "serve.py",
+    "time_breakdown.py",
 )
 
 
