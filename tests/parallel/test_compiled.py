@@ -22,6 +22,7 @@ def test_the_collectives_trace_as_operators_and_a_world_of_one_as_nothing():
     assert torch.equal(torch.compile(both, backend="aot_eager", fullgraph=True)(torch.ones(3)), torch.full((3,), 3.0))
 
 
+@pytest.mark.slow  # ~15 s of tracing and compiling on 2 cores
 @pytest.mark.parametrize("world_size", [2])
 def test_a_compiled_split_llama_generates_the_eager_split_s_tokens(rank_pools, world_size):
     spec = ModelSpec(transformers.LlamaForCausalLM, tiny_llama_config(num_hidden_layers=1), seed=0)
