@@ -137,8 +137,7 @@ class ParallelEngine:
         if dtype is not None:
             cast_model(model, dtype)
         model = model.to(device)  # module.to also moves non-persistent buffers
-        if torch.device(device).type == "cpu":
-            transpose_linear_weights(model)
+        transpose_linear_weights(model)  # CPU weights only
         return model
 
     def _load(self, checkpoint: Checkpoint, model: nn.Module, reads, plan, rank: int, device, dtype) -> None:

@@ -79,8 +79,7 @@ def keep(context: RankContext, skeleton: nn.Module, dtype) -> int:
     if dtype is not None:
         cast_model(skeleton, dtype)
     model = skeleton.to(context.device)
-    if context.device.type == "cpu":
-        transpose_linear_weights(model)
+    transpose_linear_weights(model)  # CPU weights only
     register_output_recording(model)
     context.store["model"] = model
     return sum(t.numel() * t.element_size() for t in named_tensors(model).values())
