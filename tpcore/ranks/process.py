@@ -194,14 +194,22 @@ class RankPool:
     def pids(self) -> list[int]:
         return [proc.pid for proc in self._procs]
 
-    def run(self, fn: Callable[..., Any], *args, timeout: float = CALL_TIMEOUT_S, **kwargs) -> list[Any]:
+    def run(
+        self,
+        fn: Callable[..., Any],
+        *args,
+        timeout: float = CALL_TIMEOUT_S,
+        on_progress: Callable[[int, int], None] | None = None,
+        **kwargs,
+    ) -> list[Any]:
         """Call ``fn(context, *args, **kwargs)`` on every rank; return the results in rank order.
+        ``on_progress(rank, count)`` gets each running count a rank reports (``context.report_progress``).
 
         Calls from several threads are serialized. Raises :class:`WorkerError` if a rank raised
         (the pool is torn down unless every rank answered), :class:`WorkerDiedError` if a rank died
         and ``TimeoutError`` past ``timeout`` seconds (both tear the pool down: :meth:`_tear_down`).
         """
-        return self._run(fn, args, kwargs, timeout)
+        return self._run(fn, args, kwargs, timeout, on_progress=on_progress)
 
     def run_first(self, fn: Callable[..., Any], *args, timeout: float = CALL_TIMEOUT_S, **kwargs) -> Any:
         """:meth:`run`, returning rank 0's result as soon as it is here: the other ranks' answers are read
@@ -220,7 +228,13 @@ class RankPool:
         return [results[rank] for rank in ranks]
 
     def _run(
-        self, fn: Callable[..., Any], args: tuple, kwargs: dict, timeout: float, wanted: list[int] | None = None
+        self,
+        fn: Callable[..., Any],
+        args: tuple,
+        kwargs: dict,
+        timeout: float,
+        wanted: list[int] | None = None,
+        on_progress: Callable[[int, int], None] | None = None,
     ) -> list[Any]:
         self._refuse_foreign_process()
         with self._lock:
@@ -232,7 +246,7 @@ class RankPool:
                 with message:
                     for rank, conn in enumerate(self._conns):
                         self._send(rank, what, message.send, conn)
-                results = self._collect(timeout, what, wanted=wanted)
+                results = self._collect(timeout, what, wanted=wanted, on_progress=on_progress)
                 self._owed = ([rank for rank in range(self.world_size) if rank not in results], what)
                 return [results.get(rank) for rank in range(self.world_size)]
 

@@ -301,6 +301,11 @@ class ParallelHandle:
             for tensors in self.gathered(self._saved_names()):
                 install_tensors(self.model, tensors)
             self.has_weights = True
+        return self.detach()
+
+    def detach(self) -> nn.Module:
+        """Stop the ranks and give the model its own methods back, as they are: a model started from a
+        checkpoint keeps its parameters on meta (:meth:`deparallelize` gathers them first)."""
         self.pool.close()
         self.model.__class__ = self.model_class
         for name in (*_SERVED, *_MOVES, *_ADDED, "_tpcore_handle"):
