@@ -22,6 +22,7 @@ from tpcore.load.checkpoint import is_checkpoint_path
 from tpcore.plan import plan_for
 from tpcore.ranks.process import CALL_TIMEOUT_S
 from tpcore.select import choose_policies, refuse_unmerged_adapters
+from tpcore.served.compiled import compile_ranks, refuse_uncompilable
 from tpcore.served.handle import attach
 from tpcore.served.launch import CheckpointSource, Launch, LaunchOptions, ModelSource
 
@@ -49,6 +50,7 @@ def parallelize(
     model_class: type[nn.Module] | None = None,
     vocab_parallel: bool = True,
     device: str | None = None,
+    compile: bool = False,
 ) -> nn.Module:
     """Split ``model`` over ``num_gpus`` local ranks and serve it from this process.
 
@@ -80,6 +82,9 @@ def parallelize(
         vocab_parallel: split the input and output embeddings over the vocabulary too.
         device: ``"cuda"`` or ``"cpu"``; ``None`` is CUDA for NCCL, the CPU for gloo. gloo ranks on
             ``"cuda"`` share the GPUs (rank ``r`` on ``cuda:(r % devices)``); NCCL needs one per rank.
+        compile: compile each rank's decode step with ``torch.compile`` (inductor) at load, under a bar, for a
+            decoder-only model that generates (others are refused); prefills stay eager. Faster decoding for
+            a compile of minutes (:mod:`tpcore.served.compiled`, docs/architecture.md).
 
     Returns:
         ``model`` itself, whose ``forward``/``__call__``/``generate`` now run on the ranks, with
@@ -113,9 +118,14 @@ def parallelize(
     with Launch(source, options) as launch:
         policies = choose_policies(source.model, custom_policies)
         plan = plan_for(source.model, policies, num_gpus, vocab_parallel=vocab_parallel)
+        if compile:
+            refuse_uncompilable(source.model)
         pool = launch.load(plan)
     has_weights, dtype = source.has_weights, options.dtype
-    return attach(source.model, pool, plan, timeout, has_weights=has_weights, verbosity=verbosity, dtype=dtype)
+    model = attach(source.model, pool, plan, timeout, has_weights=has_weights, verbosity=verbosity, dtype=dtype)
+    if compile:
+        compile_ranks(model)  # on failure the ranks stop and the model is given back
+    return model
 
 
 def _verbosity(verbose) -> str | None:
