@@ -156,6 +156,8 @@ BENCH_SCRIPTS = (
     "rank_scheduling.py",
     "serve.py",
     "time_breakdown.py",
+    "compile_options.py",
+    "compiled.py",
 )
 
 

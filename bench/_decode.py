@@ -8,6 +8,7 @@ The rank-side functions travel by value, as a script's own functions do (a rank 
 
 from __future__ import annotations
 
+import statistics
 import sys
 import time
 
@@ -48,6 +49,16 @@ def caller_generate(model, inputs: dict, new_tokens: int) -> tuple[float, torch.
     tokens = model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
     synchronize(tokens.device)
     return time.perf_counter() - start, tokens
+
+
+def decode_figures(model, batch: int, prompt: int, new_tokens: int, rounds: int) -> tuple[float, float]:
+    """TTFT ms and decode ms/token of greedy ``generate()`` (medians of ``rounds`` after a warm-up)."""
+    ids = torch.randint(2, VOCAB, (batch, prompt), generator=torch.Generator().manual_seed(batch))
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    caller_generate(model, inputs, 2)
+    short = [caller_generate(model, inputs, 1)[0] for _ in range(rounds)]
+    long = [caller_generate(model, inputs, new_tokens)[0] for _ in range(rounds)]
+    return statistics.median(short) * 1e3, per_token_ms(long, short, new_tokens)
 
 
 def set_lookahead(context, on: bool) -> tuple[int, int]:

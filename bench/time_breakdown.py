@@ -31,9 +31,8 @@ from collections.abc import Callable
 import cloudpickle
 import torch
 from _common import arguments, parse, printed, write_result
-from _decode import VOCAB, caller_generate
+from _decode import VOCAB, decode_figures
 from _models import smollm2_spec
-from _timing import per_token_ms
 
 import tpcore
 
@@ -150,16 +149,6 @@ def ranks_taken_apart(context, batch: int, prompt: int, steps: int):
 
 
 # --- caller side ----------------------------------------------------------------------------------------------
-
-
-def decode_figures(model, batch: int, prompt: int, new_tokens: int, rounds: int) -> tuple[float, float]:
-    """TTFT ms and decode ms/token of greedy ``generate()`` (medians of ``rounds`` after a warm-up)."""
-    ids = torch.randint(2, VOCAB, (batch, prompt), generator=torch.Generator().manual_seed(batch))
-    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    caller_generate(model, inputs, 2)
-    short = [caller_generate(model, inputs, 1)[0] for _ in range(rounds)]
-    long = [caller_generate(model, inputs, new_tokens)[0] for _ in range(rounds)]
-    return statistics.median(short) * 1e3, per_token_ms(long, short, new_tokens)
 
 
 def main(argv: list[str] | None = None) -> None:
