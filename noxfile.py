@@ -158,6 +158,7 @@ BENCH_SCRIPTS = (
     "time_breakdown.py",
     "compile_options.py",
     "compiled.py",
+    "decode_peers.py",
 )
 
 
