@@ -19,6 +19,7 @@ memory, and whether its tokens equal the unsplit model's. The ways take turns, r
 from __future__ import annotations
 
 import os
+import statistics
 import tempfile
 import time
 
@@ -86,9 +87,10 @@ def measure(models: dict, load_s: dict, args) -> list[list[str]]:
                 with torch.inference_mode():
                     ttft, per_token = decode_figures(models[way], batch, args.prompt, args.new_tokens, 1)
                 figures.setdefault(way, []).append((ttft, per_token))
-        eager = _median([p for _, p in figures["tpcore eager"]])
+        eager = statistics.median(p for _, p in figures["tpcore eager"])
         for way in WAYS:
-            ttft, per_token = _median([t for t, _ in figures[way]]), _median([p for _, p in figures[way]])
+            ttft = statistics.median(t for t, _ in figures[way])
+            per_token = statistics.median(p for _, p in figures[way])
             if way == "unsplit":
                 peak = None
             else:
@@ -100,10 +102,6 @@ def measure(models: dict, load_s: dict, args) -> list[list[str]]:
             )  # fmt: skip
             print(rows[-1], flush=True)
     return rows
-
-
-def _median(values: list[float]) -> float:
-    return sorted(values)[len(values) // 2]
 
 
 if __name__ == "__main__":
