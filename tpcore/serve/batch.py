@@ -1,17 +1,19 @@
 """The running batch of a decoder LM: one left-padded KV cache that sequences join and leave between steps.
 
 Rows are sequences. The cache holds ``(B, heads, L, d)`` per layer, row ``b``'s ``n_b`` positions at the right;
-``mask`` ``(B, L)`` is 1 on true positions. A sequence is prefilled alone (batch 1, its own cache: the unsplit
-model's first step exactly), then joins: its cache and the batch's are padded on the left to the longer length
-and concatenated (:func:`tpcore.served.cache_batches.concatenate_batches`). One decode step feeds every row's last
-token at position ``n_b`` (``position_ids = mask.sum(-1)``) with the mask extended by one column, which hides
-each row's padding. Rows that finish are dropped (``batch_select_indices``), then the leading columns no row
-needs any more (:func:`tpcore.served.cache_batches.drop_leading`). The same code runs a local model and a split one,
-whose ranks keep the cache (:func:`tpcore.served.caches.batch_operation`).
+``mask`` ``(B, L)`` is 1 on true positions. Waiting prompts are prefilled together in one forward, left-padded to
+the longest (``position_ids`` = ``cumsum(mask) - 1``, as ``generate()`` gives a padded batch; a prompt alone is
+the unsplit model's first step exactly), then join: their cache and the batch's are padded on the left to the
+longer length and concatenated (:func:`tpcore.served.cache_batches.concatenate_batches`). One decode step feeds
+every row's last token at position ``n_b`` (``position_ids = mask.sum(-1)``) with the mask extended by one
+column, which hides each row's padding. Rows that finish are dropped (``batch_select_indices``), then the leading
+columns no row needs any more (:func:`tpcore.served.cache_batches.drop_leading`). The same code runs a local
+model and a split one, whose ranks keep the cache (:func:`tpcore.served.caches.batch_operation`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -19,7 +21,7 @@ from transformers import DynamicCache
 
 from tpcore.served.caches import batch_operation, cache_keyword
 
-__all__ = ["RunningBatch"]
+__all__ = ["RunningBatch", "select_rows", "warm_ups"]
 
 
 class RunningBatch:
@@ -36,25 +38,28 @@ class RunningBatch:
     def __len__(self) -> int:
         return len(self.rows)
 
-    def prefill(self, prompt_ids: list[int]) -> tuple[Any, torch.Tensor]:
-        """Run one prompt alone: its new cache and the logits ``(1, V)`` of the token after it."""
+    def prefill(self, prompts: list[list[int]]) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        """Run ``prompts`` (``k`` of them) in one forward, left-padded to the longest ``L``: their new cache, its
+        mask ``(k, L)`` and the logits ``(k, V)`` of the token after each prompt."""
+        width = max(len(prompt) for prompt in prompts)
+        input_ids = torch.tensor([[0] * (width - len(prompt)) + prompt for prompt in prompts])
+        mask = torch.tensor([[0] * (width - len(prompt)) + [1] * len(prompt) for prompt in prompts])
+        positions = (mask.cumsum(dim=-1) - 1).clamp(min=0)
         cache = DynamicCache()
-        input_ids = torch.tensor([prompt_ids])
-        output = self._forward(input_ids, torch.ones_like(input_ids), None, cache)
-        return cache, output.logits[:, -1]
+        output = self._forward(input_ids, mask, positions, cache)
+        return cache, mask, output.logits[:, -1]
 
-    def join(self, row: Any, cache: Any, length: int, last_token: int) -> None:
-        """Add a prefilled sequence of ``length`` positions (its cache) whose next input is ``last_token``."""
+    def join(self, rows: list[Any], cache: Any, mask: torch.Tensor, last_tokens: list[int]) -> None:
+        """Add prefilled sequences: ``rows``, their ``cache`` and its ``mask`` ``(k, L)``, whose next inputs are
+        ``last_tokens``."""
         if not self.rows:
-            self.cache, self.mask = cache, torch.ones(1, length, dtype=torch.long)
+            self.cache, self.mask = cache, mask
         else:
-            width = max(self.mask.shape[1], length)
+            width = max(self.mask.shape[1], mask.shape[1])
             batch_operation(self.cache, "concatenate_batches", cache)
-            self.mask = torch.cat(
-                [_pad_left(self.mask, width), _pad_left(torch.ones(1, length, dtype=torch.long), width)]
-            )
-        self.rows.append(row)
-        self.last_tokens.append(last_token)
+            self.mask = torch.cat([_pad_left(self.mask, width), _pad_left(mask, width)])
+        self.rows.extend(rows)
+        self.last_tokens.extend(last_tokens)
 
     def step(self) -> torch.Tensor:
         """One decode step of every row: the logits ``(B, V)`` of each row's next token."""
@@ -69,28 +74,48 @@ class RunningBatch:
             self.rows, self.cache, self.last_tokens = [], None, []
             self.mask = torch.zeros(0, 0, dtype=torch.long)
             return
-        if len(indices) < len(self.rows):
-            batch_operation_select(self.cache, indices)
-            self.mask = self.mask[indices]
+        self.mask = select_rows(self.cache, self.mask, indices)
         self.rows = [self.rows[index] for index in indices]
         self.last_tokens = list(last_tokens)
-        unused = int((self.mask.sum(dim=0) == 0).long().cumprod(dim=0).sum())  # leading columns no row needs
-        if unused:
-            batch_operation(self.cache, "drop_leading", unused)
-            self.mask = self.mask[:, unused:]
 
     def _forward(self, input_ids, attention_mask, position_ids, cache):
-        kwargs = {self.keyword: cache, "use_cache": True, "attention_mask": attention_mask, "logits_to_keep": 1}
-        if position_ids is not None:
-            kwargs["position_ids"] = position_ids
+        kwargs = {self.keyword: cache, "use_cache": True, "logits_to_keep": 1}
+        kwargs.update(attention_mask=attention_mask, position_ids=position_ids)
         with torch.inference_mode():
             return self.model(input_ids=input_ids, **kwargs)
 
 
-def batch_operation_select(cache: Any, indices: list[int]) -> None:
+def warm_ups() -> list[Callable[[Any], None]]:
+    """The calls of a running batch that make a compiled decode step's graphs
+    (:func:`tpcore.served.compiled.compile_ranks`): two steps of one row, and two steps of two rows of different
+    lengths (every step carries a mask, so these are all the graphs it needs)."""
+
+    def run(prompts: list[list[int]]) -> Callable[[Any], None]:
+        @torch.inference_mode()  # as the engine thread runs: guards check whether inputs are inference tensors
+        def warm_up(model: Any) -> None:
+            batch = RunningBatch(model)
+            cache, mask, _ = batch.prefill(prompts)
+            batch.join(list(range(len(prompts))), cache, mask, [0] * len(prompts))
+            for _ in range(2):
+                batch.step()
+            batch.keep([], [])
+
+        return warm_up
+
+    return [run([[0, 0, 0]]), run([[0, 0, 0], [0, 0, 0, 0, 0]])]
+
+
+def select_rows(cache: Any, mask: torch.Tensor, indices: list[int]) -> torch.Tensor:
     """Keep the rows ``indices`` of ``cache`` (transformers' own ``batch_select_indices``; on the ranks for a
-    split model's stand-in)."""
-    cache.batch_select_indices(torch.tensor(indices))
+    split model's stand-in), then drop the leading columns no kept row needs; the kept rows' mask."""
+    if len(indices) < mask.shape[0]:
+        cache.batch_select_indices(torch.tensor(indices))
+        mask = mask[indices]
+    unused = int((mask.sum(dim=0) == 0).long().cumprod(dim=0).sum())  # leading columns no row needs
+    if unused:
+        batch_operation(cache, "drop_leading", unused)
+        mask = mask[:, unused:]
+    return mask
 
 
 def _pad_left(mask: torch.Tensor, width: int) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """The engine thread of a decoder LM: continuous batching over one :class:`~tpcore.serve.batch.RunningBatch`.
 
-One thread owns the model. Each turn of its loop admits the waiting requests (up to ``max_batch`` rows: each
-prefilled alone, its first token chosen, then joined to the batch), runs one decode step for every row, hands each
-request its token and retires the rows that finished (end of sequence, a stop string, ``max_tokens``) or whose
+One thread owns the model. Each turn of its loop admits the waiting requests (up to ``max_batch`` rows: prefilled
+in groups of similar prompt lengths, one forward a group (:func:`prefill_groups`), each first token chosen, then
+joined to the batch), runs one decode step for every row, hands each request its token and retires the rows that
+finished (end of sequence, a stop string, ``max_tokens``) or whose
 client left. Requests wait in a bounded queue (:class:`~tpcore.serve.requests.QueueFull` past ``max_queue``). A rank
 that dies turns every request in flight, and every later one, into :class:`~tpcore.serve.requests.Unavailable`.
 """
@@ -20,17 +21,22 @@ from typing import Any
 import torch
 
 from tpcore.errors import WorkerDiedError
-from tpcore.serve.batch import RunningBatch
+from tpcore.serve.batch import RunningBatch, select_rows
 from tpcore.serve.requests import Delta, Failed, Finished, InternalError, QueueFull, Request, ServeError, Unavailable
 from tpcore.serve.sampling import SamplingParams, TokenChooser
 from tpcore.serve.stats import Throughput
 from tpcore.serve.text import TextStream
 
-__all__ = ["Generation", "Scheduler"]
+__all__ = ["Generation", "Scheduler", "prefill_groups"]
 
 logger = logging.getLogger("tpcore.serve")
 #: what a call to the ranks raises once they are lost (dead, or past the call's timeout: the pool is torn down)
 RANKS_LOST = (WorkerDiedError, TimeoutError)
+#: the most positions (rows x longest prompt) one prefill forward computes: bounds how long it holds up the
+#: running rows' next step
+PREFILL_TOKENS = 4096
+#: the share of a prefill group's positions that may be padding (prompts shorter than the group's longest)
+PREFILL_PADDING = 0.25
 
 
 @dataclass
@@ -66,6 +72,7 @@ class Scheduler:
         self.wake = threading.Condition()
         self.dead: str | None = None
         self.largest_batch = 0  # the most rows decoded together so far
+        self.largest_prefill = 0  # the most prompts prefilled together so far
         self.stopping = False
         self.throughput = Throughput(logger, "tokens")
         self.thread = threading.Thread(target=self._run, name="tpcore-serve-engine", daemon=True)
@@ -101,8 +108,8 @@ class Scheduler:
                 if admitted is None:
                     break
                 try:
-                    for request in admitted:
-                        self._admit_alone(request)
+                    for group in prefill_groups(admitted):
+                        self._admit_group(group)
                     if len(self.batch):
                         self._step()
                 except RANKS_LOST as error:
@@ -131,31 +138,45 @@ class Scheduler:
             room = max(0, self.max_batch - len(self.batch))
             return [self.waiting.popleft() for _ in range(min(room, len(self.waiting)))]
 
-    def _admit_alone(self, request: Request) -> None:
-        """Admit one request; an error of its own (not a dead rank) fails it alone."""
+    def _admit_group(self, requests: list[Request]) -> None:
+        """Prefill ``requests`` together, choose their first tokens and join the batch. A prefill that fails for
+        a reason of theirs (not a lost rank) is tried again one request at a time, so that the error fails only
+        the request it comes from."""
+        rows = [self._new_row(request) for request in requests if not request.cancelled]
+        if not rows:
+            return
         try:
-            self._admit(request)
+            cache, mask, logits = self.batch.prefill([row.ids for row in rows])
         except RANKS_LOST:
             raise
         except Exception as error:
-            logger.exception("%s: the prompt's step failed", request.id)
-            request.push(Failed(InternalError(f"generation failed: {error}")))
-
-    def _admit(self, request: Request) -> None:
-        if request.cancelled:
+            if len(rows) > 1:
+                logger.warning("a prefill of %d prompts failed (%s): admitting them one by one", len(rows), error)
+                for row in rows:
+                    self._admit_group([row.request])
+            else:
+                logger.exception("%s: the prompt's step failed", rows[0].request.id)
+                rows[0].request.push(Failed(InternalError(f"generation failed: {error}")))
             return
+        self.largest_prefill = max(self.largest_prefill, len(rows))
+        try:
+            tokens = [self._accept(row, logits[index : index + 1]) for index, row in enumerate(rows)]
+            going_on = [index for index, row in enumerate(rows) if not row.done]
+            if going_on:
+                mask = select_rows(cache, mask, going_on)
+                self.batch.join([rows[i] for i in going_on], cache, mask, [tokens[i] for i in going_on])
+        except RANKS_LOST:
+            raise
+        except Exception as error:
+            logger.exception("the first tokens of %d prompts failed", len(rows))
+            for row in rows:
+                if not row.done:
+                    row.request.push(Failed(InternalError(f"generation failed: {error}")))
+
+    def _new_row(self, request: Request) -> _Row:
         generation: Generation = request.payload
-        row = _Row(
-            request,
-            list(generation.prompt_ids),
-            TokenChooser(generation.params),
-            TextStream(self.tokenizer, generation.params.stop),
-            prompt_tokens=len(generation.prompt_ids),
-        )
-        cache, logits = self.batch.prefill(row.ids)
-        token = self._accept(row, logits)
-        if not row.done:
-            self.batch.join(row, cache, len(row.ids) - 1, token)
+        chooser, text = TokenChooser(generation.params), TextStream(self.tokenizer, generation.params.stop)
+        return _Row(request, list(generation.prompt_ids), chooser, text, prompt_tokens=len(generation.prompt_ids))
 
     def _step(self) -> None:
         self.largest_batch = max(self.largest_batch, len(self.batch))
@@ -208,3 +229,20 @@ class Scheduler:
         self._fail_running(Unavailable(reason))
         for request in [*admitted, *waiting]:
             request.push(Failed(Unavailable(reason)))
+
+
+def prefill_groups(requests: Sequence[Request]) -> list[list[Request]]:
+    """``requests`` (payloads :class:`Generation`) in prefill groups: by prompt length, each group as many as
+    fit :data:`PREFILL_TOKENS` positions with at most :data:`PREFILL_PADDING` of them padding."""
+    groups: list[list[Request]] = []
+    group: list[Request] = []
+    true_positions = 0
+    for request in sorted(requests, key=lambda request: len(request.payload.prompt_ids)):
+        length = len(request.payload.prompt_ids)  # the longest of the group so far: they come sorted
+        padded = (len(group) + 1) * length
+        if group and (padded > PREFILL_TOKENS or padded - true_positions - length > PREFILL_PADDING * padded):
+            groups.append(group)
+            group, true_positions = [], 0
+        group.append(request)
+        true_positions += length
+    return groups + [group] if group else groups

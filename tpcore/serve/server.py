@@ -26,21 +26,32 @@ __all__ = ["Server", "free_port", "load_model", "serve"]
 logger = logging.getLogger("tpcore.serve")
 
 
-def load_model(directory: str, num_gpus: int, dtype: Any = None) -> tuple[Any, Any]:
+def load_model(directory: str, num_gpus: int, dtype: Any = None, compile: bool = False) -> tuple[Any, Any]:
     """The model of ``directory`` split over ``num_gpus`` ranks (shard-on-load), or whole in this process for
-    ``num_gpus=0``; and its tokenizer."""
+    ``num_gpus=0``; and its tokenizer. ``compile``: the ranks' decode step compiled, with the graphs the running
+    batch needs made before the server starts (:func:`tpcore.served.compiled.compile_ranks`)."""
     import transformers
 
     from tpcore.api import parallelize
+    from tpcore.serve.batch import warm_ups
+    from tpcore.served.compiled import compile_ranks
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
     config = transformers.AutoConfig.from_pretrained(directory)
     architectures = getattr(config, "architectures", None) or []
     generates = any(name.endswith(("ForCausalLM", "LMHeadModel")) for name in architectures)
     auto = transformers.AutoModelForCausalLM if generates else transformers.AutoModel
+    if compile and (num_gpus == 0 or not generates):
+        raise ValueError(
+            "--compile compiles the ranks' decode step: it needs a model that generates text, split over 1 or more "
+            f"ranks (--num-gpus {num_gpus}, {'a decoder' if generates else 'not a decoder'})"
+        )
     if num_gpus == 0:
         return auto.from_pretrained(directory, dtype=dtype).eval(), tokenizer
-    return parallelize(directory, num_gpus=num_gpus, dtype=dtype), tokenizer
+    model = parallelize(directory, num_gpus=num_gpus, dtype=dtype)
+    if compile:
+        compile_ranks(model, warm_ups=warm_ups())  # on failure the ranks stop before the error is raised
+    return model, tokenizer
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -134,11 +145,13 @@ def serve(
     name: str | None = None,
     limits: Limits | None = None,
     dtype: Any = None,
+    compile: bool = False,
 ) -> None:
-    """Load ``directory`` split over ``num_gpus`` ranks (0: whole, in this process) and serve it until Ctrl-C."""
+    """Load ``directory`` split over ``num_gpus`` ranks (0: whole, in this process) and serve it until Ctrl-C;
+    ``compile``: compile the ranks' decode step first (minutes; :func:`load_model`)."""
     _configure_logging()
     api_key = api_key or os.environ.get("TPCORE_API_KEY") or None
-    model, tokenizer = load_model(directory, num_gpus, dtype)
+    model, tokenizer = load_model(directory, num_gpus, dtype, compile)
     try:
         service = Service(model, tokenizer, name or Path(directory).name, limits, directory=directory)
         Server(service, host, port, api_key).run()

@@ -11,6 +11,8 @@ With ``dynamic=True`` the cache's length is a symbol and the batch is specialize
 carries an attention mask only where a row is padded. So generations need three graphs: batch 1, batch
 above 1, and batch above 1 padded. :func:`compile_ranks` makes them at load with a short greedy ``generate``
 of the parallelized model for each (traced from the very calls a ``generate`` sends the ranks), on a bar.
+Other callers pass warm-ups of their own calls: ``tpcore serve --compile`` makes the two graphs its running
+batch needs (:func:`tpcore.serve.batch.warm_ups`).
 A call the graphs do not fit (another cache class, ``output_attentions``) compiles one more on first use, up to
 dynamo's ``recompile_limit``; past it that call runs eager. Inductor keeps what it compiled on disk, so a second
 load of the same model compiles in less time.
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -35,6 +37,7 @@ __all__ = [
     "compile_forward",
     "compile_ranks",
     "compiled_calls",
+    "generate_warm_ups",
     "refuse_uncompilable",
 ]
 
@@ -44,8 +47,11 @@ logger = logging.getLogger("tpcore.parallelize")
 #: took minutes on 2 CPU cores
 COMPILE_TIMEOUT_S = 1800.0
 
-#: the prompts :func:`compile_ranks` generates from, as (rows, left-padded): one for each graph
+#: the prompts :func:`generate_warm_ups` generate from, as (rows, left-padded): one for each graph
 WARM_UP_PROMPTS = ((1, False), (2, False), (2, True))
+
+#: a call of the parallelized model that makes one graph of its decode step
+WarmUp = Callable[[Any], None]
 
 
 class CompiledDecode:
@@ -62,8 +68,19 @@ class CompiledDecode:
         ids = kwargs.get("input_ids", args[0] if args else None)
         if isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] == 1:
             self.compiled_calls += 1
-            return self.compiled(*args, **kwargs)
+            with torch.inference_mode():
+                args, kwargs = [_inference(value) for value in args], {k: _inference(v) for k, v in kwargs.items()}
+                return self.compiled(*args, **kwargs)
         return self.eager(*args, **kwargs)
+
+
+def _inference(value: Any) -> Any:
+    """``value``, a tensor made an inference tensor (a copy): dynamo's guards tell inference tensors from others,
+    and a rank's steps get both (the caller's inputs arrive as plain tensors, a lookahead's guesses are made
+    in inference mode), which would compile each graph twice."""
+    if isinstance(value, torch.Tensor) and not value.is_inference():
+        return value.clone()
+    return value
 
 
 def refuse_uncompilable(model: nn.Module) -> None:
@@ -88,15 +105,31 @@ def compiled_calls(context: RankContext) -> int:
     return context.store["model"].forward.compiled_calls
 
 
-def compile_ranks(model: Any, backend: str = "inductor") -> float:
+def generate_warm_ups() -> list[WarmUp]:
+    """A 3-token greedy ``generate`` from each of :data:`WARM_UP_PROMPTS`: the graphs ``generate`` needs."""
+
+    def generate(rows: int, padded: bool) -> WarmUp:
+        def warm_up(model: Any) -> None:
+            ids = torch.zeros(rows, 4, dtype=torch.long)
+            mask = torch.ones_like(ids)
+            mask[0, 0] = 0 if padded else 1
+            settings = dict(max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0)
+            model.generate(ids, attention_mask=mask, **settings)
+
+        return warm_up
+
+    return [generate(rows, padded) for rows, padded in WARM_UP_PROMPTS]
+
+
+def compile_ranks(model: Any, backend: str = "inductor", warm_ups: Sequence[WarmUp] | None = None) -> float:
     """In the caller, for a parallelized decoder ``model``: compile every rank's decode step and make its
-    graphs, with a 3-token greedy ``generate`` of ``model`` from each of :data:`WARM_UP_PROMPTS` (so they are
-    traced from the very calls a ``generate`` sends), under a bar; the seconds it took. The calls may take
+    graphs by running each of ``warm_ups`` on ``model`` (default :func:`generate_warm_ups`: traced from the very
+    calls a ``generate`` sends), under a bar; the seconds it took. The calls may take
     :data:`COMPILE_TIMEOUT_S`, or the model's call timeout if longer. If anything fails, the ranks are stopped
     and ``model`` gets its own methods back (``detach``) before the error is raised."""
     handle = model._tpcore_handle
     try:
-        seconds = _compile_and_warm_up(model, handle, backend)
+        seconds = _compile_and_warm_up(model, handle, backend, warm_ups or generate_warm_ups())
     except BaseException:
         handle.detach()
         raise
@@ -104,7 +137,7 @@ def compile_ranks(model: Any, backend: str = "inductor") -> float:
     return seconds
 
 
-def _compile_and_warm_up(model: Any, handle: Any, backend: str) -> float:
+def _compile_and_warm_up(model: Any, handle: Any, backend: str, warm_ups: Sequence[WarmUp]) -> float:
     from transformers.utils import logging as transformers_logging
 
     handle.pool.run(compile_forward, backend, timeout=handle.timeout)
@@ -113,14 +146,9 @@ def _compile_and_warm_up(model: Any, handle: Any, backend: str) -> float:
     tqdm_lock_leaving_the_start_method()
     label = f"tpcore: {handle.pool.world_size} ranks compiling the decode step"
     try:
-        with transformers_logging.tqdm(total=len(WARM_UP_PROMPTS), desc=label, unit="graph", disable=None) as bar:
-            for rows, padded in WARM_UP_PROMPTS:
-                ids = torch.zeros(rows, 4, dtype=torch.long)
-                mask = torch.ones_like(ids)
-                mask[0, 0] = 0 if padded else 1
-                model.generate(
-                    ids, attention_mask=mask, max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0
-                )
+        with transformers_logging.tqdm(total=len(warm_ups), desc=label, unit="graph", disable=None) as bar:
+            for warm_up in warm_ups:
+                warm_up(model)
                 bar.update(1)
     finally:
         handle.timeout = timeout

@@ -151,7 +151,8 @@ def _serve(args: argparse.Namespace) -> int:
         request_timeout=args.timeout,
         max_model_len=args.max_model_len,
     )
-    serve(args.model, args.num_gpus, args.host, args.port, api_key=args.api_key, name=args.name, limits=limits)
+    serve(args.model, args.num_gpus, args.host, args.port, api_key=args.api_key, name=args.name, limits=limits,
+          compile=args.compile)  # fmt: skip
     return 0
 
 
@@ -167,6 +168,9 @@ def _add_serve(commands: Any) -> None:
     serve.add_argument("--max-queue", type=int, default=64, help="requests waiting before 429")
     serve.add_argument("--timeout", type=float, default=300.0, help="seconds a request may take before 504")
     serve.add_argument("--max-model-len", type=int, help="tokens of prompt and completion (default: the config's)")
+    serve.add_argument(
+        "--compile", action="store_true", help="compile the ranks' decode step at load (minutes; faster decode)"
+    )
     serve.set_defaults(run=_serve)
 
 

@@ -1,0 +1,163 @@
+"""The serve engine (``Scheduler``) without HTTP: requests are queued before it starts, so they are admitted
+together, on the tiny Llama whole and split over 2 ranks.
+
+- Grouped prefill: waiting prompts of similar lengths are prefilled in one left-padded forward, then join the
+  running batch; each request still gets its solo greedy text.
+- ``tpcore serve --compile``: the ranks' decode step compiled, its graphs made at load from the running batch's
+  own calls, so serving compiles nothing more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+import tpcore
+from tpcore.serve import scheduler as scheduler_module
+from tpcore.serve.requests import Delta, Failed, Finished, Request
+from tpcore.serve.sampling import SamplingParams
+from tpcore.serve.scheduler import Generation, Scheduler, prefill_groups
+from tpcore.serve.server import load_model
+from tpcore.served.compiled import compiled_calls
+from tpcore.testing import tiny_bert, tiny_llama, word_tokenizer
+
+#: (prompt, max_tokens): lengths 2 to 9; one request ends at its first token, inside its group
+PROMPTS = [([5, 9], 6), ([7, 3, 8], 1), ([40, 41, 42, 43], 7), ([11] * 5, 5), ([12, 13, 14, 15, 16, 17], 8),
+           ([20, 21, 22, 23, 24, 25, 26, 27, 28], 4)]  # fmt: skip
+
+
+@dataclass
+class Collected(Request):
+    """A request whose events are kept in a list (the engine's side only: no HTTP handler awaits them)."""
+
+    got: list = field(default_factory=list)
+
+    def push(self, event) -> None:
+        self.got.append(event)
+
+
+def collected(prompt: list[int], max_tokens: int) -> Collected:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    return Collected(Generation(prompt, params), asyncio.new_event_loop())
+
+
+def run_to_the_end(model, requests: list[Collected]) -> Scheduler:
+    """Queue ``requests`` on a new engine for ``model``, start it and wait until each request has ended."""
+    scheduler = Scheduler(model, word_tokenizer(), eos_ids={1})
+    for request in requests:
+        scheduler.submit(request)
+    scheduler.start()
+    try:
+        for _ in range(600):
+            if all(request.got and isinstance(request.got[-1], (Finished, Failed)) for request in requests):
+                break
+            scheduler.thread.join(0.1)
+    finally:
+        scheduler.stop()
+    return scheduler
+
+
+def solo_text(reference, prompt: list[int], max_tokens: int) -> str:
+    """The unsplit model's greedy text for ``prompt`` alone."""
+    ids = torch.tensor([prompt])
+    out = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False)
+    return word_tokenizer().decode(out[0, len(prompt) :], skip_special_tokens=True)
+
+
+def text(request: Collected) -> str:
+    return "".join(event.text for event in request.got if isinstance(event, Delta))
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return tiny_llama(eos_token_id=1, attn_implementation="eager")
+
+
+@pytest.fixture(scope="module", params=["whole", "split"])
+def model(request, reference):
+    if request.param == "whole":
+        yield reference
+        return
+    split = tpcore.parallelize(tiny_llama(eos_token_id=1, attn_implementation="eager"), num_gpus=2)
+    yield split
+    split.deparallelize()
+
+
+def test_prompts_queued_together_are_prefilled_together_and_each_gets_its_solo_tokens(model, reference):
+    requests = [collected(prompt, max_tokens) for prompt, max_tokens in PROMPTS]
+    scheduler = run_to_the_end(model, requests)
+    assert scheduler.largest_prefill == 3  # groups by length [2, 3, 4] [5, 6] [9]: padding within a quarter
+    for request, (prompt, max_tokens) in zip(requests, PROMPTS, strict=True):
+        assert isinstance(request.got[-1], Finished), request.got[-1]
+        assert text(request) == solo_text(reference, prompt, max_tokens), prompt
+    assert len(scheduler.batch) == 0 and scheduler.batch.cache is None
+
+
+def test_a_prefill_that_fails_is_retried_alone_and_fails_only_its_own_request(model, reference, monkeypatch):
+    prefill = scheduler_module.RunningBatch.prefill
+
+    def refuse_token_99(self, prompts):
+        if any(99 in prompt for prompt in prompts):
+            raise RuntimeError("token 99 refused")
+        return prefill(self, prompts)
+
+    monkeypatch.setattr(scheduler_module.RunningBatch, "prefill", refuse_token_99)
+    requests = [collected([5, 9, 10], 4), collected([99, 9, 10], 4), collected([6, 7, 8], 3)]
+    run_to_the_end(model, requests)
+    assert isinstance(requests[1].got[-1], Failed) and "token 99 refused" in str(requests[1].got[-1].error)
+    for index in (0, 2):
+        prompt, max_tokens = requests[index].payload.prompt_ids, requests[index].payload.params.max_tokens
+        assert text(requests[index]) == solo_text(reference, prompt, max_tokens)
+
+
+def test_prefill_groups_sort_by_length_and_bound_positions_and_padding(monkeypatch):
+    def lengths(groups):
+        return [[len(request.payload.prompt_ids) for request in group] for group in groups]
+
+    requests = [collected([3] * length, 1) for length in (8, 2, 7, 8, 3, 6)]
+    # sorted 2 3 6 7 8 8: 2,3 pad 1 of 6; adding 6 would pad 7 of 18 (> a quarter)
+    assert lengths(prefill_groups(requests)) == [[2, 3], [6, 7, 8, 8]]
+    monkeypatch.setattr(scheduler_module, "PREFILL_TOKENS", 16)
+    assert lengths(prefill_groups(requests)) == [[2, 3], [6, 7], [8, 8]]
+    assert lengths(prefill_groups([collected([3] * 40, 1)])) == [[40]]  # one prompt over the bound: alone
+    assert prefill_groups([]) == []
+
+
+def test_compile_is_refused_for_a_whole_model_and_an_encoder(tmp_path):
+    tiny_llama().save_pretrained(tmp_path / "llama")
+    tiny_bert().save_pretrained(tmp_path / "bert")
+    for directory in ("llama", "bert"):
+        word_tokenizer().save_pretrained(tmp_path / directory)
+    with pytest.raises(ValueError, match="--num-gpus 0, a decoder"):
+        load_model(str(tmp_path / "llama"), 0, compile=True)
+    with pytest.raises(ValueError, match="--num-gpus 2, not a decoder"):
+        load_model(str(tmp_path / "bert"), 2, compile=True)
+
+
+def graphs(context) -> int:
+    """On a rank: the graphs dynamo has compiled in its process."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.slow  # ~40 s: two ranks compile two graphs each with inductor
+def test_a_compiled_split_serves_the_solo_texts_without_compiling_again(tmp_path, reference):
+    reference.save_pretrained(tmp_path)
+    word_tokenizer().save_pretrained(tmp_path)
+    model, _ = load_model(str(tmp_path), 2, compile=True)
+    try:
+        pool = model._tpcore_handle.pool
+        made, warm_up_calls = pool.run(graphs), pool.run(compiled_calls)
+        assert all(calls >= 4 for calls in warm_up_calls)  # two steps of one row, two of two rows (and guesses)
+        requests = [collected(prompt, max_tokens) for prompt, max_tokens in PROMPTS]
+        run_to_the_end(model, requests)
+        for request, (prompt, max_tokens) in zip(requests, PROMPTS, strict=True):
+            assert text(request) == solo_text(reference, prompt, max_tokens), prompt
+        assert pool.run(graphs) == made  # batches of 1 to 6 rows fit the graphs made at load
+        assert all(now > then for now, then in zip(pool.run(compiled_calls), warm_up_calls, strict=True))
+    finally:
+        model.deparallelize()
