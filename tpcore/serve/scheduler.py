@@ -26,6 +26,7 @@ from tpcore.serve.requests import Delta, Failed, Finished, InternalError, QueueF
 from tpcore.serve.sampling import SamplingParams, TokenChooser
 from tpcore.serve.stats import Throughput
 from tpcore.serve.text import TextStream
+from tpcore.served.caller_threads import release_openmp_workers
 
 __all__ = ["Generation", "Scheduler", "prefill_groups"]
 
@@ -78,6 +79,9 @@ class Scheduler:
         self.thread = threading.Thread(target=self._run, name="tpcore-serve-engine", daemon=True)
 
     def start(self) -> None:
+        """Start the engine thread; the calling thread gives up its OpenMP workers, which would slow the
+        engine's parallel regions (:func:`~tpcore.served.caller_threads.release_openmp_workers`)."""
+        release_openmp_workers()
         self.thread.start()
 
     def submit(self, request: Request) -> None:
