@@ -159,6 +159,7 @@ BENCH_SCRIPTS = (
     "compile_options.py",
     "compiled.py",
     "decode_peers.py",
+    "serve_engine.py",
 )
 
 
