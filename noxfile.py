@@ -160,6 +160,7 @@ BENCH_SCRIPTS = (
     "compiled.py",
     "decode_peers.py",
     "serve_engine.py",
+    "gemm_layouts.py",
 )
 
 
