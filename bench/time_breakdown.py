@@ -2,7 +2,7 @@
 share of a split model's decode.
 
 A random-init Llama of SmolLM2-135M's widths (30 layers by default), fp32, greedy, ``--prompts`` tokens (32 and
-512) at batch 1 and 8, two ways:
+512) at batch 1 and 8 (``--batches``), two ways:
 
 - **unsplit**: transformers in this process, on all cores (``--threads``, default 2);
 - **tpcore**: ``tpcore.parallelize(model, num_gpus=2)`` (gloo ranks, the cores split between them).
@@ -155,6 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = arguments(__doc__, "time_breakdown", "2 layers, short prompts, few steps")
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--prompts", default="32,512", help="prompt lengths, comma-separated")
+    parser.add_argument("--batches", default="1,8", help="batch sizes, comma-separated")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of the unsplit way")
     parser.add_argument("--steps", type=int, default=8, help="decode steps taken apart")
     parser.add_argument("--new-tokens", type=int, default=17)
@@ -168,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     rows, kinds_rows = [], []
     try:
         for prompt in [int(p) for p in args.prompts.split(",")]:
-            for batch in (1, 8):
+            for batch in [int(b) for b in args.batches.split(",")]:
                 figures = {}
                 for way in ("unsplit", "tpcore"):
                     served = model if way == "unsplit" else split
