@@ -76,7 +76,7 @@ def reference():
     return tiny_llama(eos_token_id=1, attn_implementation="eager")
 
 
-@pytest.fixture(scope="module", params=["whole", "split"])
+@pytest.fixture(scope="module", params=["whole", pytest.param("split", marks=pytest.mark.slow)])  # split: ranks
 def model(request, reference):
     if request.param == "whole":
         yield reference
