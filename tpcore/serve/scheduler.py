@@ -3,9 +3,9 @@
 One thread owns the model. Each turn of its loop admits the waiting requests (up to ``max_batch`` rows: prefilled
 in groups of similar prompt lengths, one forward a group (:func:`prefill_groups`), each first token chosen, then
 joined to the batch), runs one decode step for every row, hands each request its token and retires the rows that
-finished (end of sequence, a stop string, ``max_tokens``) or whose
-client left. Requests wait in a bounded queue (:class:`~tpcore.serve.requests.QueueFull` past ``max_queue``). A rank
-that dies turns every request in flight, and every later one, into :class:`~tpcore.serve.requests.Unavailable`.
+finished (end of sequence, a stop string, ``max_tokens``) or whose client left. Requests wait in a bounded queue
+(:class:`~tpcore.serve.requests.QueueFull` past ``max_queue``). A rank that dies turns every request in flight,
+and every later one, into :class:`~tpcore.serve.requests.Unavailable`.
 """
 
 from __future__ import annotations
