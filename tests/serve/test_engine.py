@@ -21,7 +21,7 @@ from tpcore.serve.requests import Delta, Failed, Finished, Request
 from tpcore.serve.sampling import SamplingParams
 from tpcore.serve.scheduler import Generation, Scheduler, prefill_groups
 from tpcore.serve.server import load_model
-from tpcore.served.compiled import compiled_calls
+from tpcore.served.compiled import compiled_calls, compiled_graphs
 from tpcore.testing import tiny_bert, tiny_llama, word_tokenizer
 
 #: (prompt, max_tokens): lengths 2 to 9; one request ends at its first token, inside its group
@@ -137,13 +137,6 @@ def test_compile_is_refused_for_a_whole_model_and_an_encoder(tmp_path):
         load_model(str(tmp_path / "bert"), 2, compile=True)
 
 
-def graphs(context) -> int:
-    """On a rank: the graphs dynamo has compiled in its process."""
-    from torch._dynamo.utils import counters
-
-    return counters["stats"]["unique_graphs"]
-
-
 @pytest.mark.slow  # ~40 s: two ranks compile two graphs each with inductor
 def test_a_compiled_split_serves_the_solo_texts_without_compiling_again(tmp_path, reference):
     reference.save_pretrained(tmp_path)
@@ -151,13 +144,13 @@ def test_a_compiled_split_serves_the_solo_texts_without_compiling_again(tmp_path
     model, _ = load_model(str(tmp_path), 2, compile=True)
     try:
         pool = model._tpcore_handle.pool
-        made, warm_up_calls = pool.run(graphs), pool.run(compiled_calls)
+        made, warm_up_calls = pool.run(compiled_graphs), pool.run(compiled_calls)
         assert all(calls >= 4 for calls in warm_up_calls)  # two steps of one row, two of two rows (and guesses)
         requests = [collected(prompt, max_tokens) for prompt, max_tokens in PROMPTS]
         run_to_the_end(model, requests)
         for request, (prompt, max_tokens) in zip(requests, PROMPTS, strict=True):
             assert text(request) == solo_text(reference, prompt, max_tokens), prompt
-        assert pool.run(graphs) == made  # batches of 1 to 6 rows fit the graphs made at load
+        assert pool.run(compiled_graphs) == made  # batches of 1 to 6 rows fit the graphs made at load
         assert all(now > then for now, then in zip(pool.run(compiled_calls), warm_up_calls, strict=True))
     finally:
         model.deparallelize()

@@ -11,7 +11,7 @@ from process_probes import children, gone
 from transformers import DynamicCache
 
 import tpcore
-from tpcore.served.compiled import CompiledDecode, compile_ranks, compiled_calls
+from tpcore.served.compiled import CompiledDecode, compile_ranks, compiled_calls, compiled_graphs
 from tpcore.testing import tiny_bert, tiny_llama
 
 PROMPTS = torch.tensor([[5, 7, 9, 11, 3], [0, 0, 4, 8, 6], [1, 2, 3, 4, 5]])
@@ -40,27 +40,20 @@ def test_a_model_without_a_decode_step_is_refused_before_any_rank_starts(model):
     assert children() == before
 
 
-def graphs(context) -> int:
-    """On a rank: the graphs dynamo has compiled in its process."""
-    from torch._dynamo.utils import counters
-
-    return counters["stats"]["unique_graphs"]
-
-
 @pytest.mark.slow  # ~40 s: two ranks compile three graphs each with inductor
 def test_a_compiled_split_generates_the_unsplit_tokens_without_compiling_again():
     reference = tiny_llama(eos_token_id=None)
     model = tpcore.parallelize(tiny_llama(eos_token_id=None), num_gpus=2, compile=True)
     try:
         pool = model._tpcore_handle.pool
-        made, calls = pool.run(graphs), pool.run(compiled_calls)
+        made, calls = pool.run(compiled_graphs), pool.run(compiled_calls)
         assert made[0] >= 3 and calls == [6, 6]  # the warm-up: 2 steps at batch 1, 2 at batch 2, 2 padded
         with torch.inference_mode():
             for rows in (1, 3):
                 expected = reference.generate(PROMPTS[:rows], attention_mask=MASK[:rows], max_new_tokens=6)
                 tokens = model.generate(PROMPTS[:rows], attention_mask=MASK[:rows], max_new_tokens=6)
                 assert torch.equal(tokens, expected)
-            assert pool.run(graphs) == made  # generate at batch 1 and 3 fit the graphs made at load
+            assert pool.run(compiled_graphs) == made  # generate at batch 1 and 3 fit the graphs made at load
             assert pool.run(compiled_calls) == [16, 16]
             caches = DynamicCache(), DynamicCache()
             prefill = dict(input_ids=PROMPTS, attention_mask=MASK, use_cache=True)

@@ -91,7 +91,6 @@ def warm_ups() -> list[Callable[[Any], None]]:
     lengths (every step carries a mask, so these are all the graphs it needs)."""
 
     def run(prompts: list[list[int]]) -> Callable[[Any], None]:
-        @torch.inference_mode()  # as the engine thread runs: guards check whether inputs are inference tensors
         def warm_up(model: Any) -> None:
             batch = RunningBatch(model)
             cache, mask, _ = batch.prefill(prompts)

@@ -37,6 +37,7 @@ __all__ = [
     "compile_forward",
     "compile_ranks",
     "compiled_calls",
+    "compiled_graphs",
     "generate_warm_ups",
     "refuse_uncompilable",
 ]
@@ -103,6 +104,13 @@ def compile_forward(context: RankContext, backend: str = "inductor") -> None:
 def compiled_calls(context: RankContext) -> int:
     """On a rank: how many calls its compiled forward has taken."""
     return context.store["model"].forward.compiled_calls
+
+
+def compiled_graphs(context: RankContext) -> int:
+    """On a rank: how many graphs dynamo has compiled in its process."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
 
 
 def generate_warm_ups() -> list[WarmUp]:
