@@ -75,8 +75,9 @@ def timed_collectives() -> tuple[list[float], Callable[[], None]]:
     return spent, undo
 
 
-def taken_apart(model, batch: int, prompt: int, steps: int) -> dict[str, dict[str, float]]:
-    """``{"prefill" | "step": {"wall": ms, kind: ms, ...}}`` of ``model``'s forwards, as the module docstring says."""
+def taken_apart(model, batch: int, prompt: int, steps: int, top: int = 0) -> dict:
+    """``{"prefill" | "step": {"wall": ms, kind: ms, ...}}`` of ``model``'s forwards, as the module docstring says,
+    and ``"ops"``: the prefill's ``top`` aten ops by their own time, ``[(name, calls, ms), ...]``."""
     from transformers import DynamicCache
 
     ids = torch.randint(2, VOCAB, (batch, prompt), generator=torch.Generator().manual_seed(batch))
@@ -113,7 +114,11 @@ def taken_apart(model, batch: int, prompt: int, steps: int) -> dict[str, dict[st
     result["step"]["collectives"] = sum(spent[marks["prefill"] :]) * 1e3 / steps
     for phase, count in (("prefill", 1), ("step", steps)):
         ops = {"matmul": 0.0, "attention": 0.0, "other ops": 0.0}
-        for event in _profiled(model, ids, phase, steps):
+        events = _profiled(model, ids, phase, steps)
+        if phase == "prefill":
+            ranked = sorted(events, key=lambda e: -e.self_cpu_time_total)[:top]
+            result["ops"] = [(e.key, e.count, e.self_cpu_time_total / 1e3) for e in ranked]
+        for event in events:
             kind = (
                 "matmul" if event.key in MATMUL else "attention" if "scaled_dot_product" in event.key else "other ops"
             )
@@ -142,9 +147,9 @@ def _profiled(model, ids, phase: str, steps: int):
     return [e for e in prof.key_averages() if e.key.startswith("aten::")]
 
 
-def ranks_taken_apart(context, batch: int, prompt: int, steps: int):
+def ranks_taken_apart(context, batch: int, prompt: int, steps: int, top: int):
     """On a rank of a served model: :func:`taken_apart` of the model it keeps (rank 0's figures)."""
-    result = taken_apart(context.store["model"], batch, prompt, steps)
+    result = taken_apart(context.store["model"], batch, prompt, steps, top)
     return result if context.rank == 0 else None
 
 
@@ -160,13 +165,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=8, help="decode steps taken apart")
     parser.add_argument("--new-tokens", type=int, default=17)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--ops", type=int, default=0, help="list the prefill's top N aten ops by own time")
     args = parse(parser, argv, quick={"layers": 2, "prompts": "8", "steps": 2, "new_tokens": 3, "rounds": 1})
     torch.set_num_threads(args.threads)
     spec = smollm2_spec(args.layers)
     model = spec.build().eval()
     split = tpcore.parallelize(spec.build(), num_gpus=2)  # the same seeded weights
     pool = split._tpcore_handle.pool
-    rows, kinds_rows = [], []
+    rows, kinds_rows, ops_rows = [], [], []
     try:
         for prompt in [int(p) for p in args.prompts.split(",")]:
             for batch in [int(b) for b in args.batches.split(",")]:
@@ -176,9 +182,12 @@ def main(argv: list[str] | None = None) -> None:
                     ttft, per_token = decode_figures(served, batch, prompt, args.new_tokens, args.rounds)
                     if way == "unsplit":
                         with torch.inference_mode():
-                            parts = taken_apart(model, batch, prompt, args.steps)
+                            parts = taken_apart(model, batch, prompt, args.steps, args.ops)
                     else:
-                        parts = pool.run(ranks_taken_apart, batch, prompt, args.steps)[0]
+                        parts = pool.run(ranks_taken_apart, batch, prompt, args.steps, args.ops)[0]
+                    ops_rows += [
+                        [way, f"{batch}x{prompt}", name, str(calls), f"{ms:.1f}"] for name, calls, ms in parts["ops"]
+                    ]
                     figures[way] = (ttft, per_token, parts)
                     caller = f"{per_token - parts['step']['wall']:.1f}" if way == "tpcore" else "-"
                     rows.append(
@@ -217,6 +226,11 @@ def main(argv: list[str] | None = None) -> None:
         "rank; python: the wall time less the rest.\n\n"
         + printed(["way", "batch x prompt", "forward", "wall ms", *KINDS], kinds_rows),
     ]
+    if ops_rows:
+        sections.append(
+            f"## The prefill's top {args.ops} ops\n\nOwn time under the profiler (rank 0 for tpcore), one prefill.\n\n"
+            + printed(["way", "batch x prompt", "op", "calls", "ms"], ops_rows)
+        )
     write_result("time_breakdown", "Where generation's time goes", sections, "gloo", args.note, args.output)
 
 
