@@ -27,6 +27,7 @@ from __future__ import annotations
 import subprocess
 
 import pytest
+from process_probes import children
 
 from tpcore.select.plugins import DISABLE_AUTOLOAD_ENV, ONLY_PLUGINS_ENV, reset_plugins
 
@@ -44,6 +45,14 @@ def spawned(monkeypatch) -> list:
 
     monkeypatch.setattr(subprocess, "Popen", spy)
     return commands
+
+
+@pytest.fixture
+def no_process_starts(spawned):
+    """The test may start no child process (a rank is one)."""
+    kids = children()
+    yield
+    assert spawned == [] and children() <= kids
 
 
 @pytest.fixture

@@ -10,10 +10,11 @@ from torch import nn
 
 from tpcore.load.checkpoint import Checkpoint, is_checkpoint_path
 from tpcore.load.precision import cast_model, resolve_dtype
-from tpcore.load.skeleton import empty_model
+from tpcore.load.quantized import checkpoint_skeleton, refuse_quantized_model
 from tpcore.parallel import shm
 from tpcore.parallel.comm import group_rank
 from tpcore.parallel.cpu_layout import transpose_linear_weights
+from tpcore.parallel.quantized import localize_quantized
 from tpcore.plan import apply_plan, log_plan, plan_for
 from tpcore.progress import LoadBar
 from tpcore.ranks.distributed import bind_device, check_placement, default_backend, device_for, tensor_parallel_group
@@ -114,8 +115,9 @@ class ParallelEngine:
         )
         if is_checkpoint_path(model):
             checkpoint = Checkpoint(model)
-            model = empty_model(checkpoint.config(), model_class)
+            model = checkpoint_skeleton(checkpoint, checkpoint.config(), model_class)
         else:
+            refuse_quantized_model(model)
             checkpoint = None
         # Fail on bad input (and, from a checkpoint, on missing weights) before joining any process group.
         policies = choose_policies(model, self.custom_policies)
@@ -134,6 +136,7 @@ class ParallelEngine:
         apply_plan(plan, model, rank, group, gather_logits=self.gather_logits)
         if checkpoint is not None:
             self._load(checkpoint, model, reads, plan, rank, device, dtype)
+        localize_quantized(model, rank, self.world_size)
         if dtype is not None:
             cast_model(model, dtype)
         model = model.to(device)  # module.to also moves non-persistent buffers

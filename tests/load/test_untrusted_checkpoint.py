@@ -26,7 +26,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from process_probes import children
 from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import GPT2LMHeadModel
@@ -43,14 +42,6 @@ INDEX = "model.safetensors.index.json"
 
 #: tiny_gpt2 with its special ids inside the vocabulary
 gpt2 = functools.partial(tiny_gpt2, bos_token_id=0, eos_token_id=0)
-
-
-@pytest.fixture
-def no_process_starts(spawned):
-    """The test may start no child process (a rank is one)."""
-    kids = children()
-    yield
-    assert spawned == [] and children() <= kids
 
 
 # -- headers, side by side with safetensors ------------------------------------------------------

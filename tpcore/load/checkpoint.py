@@ -134,7 +134,7 @@ class Checkpoint:
             by_file.setdefault(self.files[key], []).append(key)
         shapes = {}
         for names in by_file.values():
-            shapes.update((name, self._stored_shape(name)) for name in names)
+            shapes.update((name, self.stored_shape(name)) for name in names)
         return shapes
 
     def verify(self, keys: Iterable[str]) -> None:
@@ -199,7 +199,7 @@ class Checkpoint:
             whole = read.value
             return _own(whole if split is None else split.shard(whole, rank, world_size), device)
         first = sources.keys[0][0]
-        if device != CPU and dtype is not None and _shrinks(self._stored_dtype(first), dtype):
+        if device != CPU and dtype is not None and _shrinks(self.stored_dtype(first), dtype):
             device = CPU
         if sources.converted is not None:
             return self._read_converted(read, rank, world_size, device)
@@ -212,7 +212,7 @@ class Checkpoint:
         if split is None:
             tensor = _combine(sources, take, None, 0, 0)
         else:
-            shapes = [[self._stored_shape(key) for key in group] for group in sources.keys]
+            shapes = [[self.stored_shape(key) for key in group] for group in sources.keys]
             shape = combined_shape(sources, shapes)
             dim = split.dim % len(shape)
             ranges, padding = _split_ranges(split, shape[dim], rank, world_size)
@@ -234,7 +234,8 @@ class Checkpoint:
         tensor = handle.read(key, dim, start, stop)
         return tensor if device == CPU else tensor.to(device)
 
-    def _stored_shape(self, key: str) -> list[int]:
+    def stored_shape(self, key: str) -> list[int]:
+        """The shape of tensor ``key`` in its file (from the header of a safetensors file)."""
         handle = self._handle(self.files[key])
         return list(handle[key].shape) if isinstance(handle, dict) else handle.shape(key)
 
@@ -259,7 +260,7 @@ class Checkpoint:
             tensor = _join([tensor.narrow(dim, start, stop - start) for start, stop in ranges], dim, padding)
         return _own(tensor, device)
 
-    def _stored_dtype(self, key: str) -> torch.dtype:
+    def stored_dtype(self, key: str) -> torch.dtype:
         """The dtype of tensor ``key`` in its file (from the header of a safetensors file)."""
         handle = self._handle(self.files[key])
         return handle[key].dtype if isinstance(handle, dict) else handle.dtype(key)
@@ -269,7 +270,7 @@ class Checkpoint:
         in its stored dtype (what :meth:`load_into` reports to its ``progress``), from the headers only."""
         total = 0
         for read in reads:
-            dtype = read.value.dtype if read.sources is None else self._stored_dtype(read.sources.keys[0][0])
+            dtype = read.value.dtype if read.sources is None else self.stored_dtype(read.sources.keys[0][0])
             total += math.prod(shape_of(read.name)) * dtype.itemsize
         return total
 
@@ -285,14 +286,7 @@ class Checkpoint:
         gets the value its ``_init_weights`` computes, as ``from_pretrained`` gives it. The files read
         are checked first (:meth:`verify`), so a missing or truncated one fails here, not on a rank.
         """
-        aliases: dict[int, list[str]] = {}
-        by_name: dict[str, torch.Tensor] = {}
-        for name, tensor in [
-            *model.named_parameters(remove_duplicate=False),
-            *model.named_buffers(remove_duplicate=False),
-        ]:
-            aliases.setdefault(id(tensor), []).append(name)
-            by_name[name] = tensor
+        aliases, by_name = _aliases(model)
         found = model_sources(model, self.files, by_name)
         parameters = {id(tensor) for tensor in model.parameters()}
         reads, missing = [], []
@@ -314,6 +308,17 @@ class Checkpoint:
         self.verify(key for read in stored for key in read.sources.all_keys)
         self._check_shapes(model, stored)
         return reads
+
+    def stored_keys(self, model: nn.Module) -> dict[str, str]:
+        """The stored key of every model tensor (by each of its names) that one stored tensor makes, as
+        ``from_pretrained`` renames keys (:func:`~tpcore.load.conversion.model_sources`)."""
+        _, by_name = _aliases(model)
+        found = model_sources(model, self.files, by_name)
+        return {
+            name: sources.keys[0][0]
+            for name, sources in found.items()
+            if sources.converted is None and len(sources.all_keys) == 1
+        }
 
     def _check_shapes(self, model: nn.Module, reads: list[Read]) -> None:
         """Raise ``ValueError`` where the stored tensors make a model tensor of another shape than the model's
@@ -434,6 +439,16 @@ def _shrinks(stored: torch.dtype | None, dtype: torch.dtype | None) -> bool:
     if stored is None or dtype is None or not (stored.is_floating_point and dtype.is_floating_point):
         return False
     return stored.itemsize > dtype.itemsize
+
+
+def _aliases(model: nn.Module) -> tuple[dict[int, list[str]], dict[str, torch.Tensor]]:
+    """Every name of each of ``model``'s tensors (by the tensor's id), and every tensor by each of its names."""
+    aliases: dict[int, list[str]] = {}
+    by_name: dict[str, torch.Tensor] = {}
+    for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        aliases.setdefault(id(tensor), []).append(name)
+        by_name[name] = tensor
+    return aliases, by_name
 
 
 def _listing(names: list[str]) -> str:

@@ -93,7 +93,8 @@ def cast_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """Cast ``model`` in place as ``from_pretrained(dtype=dtype)`` would have loaded it; returns it.
 
     Floating parameters and persistent buffers become ``dtype``, or fp32 where their name matches
-    :func:`fp32_patterns`; non-persistent buffers and integer tensors keep their dtype. Parameters
+    :func:`fp32_patterns`; non-persistent buffers, integer tensors and the tensors of a module that
+    ``keeps_stored_dtypes`` (a quantized layer's values and scales) keep their dtype. Parameters
     keep their identity (``param.data`` is replaced), so tied weights stay tied.
     """
     patterns = fp32_patterns(model, dtype)
@@ -101,6 +102,8 @@ def cast_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     seen: set[int] = set()
     cast_buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (buffer, its cast), both kept alive
     for module_name, module in model.named_modules(remove_duplicate=False):
+        if getattr(module, "keeps_stored_dtypes", False):  # quantized values and their scales
+            continue
         prefix = f"{module_name}." if module_name else ""
         for name, param in module.named_parameters(recurse=False):
             if id(param) in seen or not param.is_floating_point():

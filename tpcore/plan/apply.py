@@ -17,6 +17,7 @@ from tpcore.cut.shares import resolve
 from tpcore.errors import ShardingError
 from tpcore.load.skeleton import named_tensors
 from tpcore.parallel.layers import column_split_norm_class, make_vocab_parallel, row_parallel_class, set_layer_size
+from tpcore.parallel.quantized import BlockFP8Linear
 from tpcore.plan.paths import set_path
 from tpcore.plan.shard_plan import Replacement, ShardPlan
 
@@ -51,6 +52,7 @@ def apply_plan(
     if not 0 <= rank < plan.world_size:
         raise ValueError(f"rank {rank} is outside a world of {plan.world_size}")
     _slice_tensors(plan, model, rank)
+    _tell_quantized_cuts(plan, model)
     for path in plan.resized:
         set_layer_size(model.get_submodule(path))
     for path, value in plan.attributes.items():
@@ -67,6 +69,15 @@ def apply_plan(
         rows = int(module.weight.shape[0])  # type: ignore[index]
         make_vocab_parallel(module, tp_group, rank * rows, vocab_size, gather_logits)
     return model
+
+
+def _tell_quantized_cuts(plan: ShardPlan, model: nn.Module) -> None:
+    """Give each block-quantized layer its weight's cut (the same on every rank), so that a rank finds the
+    scale blocks of what it holds (:func:`~tpcore.parallel.quantized.localize_quantized`)."""
+    for path, module in model.named_modules():
+        if isinstance(module, BlockFP8Linear):
+            split = plan.splits.get(f"{path}.weight")
+            module.cut = None if split is None else (split.resolved(2).dim, split.resolved(2))
 
 
 def _slice_tensors(plan: ShardPlan, model: nn.Module, rank: int) -> None:

@@ -31,7 +31,8 @@ from torch import nn
 from tpcore.errors import WorkerError
 from tpcore.load.checkpoint import Checkpoint
 from tpcore.load.precision import resolve_dtype
-from tpcore.load.skeleton import drop_output_capturing_hooks, empty_model, named_tensors, portable, weightless_copy
+from tpcore.load.quantized import check_quantization, checkpoint_skeleton
+from tpcore.load.skeleton import drop_output_capturing_hooks, named_tensors, portable, weightless_copy
 from tpcore.plan import ShardPlan, apply_plan, log_plan
 from tpcore.progress import LoadBar
 from tpcore.ranks.distributed import check_placement, default_backend
@@ -116,6 +117,7 @@ class CheckpointSource:
     def __init__(self, directory: str | os.PathLike, model_class: type[nn.Module] | None = None):
         self.checkpoint = Checkpoint(directory)
         self.config = self.checkpoint.config()  # a directory without a model in it fails here
+        check_quantization(self.config, f"the checkpoint in {self.checkpoint.directory.name!r}")
         self.checkpoint.verify(self.checkpoint.files)  # and so does a missing, truncated or corrupt weight file
         self.model_class = model_class
         #: the module that defines the model, which the ranks import while the caller builds it
@@ -124,7 +126,7 @@ class CheckpointSource:
     @functools.cached_property
     def model(self) -> nn.Module:
         """The checkpoint's model with its parameters on meta, and its generation config if one was saved."""
-        model: Any = empty_model(self.config, self.model_class)
+        model: Any = checkpoint_skeleton(self.checkpoint, self.config, self.model_class)
         directory = self.checkpoint.directory
         if (directory / "generation_config.json").is_file() and hasattr(model, "generation_config"):
             from transformers import GenerationConfig

@@ -26,6 +26,7 @@ from tpcore.load.skeleton import install_tensors, named_tensors, register_output
 from tpcore.parallel import memfd
 from tpcore.parallel.cpu_layout import transpose_linear_weights
 from tpcore.parallel.layers import bind_group
+from tpcore.parallel.quantized import localize_quantized
 from tpcore.plan import format_bytes
 from tpcore.progress import ByteCounter
 from tpcore.ranks.process import RankContext
@@ -75,6 +76,7 @@ def read_shard(context: RankContext, skeleton: nn.Module, directory: str, reads:
 def keep(context: RankContext, skeleton: nn.Module, dtype) -> int:
     """On a rank: bind the filled skeleton to this rank, move it to the device and keep it for calls."""
     bind_group(skeleton, context.tp_group)
+    localize_quantized(skeleton, context.rank, context.world_size)
     skeleton.eval().requires_grad_(False)
     if dtype is not None:
         cast_model(skeleton, dtype)

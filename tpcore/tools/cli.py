@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -56,12 +57,14 @@ def _applying(args: argparse.Namespace) -> int:
     from tpcore.plan import as_json, plan_for, replicated_warning, report
     from tpcore.select import choose_policies
     from tpcore.testing.samples import UnshrinkableConfig
-    from tpcore.tools.check import resolve
 
     try:
-        model = resolve(args.model).build()
+        model = _model_to_show(args.model)
     except UnshrinkableConfig as error:
         print(f"{error} (a class name is built from its default config shrunk; pass a saved directory instead)")
+        return 2
+    except ShardingError as error:  # a quantized format tpcore does not split
+        print(error)
         return 2
     try:
         policies = choose_policies(model)
@@ -85,6 +88,20 @@ def _applying(args: argparse.Namespace) -> int:
     if warning is not None:
         print(warning)
     return 0
+
+
+def _model_to_show(name: str) -> Any:
+    """A saved directory's model with its weights on meta, as its files store them (quantized ones too), or a
+    class name's model built small (:func:`tpcore.tools.check.resolve`)."""
+    if os.path.isdir(name):
+        from tpcore.load.checkpoint import Checkpoint
+        from tpcore.load.quantized import checkpoint_skeleton
+
+        checkpoint = Checkpoint(name)
+        return checkpoint_skeleton(checkpoint, checkpoint.config())
+    from tpcore.tools.check import resolve
+
+    return resolve(name).build()
 
 
 def _applying_rows(model: Any, policies: list, world_size: int) -> dict[str, Any]:

@@ -1,0 +1,96 @@
+"""Property tests of scale blocks under a cut (:mod:`tpcore.cut.blocks`) and the layer that uses them
+(:class:`tpcore.parallel.quantized.BlockFP8Linear`): a rank's dequantized shard is the shard of the dequantized
+weight, exactly, for any block size, cut and world size, inside a block or not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from tpcore.cut.blocks import block_index
+from tpcore.cut.split import Split
+from tpcore.parallel.quantized import BlockFP8Linear, localize_quantized
+from tpcore.testing.quantized import block_fp8
+
+FAST = settings(max_examples=60, deadline=None)
+
+
+def dequantized(values: torch.Tensor, scales: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """The whole weight, element by element: ``values[i, j] * scales[i // B0, j // B1]``."""
+    rows = torch.arange(values.shape[0]) // block[0]
+    cols = torch.arange(values.shape[1]) // block[1]
+    return values.float() * scales[rows][:, cols]
+
+
+def quantized(out_features: int, in_features: int, block: tuple[int, int], seed: int):
+    weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(seed))
+    return block_fp8(weight, block)
+
+
+splits = st.sampled_from(
+    [Split(0), Split(1), Split(0, heads=3), Split(0, n_fused=2), Split(0, parts=(4, 2, 2)), Split(0, pad=True)]
+)
+
+
+@FAST
+@given(
+    split=splits,
+    world=st.integers(1, 4),
+    block=st.tuples(st.integers(1, 7), st.integers(1, 7)),
+    units=st.integers(1, 4),
+    seed=st.integers(0, 2**16),
+)
+def test_a_rank_s_dequantized_shard_is_the_shard_of_the_dequantized_weight(split, world, block, units, seed):
+    size = 24 * units * world if split.parts or split.heads or split.n_fused > 1 else 3 * units + world
+    shape = (size, 5) if split.dim == 0 else (5, size)
+    values, scales = quantized(*shape, block, seed)
+    whole = dequantized(values, scales, block)
+    for rank in range(world):
+        shard = split.shard(values.float(), rank, world)
+        rows = block_index(split if split.dim == 0 else None, shape[0], block[0], rank, world)
+        cols = block_index(split if split.dim == 1 else None, shape[1], block[1], rank, world)
+        assert rows.shape[0] == shard.shape[0] and cols.shape[0] == shard.shape[1]
+        assert torch.equal(shard * scales[rows][:, cols], split.shard(whole, rank, world))
+
+
+def test_block_index_without_a_cut_counts_blocks_and_refuses_an_empty_block():
+    assert block_index(None, 7, 3, 0, 1).tolist() == [0, 0, 0, 1, 1, 1, 2]
+    assert block_index(Split(0), 7, 3, 1, 2).tolist() == [1, 1, 2]  # rows 4..6: a block shared with rank 0
+    with pytest.raises(ValueError, match="block of 0"):
+        block_index(None, 4, 0, 0, 1)
+
+
+@pytest.mark.parametrize("style", ["column", "row"])
+def test_block_fp8_linear_shards_sum_to_the_dequantized_linear(style):
+    """Two ranks' layers, run alone here: column pieces concatenate and row partial sums add up to the whole
+    layer, each rank's weight dequantized from its own e4m3 values and the whole scales."""
+    block, world = (4, 3), 2
+    values, scales = quantized(10, 9, block, seed=1)
+    bias = torch.randn(10)
+    x = torch.randn(2, 3, 9, generator=torch.Generator().manual_seed(2))
+    expected = F.linear(x, dequantized(values, scales, block), bias)
+    split = Split(0) if style == "column" else Split(1)
+    outputs = []
+    for rank in range(world):
+        linear = nn.Linear(9, 10, device="meta")
+        BlockFP8Linear.hold(linear, block, tuple(scales.shape))
+        linear.weight = nn.Parameter(split.shard(values, rank, world), requires_grad=False)
+        linear.weight_scale_inv = nn.Parameter(scales, requires_grad=False)
+        own_bias = split.shard(bias, rank, world) if style == "column" else torch.zeros(10)
+        linear.bias = nn.Parameter(own_bias, requires_grad=False)
+        linear.cut = (split.dim, split)
+        localize_quantized(linear, rank, world)
+        piece = x if style == "column" else Split(-1).shard(x, rank, world)
+        outputs.append(linear(piece))
+    got = torch.cat(outputs, dim=-1) if style == "column" else sum(outputs) + bias
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_holding_refuses_scales_of_another_grid():
+    linear = nn.Linear(9, 10, device="meta")
+    with pytest.raises(ValueError, match=r"has \(3, 3\) scales, not \(2, 3\)"):
+        BlockFP8Linear.hold(linear, (4, 3), (2, 3))

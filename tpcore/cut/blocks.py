@@ -1,0 +1,36 @@
+"""Scale blocks under a cut: which block of a block-quantized tensor each index a rank holds lies in.
+
+A block-quantized weight (block FP8: e4m3 values ``Q (out, in)`` and one scale per ``B0 x B1`` block,
+``S (ceil(out / B0), ceil(in / B1))``) stands for ``W[i, j] = Q[i, j] * S[i // B0, j // B1]``. Its values are
+stored one per element, so any :class:`~tpcore.cut.split.Split` cuts ``Q`` as it cuts an unquantized
+weight, inside a block or not: a rank's piece along a dimension is its ranges ``[a, b)``, and index ``i`` of
+its piece is whole index ``g(i)`` of the dimension. The scales are small (``1 / (B0 B1)`` of the weight's
+elements), so every rank holds them whole and looks its blocks up::
+
+    W_r[i, j] = Q_r[i, j] * S[g0(i) // B0, g1(j) // B1]
+
+:func:`block_index` gives ``g(i) // B`` for every index of a rank's piece (a padding index, past the whole
+dimension, maps to block 0: its values are zeros). A cut inside a block leaves that block's scale to both
+ranks that hold a part of it, which is why the scales are never cut.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tpcore.cut.split import Split
+
+__all__ = ["block_index"]
+
+
+def block_index(split: Split | None, size: int, block: int, rank: int, world_size: int) -> torch.Tensor:
+    """``(n,)`` int64: the block (of ``block`` indices) of each of the ``n`` indices rank ``rank`` holds of a
+    dimension of ``size`` cut by ``split`` (``None``: the whole dimension), in the order its piece holds them."""
+    if block < 1:
+        raise ValueError(f"a block of {block} indices")
+    if split is None:
+        return torch.arange(size) // block
+    ranges, padding = split.ranges(size, rank, world_size)
+    pieces = [torch.arange(start, stop) // block for start, stop in ranges]
+    pieces.append(torch.zeros(padding, dtype=torch.int64))
+    return torch.cat(pieces)

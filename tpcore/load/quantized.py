@@ -1,0 +1,151 @@
+"""Quantized models: the format a checkpoint's ``quantization_config`` declares, split where tpcore can and
+refused, naming the format and a tensor, before any rank starts where it cannot.
+
+=======================================  ======================================  ===================================
+format (``quant_method``)                stored per quantized linear              on a rank
+=======================================  ======================================  ===================================
+block FP8 (``fp8``, ``weight_block_size``  ``weight`` e4m3 ``(out, in)``,           its cut of ``weight``, every scale:
+``[B0, B1]``; DeepSeek-V3/R1, Qwen3-FP8)  ``weight_scale_inv`` f32 per block      :class:`~tpcore.parallel.quantized.
+                                                                                  BlockFP8Linear`
+=======================================  ======================================  ===================================
+
+A linear is block FP8 where the checkpoint stores its weight in float8 beside a ``weight_scale_inv``
+(:func:`hold_quantized` makes the model's meta skeleton hold those tensors before it is planned, so the plan
+counts a rank's bytes as stored and each rank reads only its part of the values). A model object that
+transformers quantized (``model.hf_quantizer``) is split only where its weights are plain again (FP8 dequantized
+at load on a device without FP8 kernels); other formats are refused (:func:`refuse_quantized_model`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from tpcore.errors import ShardingError
+from tpcore.load.checkpoint import Checkpoint
+from tpcore.load.skeleton import empty_model
+from tpcore.parallel.quantized import BlockFP8Linear
+
+__all__ = [
+    "SPLIT_FORMATS",
+    "check_quantization",
+    "checkpoint_skeleton",
+    "hold_quantized",
+    "quantization_of",
+    "refuse_quantized_model",
+]
+
+#: the ``quant_method`` values tpcore splits from a checkpoint, and what each is
+SPLIT_FORMATS = {"fp8": "block FP8 (e4m3 weights, a float32 scale per block)"}
+
+_FP8 = (torch.float8_e4m3fn,)
+#: dtypes that hold quantized values (packed integers, 8-bit floats), not a model's own precision
+_STORAGE = {torch.int8, torch.uint8, torch.int32, torch.float8_e4m3fn, torch.float8_e5m2}
+
+
+def quantization_of(config: Any) -> dict[str, Any] | None:
+    """A config's ``quantization_config`` as a dict (transformers keeps a dict or a config object), or ``None``."""
+    quantization = getattr(config, "quantization_config", None)
+    if quantization is None:
+        return None
+    if not isinstance(quantization, dict):
+        quantization = quantization.to_dict() if hasattr(quantization, "to_dict") else vars(quantization)
+    return dict(quantization)
+
+
+def check_quantization(config: Any, where: str) -> None:
+    """Raise :class:`ShardingError` unless the checkpoint ``where`` names is unquantized or in a format tpcore
+    splits (block FP8 with dynamic activation scales)."""
+    quantization = quantization_of(config)
+    if quantization is None:
+        return
+    method = quantization.get("quant_method")
+    if method not in SPLIT_FORMATS:
+        formats = ", ".join(f"{name!r} ({what})" for name, what in SPLIT_FORMATS.items())
+        raise ShardingError(
+            f"{where} is quantized as {method!r}, which tpcore does not split yet; it splits {formats} and "
+            "unquantized checkpoints"
+        )
+    if not _block_size(quantization):
+        raise ShardingError(
+            f"{where} is FP8 without 'weight_block_size' (one scale per tensor): tpcore splits block FP8 only"
+        )
+    if quantization.get("activation_scheme", "dynamic") != "dynamic":
+        raise ShardingError(
+            f"{where} is FP8 with {quantization['activation_scheme']!r} activation scales: tpcore splits block "
+            "FP8 with dynamic activations only"
+        )
+
+
+def checkpoint_skeleton(checkpoint: Checkpoint, config: Any, model_class: Any = None) -> nn.Module:
+    """The model ``checkpoint`` holds, its parameters on meta (:func:`~tpcore.load.skeleton.empty_model`) as stored:
+    quantized ones too (:func:`hold_quantized`); a format tpcore does not split is refused first."""
+    check_quantization(config, f"the checkpoint in {checkpoint.directory.name!r}")
+    model = empty_model(config, model_class)
+    hold_quantized(model, checkpoint, config)
+    return model
+
+
+def hold_quantized(model: nn.Module, checkpoint: Checkpoint, config: Any) -> int:
+    """Make the meta ``model`` hold the quantized tensors ``checkpoint`` stores (its linears whose weight is stored
+    in FP8 become :class:`BlockFP8Linear`); the number of layers made. A scale no layer takes is refused."""
+    quantization = quantization_of(config)
+    if quantization is None:
+        return 0
+    block = _block_size(quantization)
+    if block is None:
+        raise ShardingError("hold_quantized holds block FP8, whose config gives 'weight_block_size'")
+    keys = checkpoint.stored_keys(model)
+    scale_keys = {key for key in checkpoint.files if key.endswith("_scale_inv")}
+    held = 0
+    for path, module in list(model.named_modules()):
+        key = keys.get(f"{path}.weight" if path else "weight")
+        if not isinstance(module, nn.Linear) or key is None or checkpoint.stored_dtype(key) not in _FP8:
+            continue
+        scale_key = key.removesuffix("weight") + "weight_scale_inv"
+        if scale_key not in scale_keys:
+            raise ShardingError(f"{key!r} is stored in {checkpoint.stored_dtype(key)} without its {scale_key!r}")
+        try:
+            BlockFP8Linear.hold(module, block, tuple(checkpoint.stored_shape(scale_key)))
+        except ValueError as error:
+            raise ShardingError(f"{scale_key!r}: {error}") from None
+        scale_keys.discard(scale_key)
+        held += 1
+    taken = set(checkpoint.stored_keys(model).values())
+    untaken = sorted(key for key in scale_keys if key not in taken)
+    if untaken:
+        raise ShardingError(
+            f"{untaken[0]!r} scales a tensor that tpcore does not split in block FP8 yet (only linear layers' "
+            f"weights; {len(untaken)} such scales)"
+        )
+    return held
+
+
+def refuse_quantized_model(model: Any) -> None:
+    """Raise :class:`ShardingError` for a model object transformers quantized whose weights are not plain (the
+    method and the first such tensor named); a model it dequantized at load passes."""
+    if not isinstance(model, nn.Module):
+        return
+    quantizer = getattr(model, "hf_quantizer", None)
+    quantization = quantization_of(getattr(model, "config", None))
+    if quantizer is None and quantization is None:
+        return
+    method = (quantization or {}).get("quant_method", type(quantizer).__name__)
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if type(tensor) not in (torch.Tensor, nn.Parameter) or (tensor.dtype in _STORAGE and tensor.dim() >= 2):
+            raise ShardingError(
+                f"{type(model).__name__} is quantized as {method!r} ({name!r} is a {type(tensor).__name__} of "
+                f"{tensor.dtype}); tpcore does not split a quantized model object yet: parallelize its saved "
+                f"directory where its format is one tpcore splits ({', '.join(SPLIT_FORMATS)})"
+            )
+
+
+def _block_size(quantization: dict[str, Any]) -> tuple[int, int] | None:
+    block = quantization.get("weight_block_size")
+    if not block:
+        return None
+    if len(block) != 2 or not all(isinstance(size, int) and size >= 1 for size in block):
+        raise ShardingError(f"weight_block_size {block} is not two positive block sides")
+    return int(block[0]), int(block[1])

@@ -1,0 +1,101 @@
+"""Quantized linear layers that compute on a rank's shard: its quantized values, dequantized a layer at a time.
+
+:class:`BlockFP8Linear` holds block FP8 (DeepSeek-V3's layout, transformers' ``FineGrainedFP8``)::
+
+    weight            float8_e4m3fn  (out_r, in_r)                  this rank's values (a cut like any weight's)
+    weight_scale_inv  float32        (ceil(out / B0), ceil(in / B1)) every block's scale, whole on every rank
+    y = x @ W_r.T + b,   W_r[i, j] = weight[i, j] * weight_scale_inv[rows[i], cols[j]]
+
+where ``rows`` and ``cols`` (:func:`tpcore.cut.blocks.block_index`) give the block of each index this rank holds.
+A device without FP8 matrix products (a CPU) computes ``W_r`` in float32 and rounds it once to the input's dtype
+for each forward, as transformers' dequantization does at load, so the rank keeps 1 byte a weight and never the
+whole model dequantized. Column-parallel use needs nothing more; row-parallel use is :class:`RowParallelBlockFP8Linear`
+(:func:`~tpcore.parallel.layers.row_parallel_class` gives it), its output all-reduced and the bias added once.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tpcore.cut.blocks import block_index
+from tpcore.cut.split import Split
+from tpcore.parallel.layers import reduce_partial_sums
+
+__all__ = ["BlockFP8Linear", "RowParallelBlockFP8Linear", "localize_quantized"]
+
+
+class BlockFP8Linear(nn.Linear):
+    """``nn.Linear`` whose ``weight`` is block FP8 (module docstring); made from an ``nn.Linear`` in place by
+    :meth:`hold`, told its cut by the plan (:attr:`cut`) and its rank by :func:`localize_quantized`."""
+
+    #: the quantized values and their scales keep their stored dtypes under a model-wide cast
+    keeps_stored_dtypes = True
+    #: the whole weight's ``(out, in)`` and its ``(B0, B1)`` blocks
+    whole_shape: tuple[int, int] = (0, 0)
+    block: tuple[int, int] = (1, 1)
+    #: the plan's cut of ``weight``, as ``(dim, split)``; ``None``: whole
+    cut: tuple[int, Split] | None = None
+    weight_scale_inv: nn.Parameter
+    #: the block of each row and column of ``weight`` (:meth:`localize`)
+    scale_rows: torch.Tensor
+    scale_cols: torch.Tensor
+
+    @classmethod
+    def hold(cls, linear: nn.Linear, block: tuple[int, int], scale_shape: tuple[int, ...]) -> BlockFP8Linear:
+        """Make the meta ``linear`` hold block FP8 in place: an e4m3 ``weight`` of its shape, a float32
+        ``weight_scale_inv`` of ``scale_shape``."""
+        out_features, in_features = linear.weight.shape
+        expected = (-(-out_features // block[0]), -(-in_features // block[1]))
+        if tuple(scale_shape) != expected:
+            raise ValueError(
+                f"a ({out_features}, {in_features}) weight in blocks of {block[0]} x {block[1]} has {expected} "
+                f"scales, not {tuple(scale_shape)}"
+            )
+        linear.__class__ = cls
+        assert isinstance(linear, BlockFP8Linear)
+        linear.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn, device="meta"))
+        linear.weight_scale_inv = nn.Parameter(torch.empty(scale_shape, dtype=torch.float32, device="meta"))
+        linear.whole_shape, linear.block = (out_features, in_features), tuple(block)  # type: ignore[assignment]
+        linear.weight.requires_grad_(False)
+        linear.weight_scale_inv.requires_grad_(False)
+        return linear
+
+    def localize(self, rank: int, world_size: int) -> None:
+        """Find the block of each row and column this rank's ``weight`` holds (non-persistent buffers)."""
+        splits: list[Split | None] = [None, None]
+        if self.cut is not None:
+            splits[self.cut[0]] = self.cut[1]
+        rows, cols = (
+            block_index(split, size, block, rank, world_size)
+            for split, size, block in zip(splits, self.whole_shape, self.block, strict=True)
+        )
+        self.register_buffer("scale_rows", rows.to(self.weight.device), persistent=False)
+        self.register_buffer("scale_cols", cols.to(self.weight.device), persistent=False)
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """``W_r`` (module docstring) in ``dtype``: the product in float32, rounded once."""
+        scales = self.weight_scale_inv.float().index_select(0, self.scale_rows).index_select(1, self.scale_cols)
+        return scales.mul_(self.weight.float()).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dequantized(x.dtype), self.bias)
+
+
+class RowParallelBlockFP8Linear(BlockFP8Linear):
+    """:class:`BlockFP8Linear` holding a shard of the input features; output all-reduced, bias added once."""
+
+    tp_group = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = reduce_partial_sums(F.linear(x, self.dequantized(x.dtype)), self.tp_group)
+        return out if self.bias is None else out + self.bias
+
+
+def localize_quantized(model: nn.Module, rank: int, world_size: int) -> int:
+    """Tell every quantized layer of ``model`` (rank ``rank``'s shard) its rank; the number of layers."""
+    layers = [module for module in model.modules() if isinstance(module, BlockFP8Linear)]
+    for layer in layers:
+        layer.localize(rank, world_size)
+    return len(layers)

@@ -1,0 +1,64 @@
+"""Quantized checkpoints for tests and benchmarks, written as their formats' releases lay them out.
+
+:func:`save_block_fp8` writes DeepSeek-V3's block FP8 (transformers can load it: on a CPU it dequantizes at load).
+No library on the package registry writes that layout without a GPU, so the blocks are made here: each
+``B0 x B1`` block of a weight gets the scale ``amax / 448`` (448: e4m3's largest value) and its values
+``round_e4m3(w / scale)``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+__all__ = ["E4M3_MAX", "block_fp8", "save_block_fp8"]
+
+#: the largest finite float8_e4m3fn value
+E4M3_MAX = 448.0
+
+
+def block_fp8(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values, scales)`` of a 2-d ``weight``: e4m3 ``(out, in)`` and float32 ``(ceil(out / B0), ceil(in / B1))``,
+    ``weight[i, j] ~ values[i, j] * scales[i // B0, j // B1]``."""
+    out_features, in_features = weight.shape
+    rows, cols = -(-out_features // block[0]), -(-in_features // block[1])
+    padded = weight.new_zeros(rows * block[0], cols * block[1], dtype=torch.float32)
+    padded[:out_features, :in_features] = weight.float()
+    blocks = padded.view(rows, block[0], cols, block[1])
+    scales = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / E4M3_MAX
+    values = (blocks / scales[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).view_as(padded)
+    return values[:out_features, :in_features].to(torch.float8_e4m3fn).contiguous(), scales
+
+
+def save_block_fp8(
+    model: nn.Module, directory: str | Path, block: tuple[int, int] = (128, 128), keep: tuple[str, ...] = ("lm_head",)
+) -> Path:
+    """Save ``model`` in ``directory`` (``save_pretrained``) with every ``nn.Linear`` weight but those whose module
+    path ends with a name in ``keep`` stored in block FP8 (``weight`` e4m3 + ``weight_scale_inv``), and its
+    config's ``quantization_config`` saying so. Returns the directory."""
+    from safetensors.torch import load_file, save_file
+
+    directory = Path(directory)
+    model.save_pretrained(directory)  # type: ignore[operator]  # a transformers model
+    files = sorted(directory.glob("*.safetensors"))
+    if len(files) != 1:
+        raise ValueError(f"save_block_fp8 writes one weight file; save_pretrained wrote {len(files)}")
+    tensors = load_file(files[0])
+    for path, module in model.named_modules():
+        name = f"{path}.weight"
+        if isinstance(module, nn.Linear) and name in tensors and not path.endswith(keep):
+            tensors[name], tensors[f"{path}.weight_scale_inv"] = block_fp8(tensors[name], block)
+    save_file(tensors, files[0], metadata={"format": "pt"})
+    config_path = directory / "config.json"
+    config = json.loads(config_path.read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "weight_block_size": list(block),
+        "activation_scheme": "dynamic",
+        "modules_to_not_convert": list(keep),
+    }
+    config_path.write_text(json.dumps(config, indent=2))
+    return directory
