@@ -13,7 +13,7 @@ from torch import nn
 
 from tpcore.cut.blocks import block_index
 from tpcore.cut.split import Split
-from tpcore.parallel.quantized import BlockFP8Linear, localize_quantized
+from tpcore.parallel.quantized import BlockFP8Linear, e4m3_as_scaled_float32, localize_quantized
 from tpcore.testing.quantized import block_fp8
 
 FAST = settings(max_examples=60, deadline=None)
@@ -88,6 +88,41 @@ def test_block_fp8_linear_shards_sum_to_the_dequantized_linear(style):
         outputs.append(linear(piece))
     got = torch.cat(outputs, dim=-1) if style == "column" else sum(outputs) + bias
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_e4m3_widened_through_float16_bits_is_exact_for_every_pattern():
+    every = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    expected, got = every.float(), e4m3_as_scaled_float32(every) * 2.0**8
+    numbers = ~expected.isnan()
+    assert torch.equal(got[numbers], expected[numbers])
+    assert torch.equal(got[~numbers].abs(), torch.tensor([480.0, 480.0]))  # NaN, which no quantized weight holds
+
+
+@pytest.mark.parametrize(
+    ("shape", "block", "split"),
+    [
+        ((10, 12), (4, 3), Split(0)),  # whole column blocks: the broadcast path
+        ((10, 12), (4, 3), Split(1)),  # a row cut inside column blocks: the gathered path
+        ((10, 11), (4, 3), Split(0)),  # a last partial column block
+        ((12, 12), (5, 5), None),
+    ],
+)
+def test_a_layer_s_dequantized_weight_is_transformers_product_bit_for_bit(shape, block, split):
+    """``values.float() * scale`` rounded once, as transformers dequantizes at load, on every path."""
+    values, scales = quantized(*shape, block, seed=3)
+    world = 1 if split is None else 3
+    for rank in range(world):
+        linear = nn.Linear(shape[1], shape[0], bias=False, device="meta")
+        BlockFP8Linear.hold(linear, block, tuple(scales.shape))
+        piece = values if split is None else split.shard(values, rank, world)
+        linear.weight = nn.Parameter(piece, requires_grad=False)
+        linear.weight_scale_inv = nn.Parameter(scales, requires_grad=False)
+        linear.cut = None if split is None else (split.dim, split)
+        linear.localize(rank, world)
+        whole = dequantized(values, scales, block)
+        expected = whole if split is None else split.shard(whole, rank, world)
+        assert torch.equal(linear.dequantized(torch.float32), expected)
+        assert torch.equal(linear.dequantized(torch.bfloat16), expected.to(torch.bfloat16))
 
 
 def test_holding_refuses_scales_of_another_grid():

