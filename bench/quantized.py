@@ -1,8 +1,9 @@
 """Quantized checkpoints split as stored: bytes per rank, load time and greedy decode, against transformers.
 
 A random-init Llama of SmolLM2-135M's widths (``--layers``, 30 by default) saved in block FP8
-(``tpcore.testing.quantized.save_block_fp8``: DeepSeek-V3's layout, blocks of ``--block``, 64 by default so that
-its 576 and 1536 features make whole blocks, as transformers' CPU dequantization needs), the LM head kept in fp32.
+(``tpcore.testing.quantized_checkpoints.save_block_fp8``: DeepSeek-V3's layout, blocks of ``--block``, 64 by
+default so that its 576 and 1536 features make whole blocks, as transformers' CPU dequantization needs), the LM
+head kept in fp32.
 Two ways, one after the other in this process, each loading the directory ``--rounds`` times (median):
 
 - **transformers**: ``AutoModelForCausalLM.from_pretrained(dir)``, which on a CPU dequantizes every weight at load
@@ -31,7 +32,7 @@ from _common import arguments, parse, printed, write_result
 from _models import smollm2_spec
 
 import tpcore
-from tpcore.testing.quantized import save_block_fp8
+from tpcore.testing.quantized_checkpoints import save_block_fp8
 
 
 def timed(function):

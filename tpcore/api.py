@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from tpcore.load.checkpoint import is_checkpoint_path
-from tpcore.load.quantized import refuse_quantized_model
+from tpcore.load.quantized_formats import refuse_quantized_model
 from tpcore.plan import plan_for
 from tpcore.ranks.process import CALL_TIMEOUT_S
 from tpcore.select import choose_policies, refuse_unmerged_adapters

@@ -10,11 +10,11 @@ from torch import nn
 
 from tpcore.load.checkpoint import Checkpoint, is_checkpoint_path
 from tpcore.load.precision import cast_model, resolve_dtype
-from tpcore.load.quantized import checkpoint_skeleton, refuse_quantized_model
+from tpcore.load.quantized_formats import checkpoint_skeleton, refuse_quantized_model
 from tpcore.parallel import shm
 from tpcore.parallel.comm import group_rank
 from tpcore.parallel.cpu_layout import transpose_linear_weights
-from tpcore.parallel.quantized import localize_quantized
+from tpcore.parallel.quantized_linear import localize_quantized
 from tpcore.plan import apply_plan, log_plan, plan_for
 from tpcore.progress import LoadBar
 from tpcore.ranks.distributed import bind_device, check_placement, default_backend, device_for, tensor_parallel_group

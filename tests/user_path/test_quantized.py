@@ -6,6 +6,7 @@ size; every format tpcore does not split is refused by name, before any rank sta
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -18,7 +19,8 @@ from torch import nn
 import tpcore
 from tpcore import ShardingError
 from tpcore.testing import compare_outputs, tiny_llama
-from tpcore.testing.quantized import save_block_fp8
+from tpcore.testing.quantized_checkpoints import save_block_fp8
+from tpcore.tools.cli import main
 
 #: heads of 16 features in blocks of 32 rows: at 2 ranks (3 query heads each) a block straddles the cut; the MLP's
 #: 160 features are 54 + 53 + 53 at 3 ranks, no whole blocks either
@@ -117,6 +119,17 @@ def test_real_minilm_weights_in_block_fp8_split_with_their_biases(tmp_path):
         compare_outputs(expected, model(**inputs).last_hidden_state)
     finally:
         model.deparallelize()
+
+
+def test_the_plan_shown_for_a_block_fp8_directory_counts_its_bytes_as_stored(fp8_dir, capsys, no_process_starts):
+    directory, _, _ = fp8_dir
+    assert main(["plugins", "--model", str(directory), "--world-size", "2"]) == 0
+    shown = capsys.readouterr().out
+    assert "model.layers.*.self_attn.q_proj.weight_scale_inv  replicated" in shown
+    stored = sum(t.numel() * t.element_size() for t in load_file(directory / "model.safetensors").values())
+    per_rank, whole = (float(n) for n in re.search(r"per rank ([\d.]+) KiB of ([\d.]+) KiB", shown).groups())
+    assert abs(whole * 1024 - stored) < 0.01 * stored  # e4m3 values, float32 scales: the files' own bytes
+    assert per_rank <= 0.55 * whole
 
 
 # -- refused before any rank starts ----------------------------------------------------------------------

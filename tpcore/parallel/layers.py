@@ -291,9 +291,10 @@ GROUPED_MM_FEATURES = 8
 
 def row_parallel_class(module: nn.Module) -> type[nn.Module]:
     """The row-parallel class for ``module``: :class:`RowParallelLinear` for an exact ``nn.Linear``,
-    :class:`RowParallelConv1D` for an exact ``Conv1D``, the row-parallel block FP8 linear for a block FP8 one
-    (:mod:`tpcore.parallel.quantized`), and for any other module type that holds no
-    bias, a subclass of its own class whose forward all-reduces what the original forward returns.
+    :class:`RowParallelConv1D` for an exact ``Conv1D``, the class a module's class names as its
+    ``row_parallel_class`` (the block FP8 linear of :mod:`tpcore.parallel.quantized_linear`), and for any other
+    module type that holds no bias, a subclass of its own class whose forward all-reduces what the original
+    forward returns.
 
     The latter suits a module whose output is the sum of what its shards compute, such as fused MoE
     experts (``gate_up_proj (E, 2I, H)`` split along dim 1 in its two halves, ``down_proj (E, H, I)``
@@ -305,10 +306,9 @@ def row_parallel_class(module: nn.Module) -> type[nn.Module]:
         return RowParallelLinear
     if _Conv1D is not None and type(module) is _Conv1D:
         return RowParallelConv1D
-    from tpcore.parallel.quantized import BlockFP8Linear, RowParallelBlockFP8Linear  # it builds on this module
-
-    if type(module) is BlockFP8Linear:
-        return RowParallelBlockFP8Linear
+    own = getattr(type(module), "row_parallel_class", None)
+    if isinstance(own, type):
+        return own
     biases = [name for name, _ in module.named_parameters() if "bias" in name.rpartition(".")[2]]
     if biases:
         raise ShardingError(

@@ -17,7 +17,7 @@ from tpcore.cut.shares import resolve
 from tpcore.errors import ShardingError
 from tpcore.load.skeleton import named_tensors
 from tpcore.parallel.layers import column_split_norm_class, make_vocab_parallel, row_parallel_class, set_layer_size
-from tpcore.parallel.quantized import BlockFP8Linear
+from tpcore.parallel.quantized_linear import BlockFP8Linear
 from tpcore.plan.paths import set_path
 from tpcore.plan.shard_plan import Replacement, ShardPlan
 
@@ -73,7 +73,7 @@ def apply_plan(
 
 def _tell_quantized_cuts(plan: ShardPlan, model: nn.Module) -> None:
     """Give each block-quantized layer its weight's cut (the same on every rank), so that a rank finds the
-    scale blocks of what it holds (:func:`~tpcore.parallel.quantized.localize_quantized`)."""
+    scale blocks of what it holds (:func:`~tpcore.parallel.quantized_linear.localize_quantized`)."""
     for path, module in model.named_modules():
         if isinstance(module, BlockFP8Linear):
             split = plan.splits.get(f"{path}.weight")

@@ -31,7 +31,7 @@ from torch import nn
 from tpcore.errors import WorkerError
 from tpcore.load.checkpoint import Checkpoint
 from tpcore.load.precision import resolve_dtype
-from tpcore.load.quantized import check_quantization, checkpoint_skeleton
+from tpcore.load.quantized_formats import check_quantization, checkpoint_skeleton
 from tpcore.load.skeleton import drop_output_capturing_hooks, named_tensors, portable, weightless_copy
 from tpcore.plan import ShardPlan, apply_plan, log_plan
 from tpcore.progress import LoadBar

@@ -26,7 +26,7 @@ from tpcore.load.skeleton import install_tensors, named_tensors, register_output
 from tpcore.parallel import memfd
 from tpcore.parallel.cpu_layout import transpose_linear_weights
 from tpcore.parallel.layers import bind_group
-from tpcore.parallel.quantized import localize_quantized
+from tpcore.parallel.quantized_linear import localize_quantized
 from tpcore.plan import format_bytes
 from tpcore.progress import ByteCounter
 from tpcore.ranks.process import RankContext

@@ -93,15 +93,16 @@ def _applying(args: argparse.Namespace) -> int:
 def _model_to_show(name: str) -> Any:
     """A saved directory's model with its weights on meta, as its files store them (quantized ones too), or a
     class name's model built small (:func:`tpcore.tools.check.resolve`)."""
-    if os.path.isdir(name):
-        from tpcore.load.checkpoint import Checkpoint
-        from tpcore.load.quantized import checkpoint_skeleton
-
-        checkpoint = Checkpoint(name)
-        return checkpoint_skeleton(checkpoint, checkpoint.config())
     from tpcore.tools.check import resolve
 
-    return resolve(name).build()
+    spec = resolve(name)
+    if os.path.isdir(name):
+        from tpcore.load.checkpoint import Checkpoint
+        from tpcore.load.quantized_formats import checkpoint_skeleton
+
+        checkpoint = Checkpoint(name)
+        return checkpoint_skeleton(checkpoint, checkpoint.config(), spec.model_class)
+    return spec.build()
 
 
 def _applying_rows(model: Any, policies: list, world_size: int) -> dict[str, Any]:

@@ -6,7 +6,7 @@
     weight_scale_inv  float32        (ceil(out / B0), ceil(in / B1)) every block's scale, whole on every rank
     y = x @ W_r.T + b,   W_r[i, j] = weight[i, j] * weight_scale_inv[rows[i], cols[j]]
 
-where ``rows`` and ``cols`` (:func:`tpcore.cut.blocks.block_index`) give the block of each index this rank holds.
+where ``rows`` and ``cols`` (:func:`tpcore.cut.scale_blocks.block_index`) give the block of each index this rank holds.
 A device without FP8 matrix products (a CPU) computes ``W_r`` in float32 and rounds it once to the input's dtype
 for each forward, as transformers' dequantization does at load, so the rank keeps 1 byte a weight and never the
 whole model dequantized. On a CPU the e4m3 values are widened through float16's bit layout
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tpcore.cut.blocks import block_index
+from tpcore.cut.scale_blocks import block_index
 from tpcore.cut.split import Split
 from tpcore.parallel.layers import reduce_partial_sums
 
@@ -44,6 +44,8 @@ class BlockFP8Linear(nn.Linear):
     scale_rows: torch.Tensor
     scale_cols: torch.Tensor
     whole_column_blocks = False
+    #: set below: the row-parallel class (:func:`~tpcore.parallel.layers.row_parallel_class`)
+    row_parallel_class: type[nn.Module] | None = None
 
     @classmethod
     def hold(cls, linear: nn.Linear, block: tuple[int, int], scale_shape: tuple[int, ...]) -> BlockFP8Linear:
@@ -122,6 +124,9 @@ class RowParallelBlockFP8Linear(BlockFP8Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = reduce_partial_sums(F.linear(x, self.dequantized(x.dtype)), self.tp_group)
         return out if self.bias is None else out + self.bias
+
+
+BlockFP8Linear.row_parallel_class = RowParallelBlockFP8Linear
 
 
 def localize_quantized(model: nn.Module, rank: int, world_size: int) -> int:

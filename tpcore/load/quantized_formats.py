@@ -1,13 +1,12 @@
 """Quantized models: the format a checkpoint's ``quantization_config`` declares, split where tpcore can and
 refused, naming the format and a tensor, before any rank starts where it cannot.
 
-=======================================  ======================================  ===================================
-format (``quant_method``)                stored per quantized linear              on a rank
-=======================================  ======================================  ===================================
-block FP8 (``fp8``, ``weight_block_size``  ``weight`` e4m3 ``(out, in)``,           its cut of ``weight``, every scale:
-``[B0, B1]``; DeepSeek-V3/R1, Qwen3-FP8)  ``weight_scale_inv`` f32 per block      :class:`~tpcore.parallel.quantized.
-                                                                                  BlockFP8Linear`
-=======================================  ======================================  ===================================
+The formats split:
+
+- **block FP8** (``quant_method: "fp8"`` with ``weight_block_size [B0, B1]``: DeepSeek-V3/R1, Qwen3-FP8,
+  transformers' ``FineGrainedFP8``): each quantized linear stores ``weight`` e4m3 ``(out, in)`` and
+  ``weight_scale_inv`` float32, one per block; a rank holds its cut of ``weight`` and every scale
+  (:class:`~tpcore.parallel.quantized_linear.BlockFP8Linear`).
 
 A linear is block FP8 where the checkpoint stores its weight in float8 beside a ``weight_scale_inv``
 (:func:`hold_quantized` makes the model's meta skeleton hold those tensors before it is planned, so the plan
@@ -26,7 +25,7 @@ from torch import nn
 from tpcore.errors import ShardingError
 from tpcore.load.checkpoint import Checkpoint
 from tpcore.load.skeleton import empty_model
-from tpcore.parallel.quantized import BlockFP8Linear
+from tpcore.parallel.quantized_linear import BlockFP8Linear
 
 __all__ = [
     "SPLIT_FORMATS",

@@ -1,5 +1,5 @@
-"""Property tests of scale blocks under a cut (:mod:`tpcore.cut.blocks`) and the layer that uses them
-(:class:`tpcore.parallel.quantized.BlockFP8Linear`): a rank's dequantized shard is the shard of the dequantized
+"""Property tests of scale blocks under a cut (:mod:`tpcore.cut.scale_blocks`) and the layer that uses them
+(:class:`tpcore.parallel.quantized_linear.BlockFP8Linear`): a rank's dequantized shard is the shard of the dequantized
 weight, exactly, for any block size, cut and world size, inside a block or not."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from tpcore.cut.blocks import block_index
+from tpcore.cut.scale_blocks import block_index
 from tpcore.cut.split import Split
-from tpcore.parallel.quantized import BlockFP8Linear, e4m3_as_scaled_float32, localize_quantized
-from tpcore.testing.quantized import block_fp8
+from tpcore.parallel.quantized_linear import BlockFP8Linear, e4m3_as_scaled_float32, localize_quantized
+from tpcore.testing.quantized_checkpoints import block_fp8
 
 FAST = settings(max_examples=60, deadline=None)
 
