@@ -162,6 +162,11 @@ def test_a_format_tpcore_does_not_split_is_refused_before_any_rank_starts(
         tpcore.parallelize(str(directory), num_gpus=2)
 
 
+def test_compile_is_refused_for_quantized_layers(fp8_dir):
+    with pytest.raises(ValueError, match=r"compile=True does not compile quantized layers yet \(model.layers.0"):
+        tpcore.parallelize(str(fp8_dir[0]), num_gpus=2, compile=True)
+
+
 def test_a_scale_no_linear_takes_is_refused_naming_it(fp8_dir, tmp_path):
     directory = tmp_path / "model"
     shutil.copytree(fp8_dir[0], directory)

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tpcore.parallel.quantized_linear import BlockFP8Linear
 from tpcore.progress import tqdm_lock_leaving_the_start_method
 from tpcore.ranks.process import RankContext
 
@@ -85,13 +86,20 @@ def _inference(value: Any) -> Any:
 
 
 def refuse_uncompilable(model: nn.Module) -> None:
-    """Raise ``ValueError`` unless ``model`` is a decoder that generates: only a decode step is compiled."""
+    """Raise ``ValueError`` unless ``model`` is a decoder that generates: only a decode step is compiled; and
+    unless its weights are unquantized (a quantized layer's dequantization is not made for inductor yet)."""
     config, can_generate = getattr(model, "config", None), getattr(model, "can_generate", None)
     generates = callable(can_generate) and can_generate()
     if not generates or getattr(config, "is_encoder_decoder", False):
         raise ValueError(
             f"compile=True compiles a decoder's decode step; {type(model).__name__} is not a decoder-only model "
             "that generates: parallelize it without compile"
+        )
+    quantized = next((name for name, module in model.named_modules() if isinstance(module, BlockFP8Linear)), None)
+    if quantized is not None:
+        raise ValueError(
+            f"compile=True does not compile quantized layers yet ({quantized} holds block FP8): parallelize "
+            f"{type(model).__name__} without compile"
         )
 
 
