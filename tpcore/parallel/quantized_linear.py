@@ -10,7 +10,7 @@ where ``rows`` and ``cols`` (:func:`tpcore.cut.scale_blocks.block_index`) give t
 A device without FP8 matrix products (a CPU) computes ``W_r`` in float32 and rounds it once to the input's dtype
 for each forward, as transformers' dequantization does at load, so the rank keeps 1 byte a weight and never the
 whole model dequantized. On a CPU the e4m3 values are widened through float16's bit layout
-(:func:`e4m3_as_scaled_float32`), exact and about 3x faster than torch's own conversion there. Column-parallel
+(:func:`e4m3_as_scaled_float32`), exact and faster than torch's element-by-element conversion there. Column-parallel
 use needs nothing more; row-parallel use is :class:`RowParallelBlockFP8Linear`
 (:func:`~tpcore.parallel.layers.row_parallel_class` gives it), its output all-reduced and the bias added once.
 """
@@ -107,7 +107,8 @@ def e4m3_as_scaled_float32(values: torch.Tensor) -> torch.Tensor:
     """``2^-8 x values`` (float8_e4m3fn) in float32, exact for every e4m3 number (its NaN reads as +-1.875).
 
     The sign, exponent and mantissa bits move into float16's places with int16 operations and float16 widens to
-    float32 in vectorized code: on a CPU, about 3x faster than ``values.float()``, which converts element by element.
+    float32 in vectorized code: on a CPU, faster than ``values.float()``, which converts element by element
+    (``bench/quantized.py``: 2.2 tok/s before, 5.9 after, at 2 ranks).
     Multiplying by the scale times 2^8 then gives ``values x scale`` rounded once, as ``values.float() * scale`` does.
     """
     wide = values.view(torch.int8).to(torch.int16)  # sign-extended: bit 15 holds the sign
