@@ -19,6 +19,7 @@ from tpcore.plan import apply_plan, log_plan, plan_for
 from tpcore.progress import LoadBar
 from tpcore.ranks.distributed import bind_device, check_placement, default_backend, device_for, tensor_parallel_group
 from tpcore.select import choose_policies
+from tpcore.select.plugins import quantized_formats
 
 __all__ = ["ParallelEngine"]
 
@@ -115,9 +116,9 @@ class ParallelEngine:
         )
         if is_checkpoint_path(model):
             checkpoint = Checkpoint(model)
-            model = checkpoint_skeleton(checkpoint, checkpoint.config(), model_class)
+            model = checkpoint_skeleton(checkpoint, checkpoint.config(), model_class, quantized_formats())
         else:
-            refuse_quantized_model(model)
+            refuse_quantized_model(model, quantized_formats())
             checkpoint = None
         # Fail on bad input (and, from a checkpoint, on missing weights) before joining any process group.
         policies = choose_policies(model, self.custom_policies)

@@ -82,7 +82,7 @@ def test_block_fp8_linear_shards_sum_to_the_dequantized_linear(style):
         linear.weight_scale_inv = nn.Parameter(scales, requires_grad=False)
         own_bias = split.shard(bias, rank, world) if style == "column" else torch.zeros(10)
         linear.bias = nn.Parameter(own_bias, requires_grad=False)
-        linear.cut = (split.dim, split)
+        linear.cuts = {"weight": split.resolved(2)}
         localize_quantized(linear, rank, world)
         piece = x if style == "column" else Split(-1).shard(x, rank, world)
         outputs.append(linear(piece))
@@ -117,7 +117,7 @@ def test_a_layer_s_dequantized_weight_is_transformers_product_bit_for_bit(shape,
         piece = values if split is None else split.shard(values, rank, world)
         linear.weight = nn.Parameter(piece, requires_grad=False)
         linear.weight_scale_inv = nn.Parameter(scales, requires_grad=False)
-        linear.cut = None if split is None else (split.dim, split)
+        linear.cuts = {} if split is None else {"weight": split.resolved(2)}
         linear.localize(rank, world)
         whole = dequantized(values, scales, block)
         expected = whole if split is None else split.shard(whole, rank, world)

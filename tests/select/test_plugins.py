@@ -18,6 +18,7 @@ from tpcore.select.plugins import (
     PluginLoadWarning,
     get_plugin_manager,
     plugin_infos,
+    quantized_formats,
     registered_policies,
     reset_plugins,
 )
@@ -89,7 +90,8 @@ class OtherFakePolicy(Policy):
     name = "other-fake"
 
 
-def plugin_module(name: str, *policies) -> types.ModuleType:
+def plugin_module(name: str, *policies, formats: tuple = ()) -> types.ModuleType:
+    """A plugin module registering ``policies`` and, where given, quantized ``formats``."""
     module = types.ModuleType(name)
 
     @tpcore.hookimpl
@@ -97,6 +99,8 @@ def plugin_module(name: str, *policies) -> types.ModuleType:
         return list(policies)
 
     module.tpcore_register_policies = tpcore_register_policies
+    if formats:
+        module.tpcore_register_quantized_formats = tpcore.hookimpl(lambda: list(formats))
     return module
 
 
@@ -509,3 +513,42 @@ def test_a_policy_claimed_by_two_plugins_fails_the_second_naming_both(fake_entry
     assert [entry.policy for entry in entries] == [OtherFakePolicy]
     failed = {info.name: info.error for info in plugin_infos()}
     assert failed["first"] is None and "PluginConflictError" in failed["second"]
+
+
+# -- quantized formats -------------------------------------------------------------------------------------------
+
+
+class FakeFormat(tpcore.QuantizedFormat):
+    quant_method = "fake-int3"
+    description = "three bits, for tests"
+
+
+def test_a_plugin_s_quantized_format_joins_tpcore_s_own(fake_entry_points, capsys):
+    fake = FakeFormat()
+    fake_entry_points.points.append(
+        FakeEntryPoint("int3", plugin_module("tp_int3", formats=(fake,)), FakeDist("tp-int3", "0.1"))
+    )
+    formats = quantized_formats()
+    assert [form.quant_method for form in formats] == ["fp8", "fake-int3"] and formats[1] is fake
+    (info,) = plugin_infos()
+    assert (info.formats, info.policies, info.error) == (["fake-int3"], [], None)
+    assert main(["plugins"]) == 0
+    assert "tp-int3 0.1 (entry point 'int3')\n    quantized format 'fake-int3'" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("formats", "error"),
+    [
+        ((FakeFormat(), FakeFormat()), r"'fake-int3' is registered by both tp-int3 0\.1 and tp-int3 0\.1"),
+        ((type("Fp8Again", (FakeFormat,), {"quant_method": "fp8"})(),), r"'fp8' is registered by both tpcore itself"),
+        (("not a format",), r"returned 'not a format', not a QuantizedFormat"),
+    ],
+)
+def test_a_plugin_whose_format_conflicts_or_is_no_format_is_reported_and_dropped(fake_entry_points, formats, error):
+    plugin = FakeEntryPoint("int3", plugin_module("tp_int3", formats=formats), FakeDist("tp-int3", "0.1"))
+    good = FakeEntryPoint("fake", plugin_module("tp_fake", FakePolicy), FakeDist("tp-fake", "1.2.3"))
+    fake_entry_points.points.extend([plugin, good])
+    with pytest.warns(PluginLoadWarning, match=error):
+        formats_now = quantized_formats()
+    assert [form.quant_method for form in formats_now] == ["fp8"]
+    assert [entry.policy for entry in registered_policies()] == [FakePolicy]

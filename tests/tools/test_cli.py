@@ -68,6 +68,7 @@ def test_plugins_json(capsys, bert_version, bert_policies):
         "policies": [
             {"name": policy.policy_name(), "layer_class": policy.layer_class_name()} for policy in bert_policies
         ],
+        "quantized_formats": [],
         "error": None,
     }
     assert {"name": "BertPolicy", "layer_class": BERT_LAYER} in bert["policies"]
@@ -98,6 +99,7 @@ def test_plugins_shows_a_broken_plugin_and_still_lists_the_others(capsys, monkey
         "distribution": "tp-broken",
         "version": "9.9.9",
         "policies": [],
+        "quantized_formats": [],
         "error": "ImportError: no module named tp_broken_dep",
     }
     assert rows["bert"]["error"] is None
@@ -131,6 +133,7 @@ def test_plugins_with_a_policy_name_override(capsys, monkeypatch):
             "distribution": "tp-named",
             "version": "0.4.2",
             "policies": [{"name": "my-named-policy", "layer_class": "pkg.mod.Block"}],
+            "quantized_formats": [],
             "error": None,
         }
     ]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import types
 
 import pytest
 import rank_helpers
@@ -17,7 +18,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 import tpcore
-from tpcore import ShardingError
+from tpcore import BlockFP8Linear, ShardingError
+from tpcore.select.plugins import get_plugin_manager
 from tpcore.testing import compare_outputs, tiny_llama
 from tpcore.testing.quantized_checkpoints import save_block_fp8
 from tpcore.tools.cli import main
@@ -130,6 +132,51 @@ def test_the_plan_shown_for_a_block_fp8_directory_counts_its_bytes_as_stored(fp8
     per_rank, whole = (float(n) for n in re.search(r"per rank ([\d.]+) KiB of ([\d.]+) KiB", shown).groups())
     assert abs(whole * 1024 - stored) < 0.01 * stored  # e4m3 values, float32 scales: the files' own bytes
     assert per_rank <= 0.55 * whole
+
+
+class RowwiseFP8(tpcore.QuantizedFormat):
+    """A third party's format: e4m3 weights with one scale per output row (``weight_scale_inv`` ``(out, 1)``),
+    held as block FP8 whose blocks are whole rows."""
+
+    quant_method = "fp8-rows"
+    description = "FP8, a scale per output row"
+
+    def hold(self, model, checkpoint, quantization):
+        keys, held = checkpoint.stored_keys(model), 0
+        for path, module in list(model.named_modules()):
+            key = keys.get(f"{path}.weight")
+            if isinstance(module, nn.Linear) and key is not None and f"{key}_scale_inv" in checkpoint.files:
+                BlockFP8Linear.hold(module, (1, module.in_features), (module.out_features, 1))
+                held += 1
+        return held
+
+
+@pytest.mark.slow
+def test_a_plugin_s_format_splits_its_checkpoints_through_parallelize(tmp_path, fresh_plugins):
+    """A format registered by a plugin (``tpcore_register_quantized_formats``) is the one ``parallelize(dir)`` splits
+    with: the outputs of the model its rows' scales dequantize to, at an uneven world size."""
+    original = tiny_llama(**WIDTHS, head_dim=16)
+    directory = save_block_fp8(original, tmp_path / "rows", block=(1, 480))  # 480 >= every in_features: (out, 1)
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8-rows"}
+    (directory / "config.json").write_text(json.dumps(config))
+    stored = load_file(directory / "model.safetensors")
+    with torch.no_grad():
+        for path, module in original.named_modules():
+            if f"{path}.weight_scale_inv" in stored:
+                module.weight.copy_(stored[f"{path}.weight"].float() * stored[f"{path}.weight_scale_inv"])
+        expected = original(input_ids=IDS)
+    plugin = types.ModuleType("tp_rowwise")
+    plugin.tpcore_register_quantized_formats = tpcore.hookimpl(lambda: [RowwiseFP8()])
+    with pytest.raises(ShardingError, match="quantized as 'fp8-rows', which tpcore does not split"):
+        tpcore.parallelize(str(directory), num_gpus=3)
+    get_plugin_manager().register(plugin, name="tp-rowwise")
+    model = tpcore.parallelize(str(directory), num_gpus=3)
+    try:
+        compare_outputs(expected, model(input_ids=IDS))
+        assert model._tpcore_handle.plan.dtypes["model.layers.0.mlp.down_proj.weight"] == torch.float8_e4m3fn
+    finally:
+        model.deparallelize()
 
 
 # -- refused before any rank starts ----------------------------------------------------------------------

@@ -5,6 +5,7 @@ from tpcore.authoring.counts import PerRank, divide, local_config, share
 from tpcore.authoring.hookspecs import hookimpl
 from tpcore.authoring.layer import COLUMN, NORM, PER_HEAD, ROW, Layer, Style
 from tpcore.authoring.policy import IfHeld, Policy
+from tpcore.authoring.quantized_format import QuantizedFormat
 
 __all__ = [
     "COLUMN",
@@ -15,6 +16,7 @@ __all__ = [
     "Layer",
     "PerRank",
     "Policy",
+    "QuantizedFormat",
     "Style",
     "divide",
     "hookimpl",

@@ -12,6 +12,7 @@ import pluggy
 
 if TYPE_CHECKING:
     from tpcore.authoring.policy import Policy
+    from tpcore.authoring.quantized_format import QuantizedFormat
 
 PROJECT = "tpcore"
 
@@ -25,4 +26,12 @@ def tpcore_register_policies() -> list[type[Policy]]:
     """Return the :class:`tpcore.Policy` classes this plugin provides.
 
     :return: a list of ``Policy`` subclasses, one per transformer layer class.
+    """
+
+
+@hookspec
+def tpcore_register_quantized_formats() -> list[QuantizedFormat]:
+    """Return the quantized checkpoint formats this plugin splits (:class:`tpcore.QuantizedFormat` objects).
+
+    :return: a list of format objects, each for its own ``quantization_config.quant_method``.
     """

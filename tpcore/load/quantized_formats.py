@@ -1,47 +1,95 @@
-"""Quantized models: the format a checkpoint's ``quantization_config`` declares, split where tpcore can and
-refused, naming the format and a tensor, before any rank starts where it cannot.
+"""Quantized checkpoints: the format a checkpoint's ``quantization_config`` declares, split as stored where a
+:class:`~tpcore.QuantizedFormat` knows it, refused by name before any rank starts where none does.
 
-The formats split:
+The built-in format, :class:`BlockFP8` (``quant_method: "fp8"`` with ``weight_block_size [B0, B1]``:
+DeepSeek-V3/R1, Qwen3-FP8, transformers' ``FineGrainedFP8``): a linear whose weight the checkpoint stores in
+float8 beside a ``weight_scale_inv`` becomes a :class:`~tpcore.parallel.quantized_linear.BlockFP8Linear` in the
+meta skeleton before it is planned, so the plan counts a rank's bytes as stored and each rank reads only its
+part of the values. Plugins add formats (``tpcore_register_quantized_formats``; the callers above pass them in).
 
-- **block FP8** (``quant_method: "fp8"`` with ``weight_block_size [B0, B1]``: DeepSeek-V3/R1, Qwen3-FP8,
-  transformers' ``FineGrainedFP8``): each quantized linear stores ``weight`` e4m3 ``(out, in)`` and
-  ``weight_scale_inv`` float32, one per block; a rank holds its cut of ``weight`` and every scale
-  (:class:`~tpcore.parallel.quantized_linear.BlockFP8Linear`).
-
-A linear is block FP8 where the checkpoint stores its weight in float8 beside a ``weight_scale_inv``
-(:func:`hold_quantized` makes the model's meta skeleton hold those tensors before it is planned, so the plan
-counts a rank's bytes as stored and each rank reads only its part of the values). A model object that
-transformers quantized (``model.hf_quantizer``) is split only where its weights are plain again (FP8 dequantized
-at load on a device without FP8 kernels); other formats are refused (:func:`refuse_quantized_model`).
+A model object that transformers quantized (``model.hf_quantizer``) is split only where its weights are plain
+again (FP8 dequantized at load on a device without FP8 kernels); otherwise it is refused
+(:func:`refuse_quantized_model`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from tpcore.authoring.quantized_format import QuantizedFormat
 from tpcore.errors import ShardingError
 from tpcore.load.checkpoint import Checkpoint
 from tpcore.load.skeleton import empty_model
 from tpcore.parallel.quantized_linear import BlockFP8Linear
 
 __all__ = [
-    "SPLIT_FORMATS",
+    "BUILT_IN_FORMATS",
+    "BlockFP8",
     "check_quantization",
     "checkpoint_skeleton",
-    "hold_quantized",
     "quantization_of",
     "refuse_quantized_model",
 ]
 
-#: the ``quant_method`` values tpcore splits from a checkpoint, and what each is
-SPLIT_FORMATS = {"fp8": "block FP8 (e4m3 weights, a float32 scale per block)"}
-
 _FP8 = (torch.float8_e4m3fn,)
 #: dtypes that hold quantized values (packed integers, 8-bit floats), not a model's own precision
 _STORAGE = {torch.int8, torch.uint8, torch.int32, torch.float8_e4m3fn, torch.float8_e5m2}
+
+
+class BlockFP8(QuantizedFormat):
+    """Block FP8: a linear whose weight the checkpoint stores in float8 beside its ``weight_scale_inv`` becomes a
+    :class:`BlockFP8Linear`; blocks of ``weight_block_size``, activations dynamic."""
+
+    quant_method = "fp8"
+    description = "block FP8 (e4m3 weights, a float32 scale per block)"
+
+    def check(self, quantization: dict[str, Any], where: str) -> None:
+        if not _block_size(quantization):
+            raise ShardingError(
+                f"{where} is FP8 without 'weight_block_size' (one scale per tensor): tpcore splits block FP8 only"
+            )
+        if quantization.get("activation_scheme", "dynamic") != "dynamic":
+            raise ShardingError(
+                f"{where} is FP8 with {quantization['activation_scheme']!r} activation scales: tpcore splits block "
+                "FP8 with dynamic activations only"
+            )
+
+    def hold(self, model: nn.Module, checkpoint: Any, quantization: dict[str, Any]) -> int:
+        block = _block_size(quantization)
+        if block is None:
+            raise ShardingError("block FP8 needs the config's 'weight_block_size'")
+        keys = checkpoint.stored_keys(model)
+        scale_keys = {key for key in checkpoint.files if key.endswith("_scale_inv")}
+        held = 0
+        for path, module in list(model.named_modules()):
+            key = keys.get(f"{path}.weight" if path else "weight")
+            if not isinstance(module, nn.Linear) or key is None or checkpoint.stored_dtype(key) not in _FP8:
+                continue
+            scale_key = key.removesuffix("weight") + "weight_scale_inv"
+            if scale_key not in scale_keys:
+                raise ShardingError(f"{key!r} is stored in {checkpoint.stored_dtype(key)} without its {scale_key!r}")
+            try:
+                BlockFP8Linear.hold(module, block, tuple(checkpoint.stored_shape(scale_key)))
+            except ValueError as error:
+                raise ShardingError(f"{scale_key!r}: {error}") from None
+            scale_keys.discard(scale_key)
+            held += 1
+        taken = set(checkpoint.stored_keys(model).values())
+        untaken = sorted(key for key in scale_keys if key not in taken)
+        if untaken:
+            raise ShardingError(
+                f"{untaken[0]!r} scales a tensor that tpcore does not split in block FP8 yet (only linear layers' "
+                f"weights; {len(untaken)} such scales)"
+            )
+        return held
+
+
+#: the formats tpcore itself splits; plugins add more (``tpcore_register_quantized_formats``)
+BUILT_IN_FORMATS: tuple[QuantizedFormat, ...] = (BlockFP8(),)
 
 
 def quantization_of(config: Any) -> dict[str, Any] | None:
@@ -54,75 +102,44 @@ def quantization_of(config: Any) -> dict[str, Any] | None:
     return dict(quantization)
 
 
-def check_quantization(config: Any, where: str) -> None:
-    """Raise :class:`ShardingError` unless the checkpoint ``where`` names is unquantized or in a format tpcore
-    splits (block FP8 with dynamic activation scales)."""
+def check_quantization(
+    config: Any, where: str, formats: Sequence[QuantizedFormat] = BUILT_IN_FORMATS
+) -> QuantizedFormat | None:
+    """The format of ``formats`` the checkpoint ``where`` names is stored in (``None``: unquantized); raise
+    :class:`ShardingError` for a format or variant none of them splits."""
     quantization = quantization_of(config)
     if quantization is None:
-        return
+        return None
     method = quantization.get("quant_method")
-    if method not in SPLIT_FORMATS:
-        formats = ", ".join(f"{name!r} ({what})" for name, what in SPLIT_FORMATS.items())
+    found = next((form for form in formats if form.quant_method == method), None)
+    if found is None:
+        known = ", ".join(f"{form.quant_method!r} ({form.description})" for form in formats)
         raise ShardingError(
-            f"{where} is quantized as {method!r}, which tpcore does not split yet; it splits {formats} and "
+            f"{where} is quantized as {method!r}, which tpcore does not split yet; it splits {known} and "
             "unquantized checkpoints"
         )
-    if not _block_size(quantization):
-        raise ShardingError(
-            f"{where} is FP8 without 'weight_block_size' (one scale per tensor): tpcore splits block FP8 only"
-        )
-    if quantization.get("activation_scheme", "dynamic") != "dynamic":
-        raise ShardingError(
-            f"{where} is FP8 with {quantization['activation_scheme']!r} activation scales: tpcore splits block "
-            "FP8 with dynamic activations only"
-        )
+    found.check(quantization, where)
+    return found
 
 
-def checkpoint_skeleton(checkpoint: Checkpoint, config: Any, model_class: Any = None) -> nn.Module:
+def checkpoint_skeleton(
+    checkpoint: Checkpoint, config: Any, model_class: Any = None, formats: Sequence[QuantizedFormat] = BUILT_IN_FORMATS
+) -> nn.Module:
     """The model ``checkpoint`` holds, its parameters on meta (:func:`~tpcore.load.skeleton.empty_model`) as stored:
-    quantized ones too (:func:`hold_quantized`); a format tpcore does not split is refused first."""
-    check_quantization(config, f"the checkpoint in {checkpoint.directory.name!r}")
+    quantized ones too, as their format holds them; a format ``formats`` do not split is refused first."""
+    where = f"the checkpoint in {checkpoint.directory.name!r}"
+    found = check_quantization(config, where, formats)
     model = empty_model(config, model_class)
-    hold_quantized(model, checkpoint, config)
+    if found is not None:
+        quantization = quantization_of(config) or {}
+        try:
+            found.hold(model, checkpoint, quantization)
+        except ShardingError as error:
+            raise ShardingError(f"{where}, {found.description}: {error}") from None
     return model
 
 
-def hold_quantized(model: nn.Module, checkpoint: Checkpoint, config: Any) -> int:
-    """Make the meta ``model`` hold the quantized tensors ``checkpoint`` stores (its linears whose weight is stored
-    in FP8 become :class:`BlockFP8Linear`); the number of layers made. A scale no layer takes is refused."""
-    quantization = quantization_of(config)
-    if quantization is None:
-        return 0
-    block = _block_size(quantization)
-    if block is None:
-        raise ShardingError("hold_quantized holds block FP8, whose config gives 'weight_block_size'")
-    keys = checkpoint.stored_keys(model)
-    scale_keys = {key for key in checkpoint.files if key.endswith("_scale_inv")}
-    held = 0
-    for path, module in list(model.named_modules()):
-        key = keys.get(f"{path}.weight" if path else "weight")
-        if not isinstance(module, nn.Linear) or key is None or checkpoint.stored_dtype(key) not in _FP8:
-            continue
-        scale_key = key.removesuffix("weight") + "weight_scale_inv"
-        if scale_key not in scale_keys:
-            raise ShardingError(f"{key!r} is stored in {checkpoint.stored_dtype(key)} without its {scale_key!r}")
-        try:
-            BlockFP8Linear.hold(module, block, tuple(checkpoint.stored_shape(scale_key)))
-        except ValueError as error:
-            raise ShardingError(f"{scale_key!r}: {error}") from None
-        scale_keys.discard(scale_key)
-        held += 1
-    taken = set(checkpoint.stored_keys(model).values())
-    untaken = sorted(key for key in scale_keys if key not in taken)
-    if untaken:
-        raise ShardingError(
-            f"{untaken[0]!r} scales a tensor that tpcore does not split in block FP8 yet (only linear layers' "
-            f"weights; {len(untaken)} such scales)"
-        )
-    return held
-
-
-def refuse_quantized_model(model: Any) -> None:
+def refuse_quantized_model(model: Any, formats: Sequence[QuantizedFormat] = BUILT_IN_FORMATS) -> None:
     """Raise :class:`ShardingError` for a model object transformers quantized whose weights are not plain (the
     method and the first such tensor named); a model it dequantized at load passes."""
     if not isinstance(model, nn.Module):
@@ -134,10 +151,11 @@ def refuse_quantized_model(model: Any) -> None:
     method = (quantization or {}).get("quant_method", type(quantizer).__name__)
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         if type(tensor) not in (torch.Tensor, nn.Parameter) or (tensor.dtype in _STORAGE and tensor.dim() >= 2):
+            known = ", ".join(form.quant_method for form in formats)
             raise ShardingError(
                 f"{type(model).__name__} is quantized as {method!r} ({name!r} is a {type(tensor).__name__} of "
                 f"{tensor.dtype}); tpcore does not split a quantized model object yet: parallelize its saved "
-                f"directory where its format is one tpcore splits ({', '.join(SPLIT_FORMATS)})"
+                f"directory where its format is one tpcore splits ({known})"
             )
 
 

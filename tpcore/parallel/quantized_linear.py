@@ -25,20 +25,35 @@ from tpcore.cut.scale_blocks import block_index
 from tpcore.cut.split import Split
 from tpcore.parallel.layers import reduce_partial_sums
 
-__all__ = ["BlockFP8Linear", "RowParallelBlockFP8Linear", "e4m3_as_scaled_float32", "localize_quantized"]
+__all__ = [
+    "BlockFP8Linear",
+    "QuantizedLayer",
+    "RowParallelBlockFP8Linear",
+    "e4m3_as_scaled_float32",
+    "localize_quantized",
+]
 
 
-class BlockFP8Linear(nn.Linear):
-    """``nn.Linear`` whose ``weight`` is block FP8 (module docstring); made from an ``nn.Linear`` in place by
-    :meth:`hold`, told its cut by the plan (:attr:`cut`) and its rank by :func:`localize_quantized`."""
+class QuantizedLayer(nn.Module):
+    """What every quantized layer tpcore splits shares (mixin before the layer's own class): its tensors keep their
+    stored dtypes under a model-wide cast, the plan tells it the cut of each of its own tensors (:attr:`cuts`, by
+    name, the same on every rank), and a rank tells it its rank once loaded (:meth:`localize`)."""
 
-    #: the quantized values and their scales keep their stored dtypes under a model-wide cast
     keeps_stored_dtypes = True
+    #: the plan's cut of each of this module's own tensors that is cut: ``{name: Split}`` (dims counted from 0)
+    cuts: dict[str, Split] = {}
+
+    def localize(self, rank: int, world_size: int) -> None:
+        """Prepare what this rank's forward needs from its shard (called on the rank, once loaded)."""
+
+
+class BlockFP8Linear(QuantizedLayer, nn.Linear):
+    """``nn.Linear`` whose ``weight`` is block FP8 (module docstring); made from an ``nn.Linear`` in place by
+    :meth:`hold`, told its cut by the plan (:attr:`cuts`) and its rank by :func:`localize_quantized`."""
+
     #: the whole weight's ``(out, in)`` and its ``(B0, B1)`` blocks
     whole_shape: tuple[int, int] = (0, 0)
     block: tuple[int, int] = (1, 1)
-    #: the plan's cut of ``weight``, as ``(dim, split)``; ``None``: whole
-    cut: tuple[int, Split] | None = None
     weight_scale_inv: nn.Parameter
     #: the block of each row and column of ``weight`` (:meth:`localize`)
     scale_rows: torch.Tensor
@@ -70,8 +85,9 @@ class BlockFP8Linear(nn.Linear):
     def localize(self, rank: int, world_size: int) -> None:
         """Find the block of each row and column this rank's ``weight`` holds (non-persistent buffers)."""
         splits: list[Split | None] = [None, None]
-        if self.cut is not None:
-            splits[self.cut[0]] = self.cut[1]
+        cut = self.cuts.get("weight")
+        if cut is not None:
+            splits[cut.dim] = cut
         rows, cols = (
             block_index(split, size, block, rank, world_size)
             for split, size, block in zip(splits, self.whole_shape, self.block, strict=True)
@@ -132,7 +148,7 @@ BlockFP8Linear.row_parallel_class = RowParallelBlockFP8Linear
 
 def localize_quantized(model: nn.Module, rank: int, world_size: int) -> int:
     """Tell every quantized layer of ``model`` (rank ``rank``'s shard) its rank; the number of layers."""
-    layers = [module for module in model.modules() if isinstance(module, BlockFP8Linear)]
+    layers = [module for module in model.modules() if isinstance(module, QuantizedLayer)]
     for layer in layers:
         layer.localize(rank, world_size)
     return len(layers)

@@ -17,7 +17,7 @@ from tpcore.cut.shares import resolve
 from tpcore.errors import ShardingError
 from tpcore.load.skeleton import named_tensors
 from tpcore.parallel.layers import column_split_norm_class, make_vocab_parallel, row_parallel_class, set_layer_size
-from tpcore.parallel.quantized_linear import BlockFP8Linear
+from tpcore.parallel.quantized_linear import QuantizedLayer
 from tpcore.plan.paths import set_path
 from tpcore.plan.shard_plan import Replacement, ShardPlan
 
@@ -72,12 +72,14 @@ def apply_plan(
 
 
 def _tell_quantized_cuts(plan: ShardPlan, model: nn.Module) -> None:
-    """Give each block-quantized layer its weight's cut (the same on every rank), so that a rank finds the
-    scale blocks of what it holds (:func:`~tpcore.parallel.quantized_linear.localize_quantized`)."""
+    """Give each quantized layer the cuts of its own tensors (the same on every rank), so that a rank finds what
+    its shard needs beside it, such as scale blocks (:func:`~tpcore.parallel.quantized_linear.localize_quantized`)."""
     for path, module in model.named_modules():
-        if isinstance(module, BlockFP8Linear):
-            split = plan.splits.get(f"{path}.weight")
-            module.cut = None if split is None else (split.resolved(2).dim, split.resolved(2))
+        if isinstance(module, QuantizedLayer):
+            own = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+            found = {name: plan.splits.get(f"{path}.{name}" if path else name) for name, _ in own}
+            module.cuts = {name: split.resolved(len(plan.shapes[f"{path}.{name}" if path else name]))
+                           for name, split in found.items() if split is not None}  # fmt: skip
 
 
 def _slice_tensors(plan: ShardPlan, model: nn.Module, rank: int) -> None:

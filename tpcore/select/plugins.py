@@ -8,9 +8,10 @@ Environment switches (read on first use of the registry):
     load only these plugins, by distribution or entry-point name; empty loads none.
 
 A plugin that fails to import or register (with any exception, ``SystemExit`` too; only
-``KeyboardInterrupt`` goes through), or that claims a policy name or layer class another
-loaded plugin already has, is reported with its distribution name and version (a
-:class:`PluginLoadWarning`, and in :func:`plugin_infos`) and the others still load.
+``KeyboardInterrupt`` goes through), or that claims a policy name, a layer class or a quantized
+format's ``quant_method`` that another loaded plugin (or tpcore itself) already has, is reported
+with its distribution name and version (a :class:`PluginLoadWarning`, and in :func:`plugin_infos`)
+and the others still load.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from dataclasses import dataclass, field
 
 import pluggy
 
-from tpcore.authoring import Policy, hookspecs
+from tpcore.authoring import Policy, QuantizedFormat, hookspecs
 from tpcore.errors import PluginConflictError, PluginLoadWarning
+from tpcore.load.quantized_formats import BUILT_IN_FORMATS
 
 __all__ = [
     "PluginConflictError",
@@ -35,6 +37,7 @@ __all__ = [
     "PolicyEntry",
     "get_plugin_manager",
     "plugin_infos",
+    "quantized_formats",
     "registered_policies",
     "reset_plugins",
 ]
@@ -51,6 +54,8 @@ class PluginInfo:
     distribution: str
     version: str
     policies: list[str] = field(default_factory=list)
+    #: the ``quant_method`` of each quantized format it registers
+    formats: list[str] = field(default_factory=list)
     error: str | None = None
 
 
@@ -119,7 +124,10 @@ def _load_entry_points(manager: pluggy.PluginManager) -> list[PluginInfo]:
             manager.check_pending()  # a misspelt hook fails this plugin only
             policies = _policies_of(manager, plugin)
             _check_conflicts(policies, info, owners)
+            formats = _formats_of(manager, plugin)
+            _check_format_conflicts(formats, info, owners)
             info.policies = [policy.policy_name() for policy in policies]
+            info.formats = [form.quant_method for form in formats]
         except KeyboardInterrupt:
             raise
         except BaseException as error:  # a broken plugin, sys.exit() in it too, must not take the others down
@@ -145,6 +153,38 @@ def _policies_of(manager: pluggy.PluginManager, plugin) -> list[type[Policy]]:
                 raise TypeError(f"tpcore_register_policies returned {policy!r}, not a Policy subclass")
             policies.append(policy)
     return policies
+
+
+def _formats_of(manager: pluggy.PluginManager, plugin) -> list[QuantizedFormat]:
+    """The quantized formats one registered plugin returns, validated."""
+    hook = manager.hook.tpcore_register_quantized_formats
+    formats = []
+    for impl in [impl for impl in hook.get_hookimpls() if impl.plugin is plugin]:
+        for form in impl.function() or []:
+            if not isinstance(form, QuantizedFormat) or not form.quant_method:
+                raise TypeError(
+                    f"tpcore_register_quantized_formats returned {form!r}, not a QuantizedFormat with a quant_method"
+                )
+            formats.append(form)
+    return formats
+
+
+def _check_format_conflicts(formats: list[QuantizedFormat], info: PluginInfo, owners: dict) -> None:
+    """Raise :class:`PluginConflictError` if a format's ``quant_method`` is tpcore's own or another plugin's."""
+    built_in = {form.quant_method for form in BUILT_IN_FORMATS}
+    seen: set[str] = set()
+    for form in formats:
+        owner = owners.get(("format", form.quant_method))
+        if form.quant_method in built_in or form.quant_method in seen or owner is not None:
+            owner = owner or (info if form.quant_method in seen else None)
+            by = "tpcore itself" if owner is None else f"{owner.distribution} {owner.version}"
+            raise PluginConflictError(
+                f"quantized format {form.quant_method!r} is registered by both {by} and {info.distribution} "
+                f"{info.version}; uninstall one, or choose with {ONLY_PLUGINS_ENV}"
+            )
+        seen.add(form.quant_method)
+    for form in formats:
+        owners[("format", form.quant_method)] = info
 
 
 def get_plugin_manager() -> pluggy.PluginManager:
@@ -174,6 +214,14 @@ def registered_policies() -> list[PolicyEntry]:
         dist, version = (info.distribution, info.version) if info else (name, "?")
         entries.extend(PolicyEntry(policy, name, dist, version) for policy in _policies_of(manager, plugin))
     return entries
+
+
+def quantized_formats() -> tuple[QuantizedFormat, ...]:
+    """The quantized checkpoint formats tpcore splits: its own, then each loaded plugin's."""
+    manager = get_plugin_manager()
+    return BUILT_IN_FORMATS + tuple(
+        form for _, plugin in manager.list_name_plugin() for form in _formats_of(manager, plugin)
+    )
 
 
 def reset_plugins() -> None:

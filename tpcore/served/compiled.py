@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tpcore.parallel.quantized_linear import BlockFP8Linear
+from tpcore.parallel.quantized_linear import QuantizedLayer
 from tpcore.progress import tqdm_lock_leaving_the_start_method
 from tpcore.ranks.process import RankContext
 
@@ -95,10 +95,10 @@ def refuse_uncompilable(model: nn.Module) -> None:
             f"compile=True compiles a decoder's decode step; {type(model).__name__} is not a decoder-only model "
             "that generates: parallelize it without compile"
         )
-    quantized = next((name for name, module in model.named_modules() if isinstance(module, BlockFP8Linear)), None)
+    quantized = next((name for name, module in model.named_modules() if isinstance(module, QuantizedLayer)), None)
     if quantized is not None:
         raise ValueError(
-            f"compile=True does not compile quantized layers yet ({quantized} holds block FP8): parallelize "
+            f"compile=True does not compile quantized layers yet ({quantized} is quantized): parallelize "
             f"{type(model).__name__} without compile"
         )
 

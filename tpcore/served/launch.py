@@ -38,6 +38,7 @@ from tpcore.progress import LoadBar
 from tpcore.ranks.distributed import check_placement, default_backend
 from tpcore.ranks.failures import reraise
 from tpcore.ranks.process import CALL_TIMEOUT_S, START_TIMEOUT_S, RankPool
+from tpcore.select.plugins import quantized_formats
 from tpcore.served.rank_side import load_shard, read_shard
 
 __all__ = ["CheckpointSource", "Launch", "LaunchOptions", "ModelSource"]
@@ -117,7 +118,8 @@ class CheckpointSource:
     def __init__(self, directory: str | os.PathLike, model_class: type[nn.Module] | None = None):
         self.checkpoint = Checkpoint(directory)
         self.config = self.checkpoint.config()  # a directory without a model in it fails here
-        check_quantization(self.config, f"the checkpoint in {self.checkpoint.directory.name!r}")
+        self.formats = quantized_formats()
+        check_quantization(self.config, f"the checkpoint in {self.checkpoint.directory.name!r}", self.formats)
         self.checkpoint.verify(self.checkpoint.files)  # and so does a missing, truncated or corrupt weight file
         self.model_class = model_class
         #: the module that defines the model, which the ranks import while the caller builds it
@@ -126,7 +128,7 @@ class CheckpointSource:
     @functools.cached_property
     def model(self) -> nn.Module:
         """The checkpoint's model with its parameters on meta, and its generation config if one was saved."""
-        model: Any = checkpoint_skeleton(self.checkpoint, self.config, self.model_class)
+        model: Any = checkpoint_skeleton(self.checkpoint, self.config, self.model_class, self.formats)
         directory = self.checkpoint.directory
         if (directory / "generation_config.json").is_file() and hasattr(model, "generation_config"):
             from transformers import GenerationConfig

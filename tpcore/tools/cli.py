@@ -16,7 +16,8 @@ from tpcore.version import __version__
 
 
 def _plugins(args: argparse.Namespace) -> int:
-    """Every installed plugin with its version and the policies it registers (or why it failed to load)."""
+    """Every installed plugin with its version and the policies and quantized formats it registers (or why it
+    failed to load)."""
     if args.model:
         return _applying(args)
     from tpcore.select.plugins import plugin_infos, registered_policies
@@ -32,6 +33,7 @@ def _plugins(args: argparse.Namespace) -> int:
                 for e in entries
                 if e.plugin == info.name
             ],
+            "quantized_formats": list(info.formats),
             "error": info.error,
         }
         for info in plugin_infos()
@@ -45,6 +47,8 @@ def _plugins(args: argparse.Namespace) -> int:
         print(f"{row['distribution']} {row['version']} (entry point {row['name']!r}){status}")
         for policy in row["policies"]:
             print(f"    {policy['name']:<24} {policy['layer_class']}")
+        for quant_method in row["quantized_formats"]:
+            print(f"    quantized format {quant_method!r}")
     return 0
 
 
@@ -99,9 +103,10 @@ def _model_to_show(name: str) -> Any:
     if os.path.isdir(name):
         from tpcore.load.checkpoint import Checkpoint
         from tpcore.load.quantized_formats import checkpoint_skeleton
+        from tpcore.select.plugins import quantized_formats
 
         checkpoint = Checkpoint(name)
-        return checkpoint_skeleton(checkpoint, checkpoint.config(), spec.model_class)
+        return checkpoint_skeleton(checkpoint, checkpoint.config(), spec.model_class, quantized_formats())
     return spec.build()
 
 

@@ -1,0 +1,42 @@
+"""``QuantizedFormat``: how tpcore splits checkpoints stored in one quantized format, as a plugin adds one.
+
+A checkpoint declares its format in ``config.json``'s ``quantization_config`` (``quant_method``). A format
+object answers two questions before any weight is read:
+
+- :meth:`QuantizedFormat.check`: does tpcore split this variant of the format (block sizes, activation
+  scheme, bit width)? A variant it does not split is refused, naming the checkpoint, before any rank starts.
+- :meth:`QuantizedFormat.hold`: the model built empty from the config holds plain float weights; make it
+  hold what the files store (a layer at a time, as a quantized layer class of
+  :mod:`tpcore.parallel.quantized_linear`), so that the plan counts bytes as stored and each rank reads only its
+  part of the quantized tensors.
+
+tpcore ships block FP8 (:mod:`tpcore.load.quantized_formats`); a plugin returns more from
+``tpcore_register_quantized_formats``, one object per ``quant_method``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from torch import nn
+
+__all__ = ["QuantizedFormat"]
+
+
+class QuantizedFormat:
+    """One quantized checkpoint format (module docstring). Subclasses set :attr:`quant_method` and
+    :attr:`description` and implement :meth:`hold` (and :meth:`check` where some variants do not split)."""
+
+    #: the ``quantization_config.quant_method`` this format reads
+    quant_method: ClassVar[str] = ""
+    #: what the format stores, for messages and ``tpcore plugins``
+    description: ClassVar[str] = ""
+
+    def check(self, quantization: dict[str, Any], where: str) -> None:
+        """Raise :class:`~tpcore.ShardingError` naming ``where`` for a variant of the format that is not split."""
+
+    def hold(self, model: nn.Module, checkpoint: Any, quantization: dict[str, Any]) -> int:
+        """Make the meta ``model`` hold the tensors ``checkpoint`` (a :class:`~tpcore.load.checkpoint.Checkpoint`)
+        stores in this format; the number of layers made. Raise :class:`~tpcore.ShardingError` naming a stored
+        tensor that no layer takes."""
+        raise NotImplementedError(f"{type(self).__name__} holds no layers")
