@@ -68,7 +68,7 @@ class BlockFP8(QuantizedFormat):
         for path, module in list(model.named_modules()):
             key = keys.get(f"{path}.weight" if path else "weight")
             if not isinstance(module, nn.Linear) or key is None or checkpoint.stored_dtype(key) not in _FP8:
-                continue
+                continue  # not a linear, or kept in full precision
             scale_key = key.removesuffix("weight") + "weight_scale_inv"
             if scale_key not in scale_keys:
                 raise ShardingError(f"{key!r} is stored in {checkpoint.stored_dtype(key)} without its {scale_key!r}")
@@ -78,8 +78,7 @@ class BlockFP8(QuantizedFormat):
                 raise ShardingError(f"{scale_key!r}: {error}") from None
             scale_keys.discard(scale_key)
             held += 1
-        taken = set(checkpoint.stored_keys(model).values())
-        untaken = sorted(key for key in scale_keys if key not in taken)
+        untaken = sorted(scale_keys)  # each linear took its own
         if untaken:
             raise ShardingError(
                 f"{untaken[0]!r} scales a tensor that tpcore does not split in block FP8 yet (only linear layers' "

@@ -18,7 +18,7 @@ from tpcore.errors import ShardingError
 from tpcore.load.skeleton import named_tensors
 from tpcore.parallel.layers import column_split_norm_class, make_vocab_parallel, row_parallel_class, set_layer_size
 from tpcore.parallel.quantized_linear import QuantizedLayer
-from tpcore.plan.paths import set_path
+from tpcore.plan.paths import join, set_path
 from tpcore.plan.shard_plan import Replacement, ShardPlan
 
 __all__ = ["apply_plan", "class_for"]
@@ -77,9 +77,8 @@ def _tell_quantized_cuts(plan: ShardPlan, model: nn.Module) -> None:
     for path, module in model.named_modules():
         if isinstance(module, QuantizedLayer):
             own = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
-            found = {name: plan.splits.get(f"{path}.{name}" if path else name) for name, _ in own}
-            module.cuts = {name: split.resolved(len(plan.shapes[f"{path}.{name}" if path else name]))
-                           for name, split in found.items() if split is not None}  # fmt: skip
+            cut = {name: join(path, name) for name, _ in own if join(path, name) in plan.splits}
+            module.cuts = {name: plan.splits[full].resolved(len(plan.shapes[full])) for name, full in cut.items()}
 
 
 def _slice_tensors(plan: ShardPlan, model: nn.Module, rank: int) -> None:

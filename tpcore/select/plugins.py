@@ -174,9 +174,8 @@ def _check_format_conflicts(formats: list[QuantizedFormat], info: PluginInfo, ow
     built_in = {form.quant_method for form in BUILT_IN_FORMATS}
     seen: set[str] = set()
     for form in formats:
-        owner = owners.get(("format", form.quant_method))
-        if form.quant_method in built_in or form.quant_method in seen or owner is not None:
-            owner = owner or (info if form.quant_method in seen else None)
+        owner = info if form.quant_method in seen else owners.get(("format", form.quant_method))
+        if form.quant_method in built_in or owner is not None:
             by = "tpcore itself" if owner is None else f"{owner.distribution} {owner.version}"
             raise PluginConflictError(
                 f"quantized format {form.quant_method!r} is registered by both {by} and {info.distribution} "
