@@ -12,6 +12,10 @@ elements), so every rank holds them whole and looks its blocks up::
 :func:`block_index` gives ``g(i) // B`` for every index of a rank's piece (a padding index, past the whole
 dimension, maps to block 0: its values are zeros). A cut inside a block leaves that block's scale to both
 ranks that hold a part of it, which is why the scales are never cut.
+
+A packed format stores ``p`` values an element along a dimension (eight 4-bit integers an int32 word), so a cut
+of its stored tensor deals whole elements: index ``i`` of a piece holds the values ``[p g(i), p g(i) + p)``.
+``block_index(..., packing=p)`` gives the block of each of those values, for a dimension of ``size`` stored elements.
 """
 
 from __future__ import annotations
@@ -23,14 +27,17 @@ from tpcore.cut.split import Split
 __all__ = ["block_index"]
 
 
-def block_index(split: Split | None, size: int, block: int, rank: int, world_size: int) -> torch.Tensor:
-    """``(n,)`` int64: the block (of ``block`` indices) of each of the ``n`` indices rank ``rank`` holds of a
-    dimension of ``size`` cut by ``split`` (``None``: the whole dimension), in the order its piece holds them."""
-    if block < 1:
-        raise ValueError(f"a block of {block} indices")
-    if split is None:
-        return torch.arange(size) // block
-    ranges, padding = split.ranges(size, rank, world_size)
-    pieces = [torch.arange(start, stop) // block for start, stop in ranges]
-    pieces.append(torch.zeros(padding, dtype=torch.int64))
+def block_index(
+    split: Split | None, size: int, block: int, rank: int, world_size: int, packing: int = 1
+) -> torch.Tensor:
+    """``(n,)`` int64: the block (of ``block`` values) of each of the ``n`` values rank ``rank`` holds of a
+    dimension of ``size`` stored elements of ``packing`` values each, cut by ``split`` (``None``: the whole
+    dimension), in the order its piece holds them."""
+    if block < 1 or packing < 1:
+        raise ValueError(f"a block of {block} values, {packing} values an element")
+    ranges, padding = [(0, size)], 0
+    if split is not None:
+        ranges, padding = split.ranges(size, rank, world_size)
+    pieces = [torch.arange(start * packing, stop * packing) // block for start, stop in ranges]
+    pieces.append(torch.zeros(padding * packing, dtype=torch.int64))
     return torch.cat(pieces)

@@ -28,6 +28,8 @@ from tpcore.parallel.layers import reduce_partial_sums
 __all__ = [
     "BlockFP8Linear",
     "QuantizedLayer",
+    "QuantizedLinear",
+    "RowParallelQuantized",
     "RowParallelBlockFP8Linear",
     "e4m3_as_scaled_float32",
     "localize_quantized",
@@ -36,18 +38,54 @@ __all__ = [
 
 class QuantizedLayer(nn.Module):
     """What every quantized layer tpcore splits shares (mixin before the layer's own class): its tensors keep their
-    stored dtypes under a model-wide cast, the plan tells it the cut of each of its own tensors (:attr:`cuts`, by
-    name, the same on every rank), and a rank tells it its rank once loaded (:meth:`localize`)."""
+    stored dtypes under a model-wide cast, the plan cuts the tensors that follow its weight's cut with it
+    (:meth:`follower_cuts`) and tells it the cut of each of its own tensors (:attr:`cuts`, by name, the same on every
+    rank), and a rank tells it its rank once loaded (:meth:`localize`)."""
 
     keeps_stored_dtypes = True
     #: the plan's cut of each of this module's own tensors that is cut: ``{name: Split}`` (dims counted from 0)
     cuts: dict[str, Split] = {}
+    #: how many values one stored element of ``weight`` holds along each of its dimensions (a packed format's
+    #: integers a word): the plan measures heads and layer sizes in values, and cuts ``weight`` in whole elements
+    packing: tuple[int, ...] = (1, 1)
+
+    def follower_cuts(self, split: Split) -> dict[str, Split]:
+        """The cuts of this module's other tensors that follow ``split``, its weight's cut (dims counted from 0):
+        ``{name: Split}``; a tensor not named stays whole on every rank."""
+        return {}
 
     def localize(self, rank: int, world_size: int) -> None:
         """Prepare what this rank's forward needs from its shard (called on the rank, once loaded)."""
 
 
-class BlockFP8Linear(QuantizedLayer, nn.Linear):
+class QuantizedLinear(QuantizedLayer, nn.Linear):
+    """``nn.Linear`` whose weight is stored quantized: :meth:`dequantized` makes the rank's ``W_r`` for each
+    forward, ``y = x @ W_r.T + b``."""
+
+    #: the row-parallel class (:func:`~tpcore.parallel.layers.row_parallel_class`), set for each subclass
+    row_parallel_class: type[nn.Module] | None = None
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's weight ``(out_r, in_r)`` in ``dtype``."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dequantized(x.dtype), self.bias)
+
+
+class RowParallelQuantized(nn.Module):
+    """Mixin before a :class:`QuantizedLinear` holding a shard of the input features: output all-reduced, bias
+    added once."""
+
+    tp_group = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = reduce_partial_sums(F.linear(x, self.dequantized(x.dtype)), self.tp_group)  # type: ignore[operator]
+        bias = self._parameters.get("bias")
+        return out if bias is None else out + bias
+
+
+class BlockFP8Linear(QuantizedLinear):
     """``nn.Linear`` whose ``weight`` is block FP8 (module docstring); made from an ``nn.Linear`` in place by
     :meth:`hold`, told its cut by the plan (:attr:`cuts`) and its rank by :func:`localize_quantized`."""
 
@@ -59,8 +97,6 @@ class BlockFP8Linear(QuantizedLayer, nn.Linear):
     scale_rows: torch.Tensor
     scale_cols: torch.Tensor
     whole_column_blocks = False
-    #: set below: the row-parallel class (:func:`~tpcore.parallel.layers.row_parallel_class`)
-    row_parallel_class: type[nn.Module] | None = None
 
     @classmethod
     def hold(cls, linear: nn.Linear, block: tuple[int, int], scale_shape: tuple[int, ...]) -> BlockFP8Linear:
@@ -111,9 +147,6 @@ class BlockFP8Linear(QuantizedLayer, nn.Linear):
             return blocks.mul_(scales.unsqueeze(-1)).view(out_features, in_features).to(dtype)
         return values.mul_(scales.index_select(1, self.scale_cols)).to(dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.dequantized(x.dtype), self.bias)
-
 
 #: an e4m3 bit pattern moved into float16's places reads 2^-8 of its value (exponent bias 7 against 15)
 _E4M3_TO_FP16 = 2.0**8
@@ -133,14 +166,8 @@ def e4m3_as_scaled_float32(values: torch.Tensor) -> torch.Tensor:
     return magnitude.bitwise_or_(sign).view(torch.float16).float()
 
 
-class RowParallelBlockFP8Linear(BlockFP8Linear):
+class RowParallelBlockFP8Linear(RowParallelQuantized, BlockFP8Linear):
     """:class:`BlockFP8Linear` holding a shard of the input features; output all-reduced, bias added once."""
-
-    tp_group = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = reduce_partial_sums(F.linear(x, self.dequantized(x.dtype)), self.tp_group)
-        return out if self.bias is None else out + self.bias
 
 
 BlockFP8Linear.row_parallel_class = RowParallelBlockFP8Linear

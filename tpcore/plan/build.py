@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,7 @@ from tpcore.configs import module_configs
 from tpcore.cut.split import Split
 from tpcore.errors import ShardingError
 from tpcore.load.skeleton import named_tensors
+from tpcore.parallel.quantized_linear import QuantizedLayer
 from tpcore.plan.apply import class_for
 from tpcore.plan.paths import MISSING, get_path, join
 from tpcore.plan.proof import check_by_proof, needs_proof
@@ -101,6 +103,9 @@ class _Builder:
         plan.shapes = {name: tuple(tensor.shape) for name, tensor in tensors.items()}
         plan.dtypes = {name: tensor.dtype for name, tensor in tensors.items()}
         self.first_name = {id(tensor): name for name, tensor in tensors.items()}
+        #: values that packed layers store an element (int4: 8 a word): plain cuts deal features in runs of as many
+        packings = [size for module in model.modules() if isinstance(module, QuantizedLayer) for size in module.packing]
+        self.packed_run = math.lcm(*packings) if packings else 1
 
     def targets(self) -> list[Target]:
         """Every layer instance each policy applies to, with its config (its sub-model's, or its own)."""
@@ -196,10 +201,17 @@ class _Builder:
             return
         with self.calling(target):
             weight_split, bias_split = spec.splits(target.config)
+        owner_path = join(target.name, spec.module_path)
+        owner = get_path(target.layer, spec.module_path)
+        packing = owner.packing if isinstance(owner, QuantizedLayer) else None
         for path, tensor, split in ((spec.weight, resolved[0], weight_split), (spec.bias, resolved[1], bias_split)):
             if tensor is not None and split is not None:
-                self.add_cut(join(target.name, path or ""), tensor, split, spec)
-        owner_path = join(target.name, spec.module_path)
+                values = packing[split.dim] if packing is not None and tensor is resolved[0] else 1
+                self.add_cut(join(target.name, path or ""), tensor, self.in_packed_runs(split, tensor, values), spec)
+        if isinstance(owner, QuantizedLayer) and weight_split is not None:  # its scales cut as its weight
+            weight_split = self.in_packed_runs(weight_split, resolved[0], owner.packing[weight_split.dim])
+            for name, split in owner.follower_cuts(weight_split.resolved(resolved[0].dim())).items():
+                self.add_cut(join(owner_path, name), getattr(owner, name), split, spec)
         if owner_path not in self.plan.resized:
             self.plan.resized.append(owner_path)
         rule: Replacement | None = spec.replace if spec.replace is not None else None
@@ -211,6 +223,17 @@ class _Builder:
             except ShardingError as error:
                 raise self.plan.error(owner_path, str(error)) from None
             self.plan.replacements[owner_path] = rule
+
+    def in_packed_runs(self, split: Split, tensor: Any, packing: int) -> Split:
+        """``split``, dealing a plain dimension in runs of :attr:`packed_run` values where the model holds packed
+        layers: a packed layer's words and the features it meets in another layer (an MLP's up and down
+        projections) are then cut at the same places. ``packing``: values one element of ``tensor`` holds."""
+        if self.packed_run == 1 or split.heads is not None or split.parts is not None or split.pad:
+            return split
+        if not isinstance(tensor, torch.Tensor) or not -tensor.dim() <= split.dim < tensor.dim():
+            return split  # refused by add_cut
+        values = tensor.shape[split.dim] * packing // split.n_fused
+        return split._replace(heads=values // self.packed_run) if values % self.packed_run == 0 else split
 
     def add_cut(self, full_path: str, tensor: Any, split: Split, spec: Layer) -> None:
         """Check and record one tensor's cut."""
@@ -293,19 +316,21 @@ class _Builder:
             split = plan.splits.get(self.first_name.get(id(weight), ""))
             if weight is None or split is None or split.pad or not _is_projection(child):
                 continue
-            if split.heads is not None and weight.shape[split.dim] == split.heads * split.n_fused:
+            packing = getattr(child, "packing", (1,) * weight.dim())[split.dim]  # values a stored element
+            features = weight.shape[split.dim] * packing
+            if split.heads is not None and features == split.heads * split.n_fused:
                 continue  # one feature per head (a per-head gate), dealt in whole heads by its split
             if split.widths is not None:
                 continue  # parts of their own unit widths (Mamba2's [z | x | B | C | dt]): whole units by the split
-            for size in piece_sizes(split, weight.shape[split.dim], plan.world_size):
+            for size in (piece * packing for piece in piece_sizes(split, weight.shape[split.dim], plan.world_size)):
                 if size % head_dim:
                     raise plan.error(
                         join(path, child_name),
                         f"each rank would hold {size / head_dim:g} heads of width {head_dim} "
-                        f"({size} of {weight.shape[split.dim]} features): heads must stay whole; "
+                        f"({size} of {features} features): heads must stay whole; "
                         "the policy's head counts do not divide by the world size",
                     )
-            head_counts.update(size // head_dim for size in piece_sizes(split, weight.shape[split.dim], 1))
+            head_counts.update(size * packing // head_dim for size in piece_sizes(split, weight.shape[split.dim], 1))
         return head_counts
 
     def _check_per_head_parameters(self, path: str, module: nn.Module, head_dim: int, head_counts: set[int]) -> None:
