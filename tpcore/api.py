@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from tpcore.load.checkpoint import is_checkpoint_path
-from tpcore.load.quantized_formats import refuse_quantized_model
+from tpcore.load.quantized_formats import adopt_quantized_model
 from tpcore.plan import plan_for
 from tpcore.ranks.process import CALL_TIMEOUT_S
 from tpcore.select import choose_policies, refuse_unmerged_adapters
@@ -105,7 +105,7 @@ def parallelize(
     if not isinstance(num_gpus, int) or num_gpus < 1:
         raise ValueError(f"num_gpus is the number of ranks to split the model over, a positive int; got {num_gpus!r}")
     refuse_unmerged_adapters(model)
-    refuse_quantized_model(model, quantized_formats())
+    adopt_quantized_model(model, quantized_formats())
     verbosity = _verbosity(verbose)
     if init_method not in _START_METHODS:
         raise ValueError(f"init_method is a multiprocessing start method {_START_METHODS[1:]}, got {init_method!r}")

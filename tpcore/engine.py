@@ -10,7 +10,7 @@ from torch import nn
 
 from tpcore.load.checkpoint import Checkpoint, is_checkpoint_path
 from tpcore.load.precision import cast_model, resolve_dtype
-from tpcore.load.quantized_formats import checkpoint_skeleton, refuse_quantized_model
+from tpcore.load.quantized_formats import adopt_quantized_model, checkpoint_skeleton
 from tpcore.parallel import shm
 from tpcore.parallel.comm import group_rank
 from tpcore.parallel.cpu_layout import transpose_linear_weights
@@ -118,7 +118,7 @@ class ParallelEngine:
             checkpoint = Checkpoint(model)
             model = checkpoint_skeleton(checkpoint, checkpoint.config(), model_class, quantized_formats())
         else:
-            refuse_quantized_model(model, quantized_formats())
+            adopt_quantized_model(model, quantized_formats())
             checkpoint = None
         # Fail on bad input (and, from a checkpoint, on missing weights) before joining any process group.
         policies = choose_policies(model, self.custom_policies)

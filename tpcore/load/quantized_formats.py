@@ -7,9 +7,9 @@ float8 beside a ``weight_scale_inv`` becomes a :class:`~tpcore.parallel.quantize
 meta skeleton before it is planned, so the plan counts a rank's bytes as stored and each rank reads only its
 part of the values. Plugins add formats (``tpcore_register_quantized_formats``; the callers above pass them in).
 
-A model object that transformers quantized (``model.hf_quantizer``) is split only where its weights are plain
-again (FP8 dequantized at load on a device without FP8 kernels); otherwise it is refused
-(:func:`refuse_quantized_model`).
+A model object that transformers quantized (``model.hf_quantizer``) is split where its weights are plain again
+(FP8 dequantized at load on a device without FP8 kernels) or where its format adopts its layers (compressed-tensors
+packed integers become tpcore's layers, their tensors kept); otherwise it is refused (:func:`adopt_quantized_model`).
 """
 
 from __future__ import annotations
@@ -24,15 +24,17 @@ from tpcore.authoring.quantized_format import QuantizedFormat
 from tpcore.errors import ShardingError
 from tpcore.load.checkpoint import Checkpoint
 from tpcore.load.skeleton import empty_model
-from tpcore.parallel.quantized_linear import BlockFP8Linear
+from tpcore.parallel.packed_int_linear import BIT_WIDTHS, PackedIntLinear
+from tpcore.parallel.quantized_linear import BlockFP8Linear, QuantizedLayer
 
 __all__ = [
     "BUILT_IN_FORMATS",
     "BlockFP8",
+    "CompressedTensors",
     "check_quantization",
     "checkpoint_skeleton",
+    "adopt_quantized_model",
     "quantization_of",
-    "refuse_quantized_model",
 ]
 
 _FP8 = (torch.float8_e4m3fn,)
@@ -87,8 +89,150 @@ class BlockFP8(QuantizedFormat):
         return held
 
 
+class CompressedTensors(QuantizedFormat):
+    """compressed-tensors' ``pack-quantized`` integers (llmcompressor's W4A16, W8A16): a linear stored as
+    ``weight_packed`` (int32 words along the input features) beside its ``weight_scale`` becomes a
+    :class:`PackedIntLinear`. Symmetric weights, a scale per group or per row, activations unquantized."""
+
+    quant_method = "compressed-tensors"
+    description = "compressed-tensors pack-quantized integers (int32 words, a scale per group or row)"
+
+    def check(self, quantization: dict[str, Any], where: str) -> None:
+        for name in ("sparsity_config", "transform_config", "kv_cache_scheme"):
+            if quantization.get(name):
+                raise ShardingError(f"{where} is compressed-tensors with a {name}: tpcore splits its quantization only")
+        self.weights(quantization, where)
+
+    def weights(self, quantization: dict[str, Any], where: str) -> dict[str, Any]:
+        """The one weight scheme of every config group, checked."""
+        groups = quantization.get("config_groups") or {}
+        schemes = []
+        for name, group in groups.items():
+            layout = group.get("format") or quantization.get("format")
+            if layout != "pack-quantized":
+                raise ShardingError(
+                    f"{where} is compressed-tensors {layout!r} (config group {name!r}): tpcore splits its "
+                    "'pack-quantized' integers only"
+                )
+            for activations in ("input_activations", "output_activations"):
+                if group.get(activations):
+                    raise ShardingError(
+                        f"{where} quantizes {activations.replace('_', ' ')} (config group {name!r}): tpcore splits "
+                        "compressed-tensors with weights quantized only (W4A16, W8A16)"
+                    )
+            schemes.append(_checked_weights(group.get("weights") or {}, f"{where}, config group {name!r}"))
+        if not schemes:
+            raise ShardingError(f"{where} is compressed-tensors without config groups")
+        if any(scheme != schemes[0] for scheme in schemes):
+            raise ShardingError(f"{where} has config groups of different weight schemes: tpcore splits one scheme")
+        return schemes[0]
+
+    def adopt(self, model: nn.Module, quantization: dict[str, Any]) -> int:
+        """compressed-tensors' own layers become tpcore's: a linear still packed (transformers leaves it so until the
+        first forward) a :class:`PackedIntLinear` with its words and scales; one decompressed by a forward stays a
+        plain linear. Either way compressed-tensors' forward (which fake-quantizes) and its tensors go."""
+        hook = model.__dict__.pop("ct_decompress_hook", None)  # decompresses the whole model on its first forward
+        if hook is not None:
+            hook.remove()
+        if any(type(module._parameters) is not dict for module in model.modules()):  # its offloading, on decompressing
+            from compressed_tensors.offload.dispatch import remove_dispatch
+
+            remove_dispatch(model, onload_tensors=True)
+        adopted = 0
+        for path, module in model.named_modules():
+            own = module.__dict__.get("forward")
+            if getattr(own, "__func__", None) is type(module).forward:  # the class's own, bound back by remove_dispatch
+                del module.forward
+            scheme = module.__dict__.get("quantization_scheme")
+            if scheme is None:
+                continue
+            where = f"{type(model).__name__}'s {path!r}"
+            if scheme.input_activations is not None or scheme.output_activations is not None:
+                raise ShardingError(f"{where} quantizes its activations: tpcore splits weights quantized only")
+            weights = _checked_weights(scheme.weights.model_dump(), where) if scheme.weights is not None else None
+            for attribute in ("forward", "quantization_scheme", "quantization_status", "quantization_enabled"):
+                module.__dict__.pop(attribute, None)
+            words = module._parameters.get("weight_packed")
+            scale = module._parameters.get("weight_scale")
+            for name in ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx"):
+                module._parameters.pop(name, None)
+            if words is None or weights is None or not isinstance(module, nn.Linear):
+                continue  # decompressed: a plain linear again
+            group = module.in_features if weights["strategy"] == "channel" else int(weights["group_size"])
+            try:
+                PackedIntLinear.hold(module, int(weights["num_bits"]), group, tuple(scale.shape), scale.dtype)
+            except ValueError as error:
+                raise ShardingError(f"{where}: {error}") from None
+            module.weight_packed = words
+            module.weight, module.weight_scale = words, scale
+            adopted += 1
+        return adopted
+
+    def hold(self, model: nn.Module, checkpoint: Any, quantization: dict[str, Any]) -> int:
+        weights = self.weights(quantization, "the checkpoint")
+        bits = int(weights["num_bits"])
+        keys = checkpoint.stored_keys(model)
+        packed_keys = {key for key in checkpoint.files if key.endswith(".weight_packed")}
+        for key in checkpoint.files:
+            if key.endswith(".weight_g_idx"):
+                raise ShardingError(f"{key!r}: activation-ordered groups (g_idx) are not split by tpcore yet")
+        held = 0
+        for path, module in list(model.named_modules()):
+            key = keys.get(f"{path}.weight" if path else "weight", f"{path}.weight")
+            packed_key = key.removesuffix("weight") + "weight_packed"
+            if not isinstance(module, nn.Linear) or packed_key not in packed_keys:
+                continue
+            scale_key = packed_key.removesuffix("packed") + "scale"
+            if scale_key not in checkpoint.files:
+                raise ShardingError(f"{packed_key!r} is stored without its {scale_key!r}")
+            group = module.in_features if weights["strategy"] == "channel" else int(weights["group_size"])
+            try:
+                PackedIntLinear.hold(
+                    module, bits, group, tuple(checkpoint.stored_shape(scale_key)), checkpoint.stored_dtype(scale_key)
+                )
+            except ValueError as error:
+                raise ShardingError(f"{packed_key!r}: {error}") from None
+            packed_keys.discard(packed_key)
+            held += 1
+        untaken = sorted(packed_keys)
+        if untaken:
+            raise ShardingError(
+                f"{untaken[0]!r} packs a tensor that tpcore does not split in compressed-tensors yet (only linear "
+                f"layers' weights; {len(untaken)} such tensors)"
+            )
+        return held
+
+
+def _checked_weights(weights: dict[str, Any], where: str) -> dict[str, Any]:
+    """A compressed-tensors weight scheme tpcore splits, or :class:`ShardingError` naming what it does not."""
+    refusals = {
+        "type": (weights.get("type") == "int", f"{weights.get('type')!r} values (tpcore splits integers)"),
+        "num_bits": (
+            weights.get("num_bits") in BIT_WIDTHS,
+            f"{weights.get('num_bits')}-bit values (tpcore unpacks {', '.join(map(str, BIT_WIDTHS))} bits)",
+        ),
+        "symmetric": (
+            weights.get("symmetric", True) is True,
+            "asymmetric values with zero points (tpcore splits symmetric ones)",
+        ),
+        "strategy": (
+            weights.get("strategy") in ("group", "channel"),
+            f"a {weights.get('strategy')!r} strategy (tpcore splits a scale per group or per row)",
+        ),
+        "dynamic": (not weights.get("dynamic"), "dynamic weight scales"),
+        "actorder": (
+            weights.get("actorder") in (None, "weight", "static"),
+            f"activation-ordered groups ({weights.get('actorder')!r}, g_idx)",
+        ),
+    }
+    for ok, what in refusals.values():
+        if not ok:
+            raise ShardingError(f"{where} stores {what}")
+    return weights
+
+
 #: the formats tpcore itself splits; plugins add more (``tpcore_register_quantized_formats``)
-BUILT_IN_FORMATS: tuple[QuantizedFormat, ...] = (BlockFP8(),)
+BUILT_IN_FORMATS: tuple[QuantizedFormat, ...] = (BlockFP8(), CompressedTensors())
 
 
 def quantization_of(config: Any) -> dict[str, Any] | None:
@@ -138,24 +282,34 @@ def checkpoint_skeleton(
     return model
 
 
-def refuse_quantized_model(model: Any, formats: Sequence[QuantizedFormat] = BUILT_IN_FORMATS) -> None:
-    """Raise :class:`ShardingError` for a model object transformers quantized whose weights are not plain (the
-    method and the first such tensor named); a model it dequantized at load passes."""
+def adopt_quantized_model(model: Any, formats: Sequence[QuantizedFormat] = BUILT_IN_FORMATS) -> int:
+    """Make a model object transformers quantized hold tpcore's quantized layers where its format adopts them
+    (:meth:`~tpcore.QuantizedFormat.adopt`); the number of layers made. Raise :class:`ShardingError` for weights
+    still quantized outside them (the method and the first such tensor named). A plain model, or one transformers
+    dequantized at load, passes unchanged."""
     if not isinstance(model, nn.Module):
-        return
+        return 0
     quantizer = getattr(model, "hf_quantizer", None)
     quantization = quantization_of(getattr(model, "config", None))
     if quantizer is None and quantization is None:
-        return
+        return 0
     method = (quantization or {}).get("quant_method", type(quantizer).__name__)
+    found = next((form for form in formats if form.quant_method == method), None)
+    adopted = 0 if found is None else found.adopt(model, quantization or {})
+    held = {
+        id(tensor) for module in model.modules() if isinstance(module, QuantizedLayer) for tensor in module.parameters()
+    }
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if id(tensor) in held:
+            continue
         if type(tensor) not in (torch.Tensor, nn.Parameter) or (tensor.dtype in _STORAGE and tensor.dim() >= 2):
             known = ", ".join(form.quant_method for form in formats)
             raise ShardingError(
                 f"{type(model).__name__} is quantized as {method!r} ({name!r} is a {type(tensor).__name__} of "
-                f"{tensor.dtype}); tpcore does not split a quantized model object yet: parallelize its saved "
-                f"directory where its format is one tpcore splits ({known})"
+                f"{tensor.dtype}); tpcore splits a quantized model object only where its format adopts it: "
+                f"parallelize its saved directory where its format is one tpcore splits ({known})"
             )
+    return adopted
 
 
 def _block_size(quantization: dict[str, Any]) -> tuple[int, int] | None:

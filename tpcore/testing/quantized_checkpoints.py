@@ -4,6 +4,10 @@
 No library on the package registry writes that layout without a GPU, so the blocks are made here: each
 ``B0 x B1`` block of a weight gets the scale ``amax / 448`` (448: e4m3's largest value) and its values
 ``round_e4m3(w / scale)``.
+
+:func:`save_pack_quantized` writes compressed-tensors' ``pack-quantized`` integers (llmcompressor's W4A16) with
+compressed-tensors itself: its scheme applied to the model, each group's scale from its weights' absolute maximum
+(``calculate_qparams``, as a min-max observer gives it), then its compressor packs and saves.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-__all__ = ["E4M3_MAX", "block_fp8", "save_block_fp8"]
+__all__ = ["E4M3_MAX", "block_fp8", "save_block_fp8", "save_pack_quantized"]
 
 #: the largest finite float8_e4m3fn value
 E4M3_MAX = 448.0
@@ -61,4 +65,43 @@ def save_block_fp8(
         "modules_to_not_convert": list(keep),
     }
     config_path.write_text(json.dumps(config, indent=2))
+    return directory
+
+
+def save_pack_quantized(
+    model: nn.Module,
+    directory: str | Path,
+    bits: int = 4,
+    group_size: int | None = 32,
+    keep: tuple[str, ...] = ("lm_head",),
+) -> Path:
+    """Save ``model`` (changed in place: quantized and packed) in ``directory`` as compressed-tensors'
+    ``pack-quantized`` symmetric ``bits``-bit integers, a scale per ``group_size`` input features (``None``: per
+    row), every ``nn.Linear`` but those named in ``keep``. Needs the ``compressed-tensors`` package. Returns the
+    directory."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+        apply_quantization_config,
+    )
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    strategy = "channel" if group_size is None else "group"
+    weights = QuantizationArgs(num_bits=bits, type="int", symmetric=True, strategy=strategy, group_size=group_size)
+    scheme = QuantizationScheme(targets=["Linear"], weights=weights)
+    config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=list(keep), format="pack-quantized")
+    apply_quantization_config(model, config)
+    for module in model.modules():
+        if getattr(module, "quantization_scheme", None) is not None:
+            weight, scales = module.get_parameter("weight").detach(), module.get_parameter("weight_scale")
+            groups = weight.view(weight.shape[0], -1, group_size or weight.shape[1])
+            scale, _ = calculate_qparams(groups.amin(-1), groups.amax(-1), weights)
+            scales.data.copy_(scale.to(scales.dtype).view_as(scales))
+    compressor = ModelCompressor.from_pretrained_model(model, "pack-quantized")
+    compressor.compress_model(model)
+    directory = Path(directory)
+    model.save_pretrained(directory)  # type: ignore[operator]  # a transformers model
+    compressor.update_config(str(directory))
     return directory

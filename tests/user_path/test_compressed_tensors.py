@@ -1,0 +1,221 @@
+"""compressed-tensors checkpoints on the user's path: ``pack-quantized`` integers (llmcompressor's W4A16 and W8A16,
+written here by compressed-tensors itself) split by ``tpcore.parallelize(dir)``, by ``parallelize(model)`` of the
+object transformers loads, and by the SPMD engine, give transformers' own outputs for them at an even and an uneven
+world size, each rank holding its int32 words; the variants tpcore does not split are refused by name before any
+rank starts."""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import shutil
+
+import pytest
+import rank_helpers
+import torch
+import transformers
+from quantized_checks import check_largest_rank, check_real_minilm_split
+from safetensors.torch import load_file, save_file
+
+import tpcore
+from tpcore import ShardingError
+from tpcore.testing import compare_outputs, tiny_llama
+from tpcore.testing.quantized_checkpoints import save_pack_quantized
+from tpcore.tools.cli import main
+
+pytest.importorskip("compressed_tensors", reason="compressed-tensors writes the checkpoints")
+
+#: 16-feature heads; the MLP's 160 features are 20 words of 8 int4 values, dealt 7 + 7 + 6 words at 3 ranks: the
+#: down projection's groups of 32 (4 words) are cut inside at every boundary
+WIDTHS = {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 2, "intermediate_size": 160}
+IDS = torch.tensor([[5, 6, 7, 8, 9, 10, 11], [12, 3, 4, 99, 1, 2, 50]])
+
+
+def saved(directory, bits: int, group_size: int | None):
+    return save_pack_quantized(tiny_llama(**WIDTHS, head_dim=16), directory, bits=bits, group_size=group_size)
+
+
+@pytest.fixture(scope="module")
+def w4_dir(tmp_path_factory):
+    """A tiny Llama saved as W4A16: int4 in groups of 32, lm_head kept."""
+    return saved(tmp_path_factory.mktemp("w4a16") / "model", 4, 32)
+
+
+def reference_of(directory):
+    return transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+
+
+def expected_of(reference):
+    with torch.no_grad():
+        logits = reference(input_ids=IDS)
+        tokens = reference.generate(IDS, max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
+    return logits, tokens
+
+
+def weight_layout(context) -> dict[str, str]:
+    """On a rank: one layer's packed tensors' dtypes and the classes of its projections."""
+    layer = context.store["model"].model.layers[0]
+    attention = layer.self_attn
+    found = {name: str(tensor.dtype) for name, tensor in attention.q_proj.named_parameters()}
+    return {**found, "o_proj": type(attention.o_proj).__name__, "down_proj": type(layer.mlp.down_proj).__name__}
+
+
+def check_split(model, expected, tokens, world_size):
+    compare_outputs(expected, model(input_ids=IDS))
+    generated = model.generate(IDS, max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
+    assert torch.equal(generated, tokens)
+    on_rank = model._tpcore_handle.pool.run(weight_layout)[0]
+    assert on_rank["weight_packed"] == "torch.int32"
+    assert on_rank["weight_scale"] == "torch.float32"
+    assert on_rank["o_proj"] == on_rank["down_proj"] == "RowParallelPackedIntLinear"
+    plan = model._tpcore_handle.plan
+    check_largest_rank(plan, world_size)  # words on the ranks, never dequantized
+    assert plan.dtypes["model.layers.0.mlp.up_proj.weight_packed"] == torch.int32
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("bits", "group_size", "world_size"), [(4, 32, 2), (4, 32, 3), (8, None, 3)], ids=["w4-2", "w4-3", "w8-rows-3"]
+)
+def test_a_pack_quantized_directory_splits_and_gives_transformers_outputs(tmp_path, bits, group_size, world_size):
+    directory = saved(tmp_path / "model", bits, group_size)
+    expected, tokens = expected_of(reference_of(directory))
+    model = tpcore.parallelize(str(directory), num_gpus=world_size)
+    try:
+        check_split(model, expected, tokens, world_size)
+    finally:
+        model.deparallelize()
+
+
+@pytest.mark.slow
+def test_the_object_transformers_loads_splits_with_its_words(w4_dir):
+    """transformers leaves the layers packed until a first forward: tpcore takes them as they are (each rank gets its
+    words, never the dequantized weights), and the user's object computes the same afterwards."""
+    reference = reference_of(w4_dir)
+    assert reference.model.layers[0].mlp.up_proj.weight_packed.dtype == torch.int32
+    expected, tokens = expected_of(reference_of(w4_dir))
+    model = tpcore.parallelize(reference, num_gpus=3)
+    try:
+        check_split(model, expected, tokens, 3)
+    finally:
+        model.deparallelize()
+
+
+@pytest.mark.slow
+def test_an_object_already_decompressed_by_a_forward_splits_as_a_plain_model(w4_dir):
+    reference = reference_of(w4_dir)
+    expected, tokens = expected_of(reference)  # decompresses every layer
+    model = tpcore.parallelize(reference, num_gpus=2)
+    try:
+        compare_outputs(expected, model(input_ids=IDS))
+        assert torch.equal(model.generate(IDS, max_new_tokens=10, min_new_tokens=10, do_sample=False), tokens)
+    finally:
+        model.deparallelize()
+
+
+@pytest.mark.slow
+def test_the_spmd_engine_reads_a_pack_quantized_directory(w4_dir, rank_pools):
+    expected, _ = expected_of(reference_of(w4_dir))
+    logits, _, _ = rank_pools.get(2).run(rank_helpers.engine_from_checkpoint, str(w4_dir), IDS)[0]
+    compare_outputs(expected.logits, logits)
+
+
+@pytest.mark.slow
+def test_real_minilm_weights_in_w4a16_split_with_their_biases(tmp_path):
+    """all-MiniLM-L6-v2's real weights in W4A16 (groups of 128), every linear with a bias, row-parallel ones
+    included, at 3 ranks (its 12 heads of 32 features, 4 words each; 1536 MLP features, 64 words a rank): the
+    split's hidden states are transformers' for the same directory."""
+    check_real_minilm_split(functools.partial(save_pack_quantized, group_size=128, keep=()), tmp_path / "w4a16", 3)
+
+
+def test_the_plan_shown_for_a_pack_quantized_directory_counts_its_words(w4_dir, capsys, no_process_starts):
+    assert main(["plugins", "--model", str(w4_dir), "--world-size", "2"]) == 0
+    shown = capsys.readouterr().out
+    assert re.search(r"model\.layers\.\*\.mlp\.up_proj\.weight_scale\s+cut dim 0", shown)
+    assert re.search(r"model\.layers\.\*\.mlp\.down_proj\.weight_scale\s+replicated", shown)
+    tensors = load_file(w4_dir / "model.safetensors")
+    stored = sum(t.numel() * t.element_size() for key, t in tensors.items() if not key.endswith("weight_shape"))
+    per_rank, whole = (float(n) for n in re.search(r"per rank ([\d.]+) KiB of ([\d.]+) KiB", shown).groups())
+    assert abs(whole * 1024 - stored) < 0.01 * stored  # int32 words, float32 scales: the files' own bytes
+    assert per_rank <= 0.55 * whole
+
+
+# -- refused before any rank starts ----------------------------------------------------------------------
+
+
+def with_scheme(source, directory, change):
+    shutil.copytree(source, directory)
+    config = json.loads((directory / "config.json").read_text())
+    change(config["quantization_config"])
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def weights(**values):
+    return lambda quantization: quantization["config_groups"]["group_0"]["weights"].update(values)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (weights(symmetric=False), "asymmetric values with zero points"),
+        (weights(num_bits=3), "3-bit values"),
+        (weights(strategy="tensor"), "a 'tensor' strategy"),
+        (weights(actorder="group"), r"activation-ordered groups \('group', g_idx\)"),
+        (weights(type="float"), "'float' values"),
+        (
+            lambda q: q["config_groups"]["group_0"].update(input_activations={"num_bits": 8, "type": "int"}),
+            "quantizes input activations",
+        ),
+        (lambda q: q.update(format="float-quantized"), "'float-quantized'"),
+        (lambda q: q.update(sparsity_config={"format": "sparse-24-bitmask"}), "with a sparsity_config"),
+        (lambda q: q.update(config_groups={}), "without config groups"),
+    ],
+)
+def test_a_variant_tpcore_does_not_split_is_refused_before_any_rank_starts(
+    w4_dir, tmp_path, change, message, no_process_starts
+):
+    def changed(quantization):
+        quantization["config_groups"]["group_0"].pop("format", None)
+        change(quantization)
+
+    directory = with_scheme(w4_dir, tmp_path / "model", changed)
+    with pytest.raises(ShardingError, match=message):
+        tpcore.parallelize(str(directory), num_gpus=2)
+
+
+def test_packed_words_no_linear_takes_are_refused_naming_them(w4_dir, tmp_path):
+    directory = tmp_path / "model"
+    shutil.copytree(w4_dir, directory)
+    tensors = load_file(directory / "model.safetensors")
+    tensors["model.embed_tokens.weight_packed"] = torch.zeros(4, 3, dtype=torch.int32)
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ShardingError, match="'model.embed_tokens.weight_packed' packs a tensor"):
+        tpcore.parallelize(str(directory), num_gpus=2)
+
+
+def test_compile_is_refused_for_packed_layers(w4_dir):
+    with pytest.raises(ValueError, match="compile=True does not compile quantized layers yet"):
+        tpcore.parallelize(str(w4_dir), num_gpus=2, compile=True)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_the_plan_cuts_a_packed_mlp_s_up_rows_and_down_words_at_the_same_features(w4_dir, world_size):
+    """Plain cuts deal runs of 8 features where the model holds int4 words: up and gate rows, and down's words
+    times 8, are the same features on every rank (160 = 20 words: 10 + 10, 7 + 7 + 6, 5 + 5 + 5 + 5)."""
+    from tpcore.load.checkpoint import Checkpoint
+    from tpcore.load.quantized_formats import checkpoint_skeleton
+    from tpcore.plan import plan_for
+    from tpcore.select import choose_policies
+
+    checkpoint = Checkpoint(w4_dir)
+    skeleton = checkpoint_skeleton(checkpoint, checkpoint.config())
+    plan = plan_for(skeleton, choose_policies(skeleton), world_size)
+    mlp = "model.layers.0.mlp."
+    for rank in range(world_size):
+        rows = plan.shard_shape(mlp + "up_proj.weight_packed", rank)[0]
+        assert plan.shard_shape(mlp + "gate_proj.weight_scale", rank)[0] == rows
+        assert plan.shard_shape(mlp + "down_proj.weight_packed", rank)[1] * 8 == rows
+        assert rows % 8 == 0
+        assert plan.shard_shape(mlp + "down_proj.weight_scale", rank) == (96, 5)  # whole: groups cut inside

@@ -1,0 +1,135 @@
+"""A linear layer whose weight is ``b``-bit integers packed into int32 words, computed on a rank's words.
+
+:class:`PackedIntLinear` holds compressed-tensors' ``pack-quantized`` weights (symmetric, a scale per group of
+``g`` input features; ``g = in`` for one scale a row)::
+
+    weight_packed  int32  (out_r, in_r / p)    this rank's words, p = 32 / b values each (also ``weight``)
+    weight_scale   S      (out_r, in / g)      cut with the rows; whole on every rank where the columns are cut
+    W_r[i, j] = q[i, j] * weight_scale[i, group(j)],   q = the unsigned b-bit field of value j, minus 2^(b-1)
+
+Value ``j`` of a row sits in word ``j // p`` at bit ``(j % p) b`` (little-endian words). The plan cuts the words
+as any weight (the layer's :attr:`~tpcore.parallel.quantized_linear.QuantizedLayer.packing` makes it measure
+heads in values), so a rank holds whole words: ``p`` divides every piece. ``group(j)``
+(:func:`~tpcore.cut.scale_blocks.block_index`) is the scale group of value ``j`` of the rank's piece; a cut inside
+a group leaves its scale to both ranks. Each forward unpacks the rank's words and multiplies in the scale's dtype,
+as compressed-tensors decompresses (``q.to(S) * scale``, then the input's dtype), so a rank keeps ``b / 8`` bytes
+a weight and never the whole model dequantized.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import nn
+
+from tpcore.cut.scale_blocks import block_index
+from tpcore.cut.split import Split
+from tpcore.parallel.quantized_linear import QuantizedLinear, RowParallelQuantized
+
+__all__ = ["PackedIntLinear", "RowParallelPackedIntLinear", "unpack_words"]
+
+#: the bit widths whose values never straddle a byte
+BIT_WIDTHS = (1, 2, 4, 8)
+
+
+class PackedIntLinear(QuantizedLinear):
+    """``nn.Linear`` whose ``weight`` is packed ``b``-bit integers (module docstring); made from an ``nn.Linear``
+    in place by :meth:`hold`, told its cut by the plan and its rank by
+    :func:`~tpcore.parallel.quantized_linear.localize_quantized`."""
+
+    bits = 4
+    group_size = 1
+    #: the whole weight's ``(out, in)``, in values
+    whole_shape: tuple[int, int] = (0, 0)
+    weight_packed: nn.Parameter
+    weight_scale: nn.Parameter
+    #: the scale group of each value of this rank's rows (:meth:`localize`), or ``None`` where the rank holds
+    #: whole groups from :attr:`first_group` on
+    scale_cols: torch.Tensor | None = None
+    first_group = 0
+
+    @classmethod
+    def hold(
+        cls, linear: nn.Linear, bits: int, group_size: int, scale_shape: tuple[int, ...], scale_dtype: torch.dtype
+    ) -> PackedIntLinear:
+        """Make the meta ``linear`` hold ``bits``-bit integers in place: an int32 ``weight_packed`` (also its
+        ``weight``) and a ``weight_scale`` of ``scale_shape`` and ``scale_dtype``, a scale per ``group_size``
+        input features."""
+        out_features, in_features = linear.out_features, linear.in_features
+        if bits not in BIT_WIDTHS:
+            raise ValueError(f"{bits}-bit values straddle bytes; tpcore unpacks {', '.join(map(str, BIT_WIDTHS))} bits")
+        per_word = 32 // bits
+        if in_features % per_word or in_features % group_size:
+            raise ValueError(
+                f"{in_features} input features are not whole words of {per_word} values and groups of {group_size}"
+            )
+        if tuple(scale_shape) != (out_features, in_features // group_size):
+            raise ValueError(
+                f"a ({out_features}, {in_features}) weight in groups of {group_size} has "
+                f"{(out_features, in_features // group_size)} scales, not {tuple(scale_shape)}"
+            )
+        linear.__class__ = cls
+        assert isinstance(linear, PackedIntLinear)
+        linear._parameters.pop("weight", None)
+        packed = torch.empty(out_features, in_features // per_word, dtype=torch.int32, device="meta")
+        linear.weight_packed = nn.Parameter(packed, requires_grad=False)
+        linear.weight = linear.weight_packed  # the name policies cut; the stored name comes first
+        linear.weight_scale = nn.Parameter(
+            torch.empty(scale_shape, dtype=scale_dtype, device="meta"), requires_grad=False
+        )
+        linear.bits, linear.group_size, linear.packing = bits, group_size, (1, per_word)
+        linear.whole_shape = (out_features, in_features)
+        return linear
+
+    def follower_cuts(self, split: Split) -> dict[str, Split]:
+        """The scales' rows follow the weight's rows; a cut of the columns leaves them whole."""
+        return {"weight_scale": split} if split.dim == 0 else {}
+
+    def localize(self, rank: int, world_size: int) -> None:
+        """Find the scale group of each value of this rank's rows, where its columns are cut."""
+        cut = self.cuts.get("weight_packed")
+        if cut is None or cut.dim == 0:
+            self.scale_cols, self.first_group = None, 0
+            return
+        if cut.pad:
+            raise ValueError("packed values cut with padding: a padding word would read as nonzero values")
+        whole_words = self.whole_shape[1] // self.packing[1]
+        groups = block_index(cut, whole_words, self.group_size, rank, world_size, self.packing[1])
+        first = int(groups[0]) if len(groups) else 0
+        aligned = len(groups) % self.group_size == 0 and torch.equal(
+            groups, torch.arange(first, first + len(groups) // self.group_size).repeat_interleave(self.group_size)
+        )
+        self.scale_cols = None if aligned else groups.to(self.weight_packed.device)
+        self.first_group = first
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """``W_r`` (module docstring) in ``dtype``."""
+        scale = self.weight_scale
+        values = unpack_words(self.weight_packed, self.bits).to(scale.dtype).sub_(2 ** (self.bits - 1))
+        rows, columns = values.shape
+        if self.scale_cols is not None:
+            return values.mul_(scale.index_select(1, self.scale_cols)).to(dtype)
+        groups = columns // self.group_size
+        scales = scale.narrow(1, self.first_group, groups).unsqueeze(-1)
+        return values.view(rows, groups, self.group_size).mul_(scales).view(rows, columns).to(dtype)
+
+
+class RowParallelPackedIntLinear(RowParallelQuantized, PackedIntLinear):
+    """:class:`PackedIntLinear` holding a shard of the input features; output all-reduced, bias added once."""
+
+
+PackedIntLinear.row_parallel_class = RowParallelPackedIntLinear
+
+
+def unpack_words(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """``(rows, n * 32 / bits)`` uint8: the unsigned ``bits``-bit fields of int32 ``words (rows, n)``, value ``j``
+    at bit ``j bits`` of its row (little-endian words: the low byte first)."""
+    if sys.byteorder != "little":
+        raise RuntimeError("packed int32 words are unpacked on little-endian hosts only")
+    data = words.contiguous().view(torch.uint8)  # (rows, 4 n), each word's low byte first
+    if bits == 8:
+        return data
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=words.device)
+    fields = data.unsqueeze(-1).bitwise_right_shift(shifts).bitwise_and_((1 << bits) - 1)
+    return fields.view(words.shape[0], -1)
