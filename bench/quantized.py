@@ -1,23 +1,31 @@
 """Quantized checkpoints split as stored: bytes per rank, load time and greedy decode, against transformers.
 
-A random-init Llama of SmolLM2-135M's widths (``--layers``, 30 by default) saved in block FP8
-(``tpcore.testing.quantized_checkpoints.save_block_fp8``: DeepSeek-V3's layout, blocks of ``--block``, 64 by
-default so that its 576 and 1536 features make whole blocks, as transformers' CPU dequantization needs), the LM
-head kept in fp32.
+A random-init Llama of SmolLM2-135M's widths (``--layers``, 30 by default) saved in a quantized format
+(``--format``), the LM head kept in fp32:
+
+- ``fp8`` (default): block FP8 (``tpcore.testing.quantized_checkpoints.save_block_fp8``: DeepSeek-V3's layout,
+  blocks of ``--block``, 64 by default so that its 576 and 1536 features make whole blocks, as transformers' CPU
+  dequantization needs);
+- ``w4a16``: compressed-tensors' pack-quantized int4 (``save_pack_quantized``: llmcompressor's W4A16 layout,
+  groups of ``--group``, 64 by default since 576 features are not whole groups of 128), written by
+  compressed-tensors itself.
+
 Two ways, one after the other in this process, each loading the directory ``--rounds`` times (median):
 
-- **transformers**: ``AutoModelForCausalLM.from_pretrained(dir)``, which on a CPU dequantizes every weight at load
-  (``--threads`` torch threads, default 2);
+- **transformers**: ``AutoModelForCausalLM.from_pretrained(dir)`` (``--threads`` torch threads, default 2), which on
+  a CPU dequantizes block FP8 at load and decompresses pack-quantized integers in its first forward;
 - **tpcore**: ``tpcore.parallelize(dir, num_gpus=N)`` (gloo, the cores split between the ranks): each rank reads
-  its e4m3 shard and the whole scales, and dequantizes a layer at a time in each forward.
+  its part of the quantized values (and the scales it needs), and dequantizes a layer at a time in each forward.
 
 A third way splits the same model saved unquantized (fp32) over 2 ranks: what starting the ranks and a split
 decode cost without quantization. Figures: the bytes each way keeps (transformers: its parameters; tpcore: the
-largest rank's, from its plan) against the checkpoint's quantized bytes, the load's wall time, and greedy decode of
+largest rank's, from its plan) against the checkpoint's quantized bytes, the wall time from the load to the end of a
+first one-token forward (where transformers decompresses pack-quantized layers), and greedy decode of
 ``--new-tokens`` tokens after a 32-token prompt at batch 1 (tok/s, and whether the tokens are equal).
 
-    python bench/quantized.py            # about 3 minutes on 2 CPU cores -> bench/results/quantized.md
-    python bench/quantized.py --quick    # a smoke run
+    python bench/quantized.py                   # about 3 minutes on 2 CPU cores -> bench/results/quantized.md
+    python bench/quantized.py --format w4a16    # -> bench/results/quantized_w4a16.md
+    python bench/quantized.py --quick           # a smoke run
 """
 
 from __future__ import annotations
@@ -32,13 +40,26 @@ from _common import arguments, parse, printed, write_result
 from _models import smollm2_spec
 
 import tpcore
-from tpcore.testing.quantized_checkpoints import save_block_fp8
+from tpcore.testing.quantized_checkpoints import save_block_fp8, save_pack_quantized
+
+#: each format's saver, its name in the tables, and what its values are on the ranks
+FORMATS = {
+    "fp8": (lambda model, directory, args: save_block_fp8(model, directory, (args.block, args.block)), "block FP8"),
+    "w4a16": (lambda model, directory, args: save_pack_quantized(model, directory, 4, args.group), "W4A16"),
+}
 
 
 def timed(function):
     start = time.perf_counter()
     result = function()
     return time.perf_counter() - start, result
+
+
+def ready(model, ids: torch.Tensor):
+    """``model`` once it has run a one-token forward: transformers decompresses pack-quantized layers there."""
+    with torch.no_grad():
+        model(ids[:, :1])
+    return model
 
 
 def decode(model, ids: torch.Tensor, new_tokens: int) -> tuple[float, torch.Tensor]:
@@ -53,7 +74,9 @@ def decode(model, ids: torch.Tensor, new_tokens: int) -> tuple[float, torch.Tens
 def main(argv: list[str] | None = None) -> None:
     parser = arguments(__doc__, "quantized", "2 layers, 1 round, 4 new tokens")
     parser.add_argument("--layers", type=int, default=30)
-    parser.add_argument("--block", type=int, default=64)
+    parser.add_argument("--format", choices=sorted(FORMATS), default="fp8")
+    parser.add_argument("--block", type=int, default=64, help="fp8: the blocks' side")
+    parser.add_argument("--group", type=int, default=64, help="w4a16: input features a scale")
     parser.add_argument("--world-sizes", default="2,3", help="tpcore's rank counts, comma-separated")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of the transformers way")
     parser.add_argument("--rounds", type=int, default=3)
@@ -65,24 +88,26 @@ def main(argv: list[str] | None = None) -> None:
     ids = torch.randint(2, 49152, (1, 32), generator=torch.Generator().manual_seed(0))
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
-        directory = save_block_fp8(smollm2_spec(args.layers).build(), Path(scratch) / "fp8", (args.block, args.block))
+        save, name = FORMATS[args.format]
+        directory = save(smollm2_spec(args.layers).build(), Path(scratch) / args.format, args)
         stored = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
-        loads = [timed(lambda: transformers.AutoModelForCausalLM.from_pretrained(directory).eval()) for _ in range(3)]
+        loads = [timed(lambda: ready(transformers.AutoModelForCausalLM.from_pretrained(directory).eval(), ids))
+                 for _ in range(3)]  # fmt: skip
         reference = loads[-1][1]
-        held = sum(t.numel() * t.element_size() for t in reference.state_dict().values())
         speed, expected = decode(reference, ids, args.new_tokens)
+        held = sum(t.numel() * t.element_size() for t in reference.state_dict().values())  # once it has computed
         load = statistics.median(seconds for seconds, _ in loads)
-        rows.append(["transformers (dequantized at load)", "1", f"{held / 2**20:.0f}", f"{held / stored:.2f}",
+        rows.append(["transformers (dequantized)", "1", f"{held / 2**20:.0f}", f"{held / stored:.2f}",
                      f"{load:.1f}", "1.00", f"{speed:.1f}", "-"])  # fmt: skip
         del reference, loads
         plain = Path(scratch) / "fp32"
         smollm2_spec(args.layers).build().save_pretrained(plain)  # the same model unquantized: the split's own costs
-        ways = [(f"tpcore N={n} (e4m3 on the ranks)", directory, n) for n in map(int, args.world_sizes.split(","))]
+        ways = [(f"tpcore N={n} ({name} on the ranks)", directory, n) for n in map(int, args.world_sizes.split(","))]
         ways.append(("tpcore N=2, the model saved unquantized (fp32)", plain, 2))
         for way, source, world_size in ways:
             times = []
             for _ in range(args.rounds):
-                seconds, model = timed(lambda: tpcore.parallelize(str(source), num_gpus=world_size))  # noqa: B023
+                seconds, model = timed(lambda: ready(tpcore.parallelize(str(source), num_gpus=world_size), ids))  # noqa: B023
                 times.append(seconds)
                 if len(times) < args.rounds:
                     model.deparallelize()
@@ -102,19 +127,21 @@ def main(argv: list[str] | None = None) -> None:
         "ranks",
         "MiB kept (largest rank)",
         "of the checkpoint's bytes",
-        "load s",
+        "load + first forward s",
         "load vs transformers",
         "decode tok/s",
         "same tokens",
     ]
     sections = [
-        f"Llama of SmolLM2-135M's widths, {args.layers} layers, random init, saved in block FP8 (blocks of "
-        f"{args.block} x {args.block}, the LM head in fp32): {stored / 2**20:.0f} MiB of safetensors. Loads: median of "
+        f"Llama of SmolLM2-135M's widths, {args.layers} layers, random init, saved in {name} ("
+        + (f"blocks of {args.block} x {args.block}" if args.format == "fp8" else f"int4 in groups of {args.group}")
+        + f", the LM head in fp32): {stored / 2**20:.0f} MiB of safetensors. Loads: median of "
         f"3 (transformers) and {args.rounds} (tpcore); decode: greedy, {args.new_tokens} new tokens after a 32-token "
         f"prompt, batch 1; transformers on {args.threads} threads in this process.",
         printed(header, rows),
     ]
-    write_result("quantized", "Quantized checkpoints split as stored", sections, "gloo", args.note, args.output)
+    result = "quantized" if args.format == "fp8" else f"quantized_{args.format}"
+    write_result(result, f"Quantized checkpoints split as stored: {name}", sections, "gloo", args.note, args.output)
 
 
 if __name__ == "__main__":
