@@ -89,6 +89,23 @@ def test_a_pack_quantized_directory_splits_and_gives_transformers_outputs(tmp_pa
 
 
 @pytest.mark.slow
+def test_a_half_precision_load_casts_the_scales_as_transformers_does(w4_dir):
+    """``dtype=bfloat16``: transformers casts the scales and decompresses in bfloat16; so does each rank."""
+    reference = transformers.AutoModelForCausalLM.from_pretrained(w4_dir, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        tokens = reference.generate(IDS, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    model = tpcore.parallelize(str(w4_dir), num_gpus=2, dtype=torch.bfloat16)
+    try:
+        on_rank = model._tpcore_handle.pool.run(weight_layout)[0]
+        assert (on_rank["weight_packed"], on_rank["weight_scale"]) == ("torch.int32", "torch.bfloat16")
+        generated = model.generate(IDS, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+        assert generated.shape == tokens.shape
+        assert (generated == tokens).float().mean() >= 0.9  # bf16 partial sums may round a close pair otherwise
+    finally:
+        model.deparallelize()
+
+
+@pytest.mark.slow
 def test_the_object_transformers_loads_splits_with_its_words(w4_dir):
     """transformers leaves the layers packed until a first forward: tpcore takes them as they are (each rank gets its
     words, never the dequantized weights), and the user's object computes the same afterwards."""

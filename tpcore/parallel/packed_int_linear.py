@@ -38,6 +38,8 @@ class PackedIntLinear(QuantizedLinear):
     in place by :meth:`hold`, told its cut by the plan and its rank by
     :func:`~tpcore.parallel.quantized_linear.localize_quantized`."""
 
+    #: a model-wide cast casts the scales (and bias), as transformers does for these checkpoints; words stay int32
+    keeps_stored_dtypes = False
     bits = 4
     group_size = 1
     #: the whole weight's ``(out, in)``, in values
