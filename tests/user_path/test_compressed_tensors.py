@@ -7,50 +7,43 @@ rank starts."""
 from __future__ import annotations
 
 import functools
-import json
 import re
 import shutil
 
 import pytest
-import rank_helpers
 import torch
 import transformers
-from quantized_checks import check_largest_rank, check_real_minilm_split
+from quantized_checks import (
+    IDS,
+    check_engine_reads,
+    check_real_minilm_split,
+    check_split_outputs,
+    greedy_outputs,
+    quantizable_llama,
+    split,
+    transformers_outputs,
+    with_quantization_changed,
+)
 from safetensors.torch import load_file, save_file
 
 import tpcore
 from tpcore import ShardingError
-from tpcore.testing import compare_outputs, tiny_llama
+from tpcore.testing import compare_outputs
 from tpcore.testing.quantized_checkpoints import save_pack_quantized
 from tpcore.tools.cli import main
 
 pytest.importorskip("compressed_tensors", reason="compressed-tensors writes the checkpoints")
 
-#: 16-feature heads; the MLP's 160 features are 20 words of 8 int4 values, dealt 7 + 7 + 6 words at 3 ranks: the
-#: down projection's groups of 32 (4 words) are cut inside at every boundary
-WIDTHS = {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 2, "intermediate_size": 160}
-IDS = torch.tensor([[5, 6, 7, 8, 9, 10, 11], [12, 3, 4, 99, 1, 2, 50]])
-
 
 def saved(directory, bits: int, group_size: int | None):
-    return save_pack_quantized(tiny_llama(**WIDTHS, head_dim=16), directory, bits=bits, group_size=group_size)
+    return save_pack_quantized(quantizable_llama(), directory, bits=bits, group_size=group_size)
 
 
 @pytest.fixture(scope="module")
 def w4_dir(tmp_path_factory):
-    """A tiny Llama saved as W4A16: int4 in groups of 32, lm_head kept."""
+    """A tiny Llama saved as W4A16: int4 in groups of 32 (4 words), lm_head kept. Its MLP's 160 features are 20
+    words, dealt 7 + 7 + 6 at 3 ranks: the down projection's groups are cut inside at every boundary."""
     return saved(tmp_path_factory.mktemp("w4a16") / "model", 4, 32)
-
-
-def reference_of(directory):
-    return transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
-
-
-def expected_of(reference):
-    with torch.no_grad():
-        logits = reference(input_ids=IDS)
-        tokens = reference.generate(IDS, max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
-    return logits, tokens
 
 
 def weight_layout(context) -> dict[str, str]:
@@ -62,16 +55,12 @@ def weight_layout(context) -> dict[str, str]:
 
 
 def check_split(model, expected, tokens, world_size):
-    compare_outputs(expected, model(input_ids=IDS))
-    generated = model.generate(IDS, max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
-    assert torch.equal(generated, tokens)
+    check_split_outputs(model, expected, tokens, world_size)
     on_rank = model._tpcore_handle.pool.run(weight_layout)[0]
     assert on_rank["weight_packed"] == "torch.int32"
     assert on_rank["weight_scale"] == "torch.float32"
     assert on_rank["o_proj"] == on_rank["down_proj"] == "RowParallelPackedIntLinear"
-    plan = model._tpcore_handle.plan
-    check_largest_rank(plan, world_size)  # words on the ranks, never dequantized
-    assert plan.dtypes["model.layers.0.mlp.up_proj.weight_packed"] == torch.int32
+    assert model._tpcore_handle.plan.dtypes["model.layers.0.mlp.up_proj.weight_packed"] == torch.int32
 
 
 @pytest.mark.slow
@@ -80,62 +69,46 @@ def check_split(model, expected, tokens, world_size):
 )
 def test_a_pack_quantized_directory_splits_and_gives_transformers_outputs(tmp_path, bits, group_size, world_size):
     directory = saved(tmp_path / "model", bits, group_size)
-    expected, tokens = expected_of(reference_of(directory))
-    model = tpcore.parallelize(str(directory), num_gpus=world_size)
-    try:
+    expected, tokens = transformers_outputs(directory)
+    with split(str(directory), world_size) as model:
         check_split(model, expected, tokens, world_size)
-    finally:
-        model.deparallelize()
 
 
 @pytest.mark.slow
 def test_a_half_precision_load_casts_the_scales_as_transformers_does(w4_dir):
     """``dtype=bfloat16``: transformers casts the scales and decompresses in bfloat16; so does each rank."""
-    reference = transformers.AutoModelForCausalLM.from_pretrained(w4_dir, dtype=torch.bfloat16).eval()
-    with torch.no_grad():
-        tokens = reference.generate(IDS, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
-    model = tpcore.parallelize(str(w4_dir), num_gpus=2, dtype=torch.bfloat16)
-    try:
+    _, tokens = transformers_outputs(w4_dir, dtype=torch.bfloat16)
+    with split(str(w4_dir), 2, dtype=torch.bfloat16) as model:
         on_rank = model._tpcore_handle.pool.run(weight_layout)[0]
         assert (on_rank["weight_packed"], on_rank["weight_scale"]) == ("torch.int32", "torch.bfloat16")
-        generated = model.generate(IDS, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+        generated = greedy_outputs(model)[1]
         assert generated.shape == tokens.shape
         assert (generated == tokens).float().mean() >= 0.9  # bf16 partial sums may round a close pair otherwise
-    finally:
-        model.deparallelize()
 
 
 @pytest.mark.slow
 def test_the_object_transformers_loads_splits_with_its_words(w4_dir):
     """transformers leaves the layers packed until a first forward: tpcore takes them as they are (each rank gets its
     words, never the dequantized weights), and the user's object computes the same afterwards."""
-    reference = reference_of(w4_dir)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(w4_dir).eval()
     assert reference.model.layers[0].mlp.up_proj.weight_packed.dtype == torch.int32
-    expected, tokens = expected_of(reference_of(w4_dir))
-    model = tpcore.parallelize(reference, num_gpus=3)
-    try:
+    expected, tokens = transformers_outputs(w4_dir)
+    with split(reference, 3) as model:
         check_split(model, expected, tokens, 3)
-    finally:
-        model.deparallelize()
 
 
 @pytest.mark.slow
 def test_an_object_already_decompressed_by_a_forward_splits_as_a_plain_model(w4_dir):
-    reference = reference_of(w4_dir)
-    expected, tokens = expected_of(reference)  # decompresses every layer
-    model = tpcore.parallelize(reference, num_gpus=2)
-    try:
+    reference = transformers.AutoModelForCausalLM.from_pretrained(w4_dir).eval()
+    expected, tokens = greedy_outputs(reference)  # decompresses every layer
+    with split(reference, 2) as model:
         compare_outputs(expected, model(input_ids=IDS))
-        assert torch.equal(model.generate(IDS, max_new_tokens=10, min_new_tokens=10, do_sample=False), tokens)
-    finally:
-        model.deparallelize()
+        assert torch.equal(greedy_outputs(model)[1], tokens)
 
 
 @pytest.mark.slow
 def test_the_spmd_engine_reads_a_pack_quantized_directory(w4_dir, rank_pools):
-    expected, _ = expected_of(reference_of(w4_dir))
-    logits, _, _ = rank_pools.get(2).run(rank_helpers.engine_from_checkpoint, str(w4_dir), IDS)[0]
-    compare_outputs(expected.logits, logits)
+    check_engine_reads(w4_dir, rank_pools)
 
 
 @pytest.mark.slow
@@ -159,14 +132,6 @@ def test_the_plan_shown_for_a_pack_quantized_directory_counts_its_words(w4_dir, 
 
 
 # -- refused before any rank starts ----------------------------------------------------------------------
-
-
-def with_scheme(source, directory, change):
-    shutil.copytree(source, directory)
-    config = json.loads((directory / "config.json").read_text())
-    change(config["quantization_config"])
-    (directory / "config.json").write_text(json.dumps(config))
-    return directory
 
 
 def weights(**values):
@@ -197,7 +162,7 @@ def test_a_variant_tpcore_does_not_split_is_refused_before_any_rank_starts(
         quantization["config_groups"]["group_0"].pop("format", None)
         change(quantization)
 
-    directory = with_scheme(w4_dir, tmp_path / "model", changed)
+    directory = with_quantization_changed(w4_dir, tmp_path / "model", changed)
     with pytest.raises(ShardingError, match=message):
         tpcore.parallelize(str(directory), num_gpus=2)
 

@@ -8,6 +8,9 @@ No library on the package registry writes that layout without a GPU, so the bloc
 :func:`save_pack_quantized` writes compressed-tensors' ``pack-quantized`` integers (llmcompressor's W4A16) with
 compressed-tensors itself: its scheme applied to the model, each group's scale from its weights' absolute maximum
 (``calculate_qparams``, as a min-max observer gives it), then its compressor packs and saves.
+
+:func:`save_int8_weight_only` writes torchao's per-row int8 weight-only layout as transformers does: the model
+saved, loaded again with ``TorchAoConfig(Int8WeightOnlyConfig())`` and saved in safetensors.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-__all__ = ["E4M3_MAX", "block_fp8", "save_block_fp8", "save_pack_quantized"]
+__all__ = ["E4M3_MAX", "block_fp8", "save_block_fp8", "save_int8_weight_only", "save_pack_quantized"]
 
 #: the largest finite float8_e4m3fn value
 E4M3_MAX = 448.0
@@ -104,4 +107,25 @@ def save_pack_quantized(
     directory = Path(directory)
     model.save_pretrained(directory)  # type: ignore[operator]  # a transformers model
     compressor.update_config(str(directory))
+    return directory
+
+
+def save_int8_weight_only(model: nn.Module, directory: str | Path) -> Path:
+    """Save ``model`` in ``directory`` with torchao's ``Int8WeightOnlyConfig`` (int8 values, a scale per row) on
+    every linear layer but the LM head, through transformers' ``TorchAoConfig``. Needs the ``torchao`` package.
+    Returns the directory."""
+    import tempfile
+
+    from torchao.quantization import Int8WeightOnlyConfig
+    from transformers import AutoConfig, TorchAoConfig
+
+    directory = Path(directory)
+    with tempfile.TemporaryDirectory() as scratch:
+        model.save_pretrained(scratch)  # type: ignore[operator]  # a transformers model
+        model_class = type(model)
+        config = AutoConfig.from_pretrained(scratch)
+        quantized = model_class.from_pretrained(  # type: ignore[attr-defined]
+            scratch, config=config, quantization_config=TorchAoConfig(Int8WeightOnlyConfig())
+        )
+    quantized.save_pretrained(directory, safe_serialization=True)
     return directory
