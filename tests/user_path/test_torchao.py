@@ -123,6 +123,7 @@ def test_a_torchao_variant_tpcore_does_not_split_is_refused_before_any_rank_star
         tpcore.parallelize(str(directory), num_gpus=2)
 
 
+@pytest.mark.slow
 def test_nonzero_zero_points_are_refused_on_the_ranks(int8_dir, tmp_path):
     directory = tmp_path / "model"
     shutil.copytree(int8_dir, directory)
