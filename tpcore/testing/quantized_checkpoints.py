@@ -9,6 +9,9 @@ No library on the package registry writes that layout without a GPU, so the bloc
 compressed-tensors itself: its scheme applied to the model, each group's scale from its weights' absolute maximum
 (``calculate_qparams``, as a min-max observer gives it), then its compressor packs and saves.
 
+:func:`save_fp8_dynamic` writes compressed-tensors' ``FP8_DYNAMIC`` preset the same way (e4m3 weights, a scale a
+row from each row's absolute maximum; activations quantized per token at run time).
+
 :func:`save_int8_weight_only` writes torchao's per-row int8 weight-only layout as transformers does: the model
 saved, loaded again with ``TorchAoConfig(Int8WeightOnlyConfig())`` and saved in safetensors.
 """
@@ -21,10 +24,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
-__all__ = ["E4M3_MAX", "block_fp8", "save_block_fp8", "save_int8_weight_only", "save_pack_quantized"]
+from tpcore.parallel.quantized_linear import E4M3_MAX
 
-#: the largest finite float8_e4m3fn value
-E4M3_MAX = 448.0
+__all__ = [
+    "E4M3_MAX",
+    "block_fp8",
+    "save_block_fp8",
+    "save_fp8_dynamic",
+    "save_int8_weight_only",
+    "save_pack_quantized",
+]
 
 
 def block_fp8(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,30 +91,42 @@ def save_pack_quantized(
     ``pack-quantized`` symmetric ``bits``-bit integers, a scale per ``group_size`` input features (``None``: per
     row), every ``nn.Linear`` but those named in ``keep``. Needs the ``compressed-tensors`` package. Returns the
     directory."""
-    from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import (
-        QuantizationArgs,
-        QuantizationConfig,
-        QuantizationScheme,
-        apply_quantization_config,
-    )
-    from compressed_tensors.quantization.utils import calculate_qparams
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
     strategy = "channel" if group_size is None else "group"
     weights = QuantizationArgs(num_bits=bits, type="int", symmetric=True, strategy=strategy, group_size=group_size)
     scheme = QuantizationScheme(targets=["Linear"], weights=weights)
-    config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=list(keep), format="pack-quantized")
+    return _save_compressed(model, directory, scheme, group_size, keep, "pack-quantized")
+
+
+def save_fp8_dynamic(model: nn.Module, directory: str | Path, keep: tuple[str, ...] = ("lm_head",)) -> Path:
+    """Save ``model`` (changed in place) in ``directory`` as compressed-tensors' ``FP8_DYNAMIC``: every
+    ``nn.Linear`` but those named in ``keep`` in e4m3 with a scale per row. Needs ``compressed-tensors``."""
+    from compressed_tensors.quantization import preset_name_to_scheme
+
+    scheme = preset_name_to_scheme("FP8_DYNAMIC", ["Linear"])
+    return _save_compressed(model, directory, scheme, None, keep, "float-quantized")
+
+
+def _save_compressed(model, directory, scheme, group_size: int | None, keep: tuple[str, ...], layout: str):
+    """compressed-tensors' ``scheme`` applied to ``model``'s linears, each scale from its group's (or row's)
+    absolute maximum, compressed and saved in ``layout``."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=list(keep), format=layout)
     apply_quantization_config(model, config)
     for module in model.modules():
         if getattr(module, "quantization_scheme", None) is not None:
             weight, scales = module.get_parameter("weight").detach(), module.get_parameter("weight_scale")
             groups = weight.view(weight.shape[0], -1, group_size or weight.shape[1])
-            scale, _ = calculate_qparams(groups.amin(-1), groups.amax(-1), weights)
+            scale, _ = calculate_qparams(groups.amin(-1), groups.amax(-1), scheme.weights)
             scales.data.copy_(scale.to(scales.dtype).view_as(scales))
-    compressor = ModelCompressor.from_pretrained_model(model, "pack-quantized")
+    compressor = ModelCompressor.from_pretrained_model(model, layout)
     compressor.compress_model(model)
     directory = Path(directory)
-    model.save_pretrained(directory)  # type: ignore[operator]  # a transformers model
+    model.save_pretrained(directory)  # a transformers model
     compressor.update_config(str(directory))
     return directory
 

@@ -1,0 +1,50 @@
+""":class:`tpcore.parallel.quantized_linear.TokenFP8Linear` (compressed-tensors' ``FP8_DYNAMIC``): each token's input
+rounded through e4m3 as compressed-tensors rounds it, bit for bit, and a row-parallel rank, holding some of the
+token's features, rounds them with the scale of the whole token (the maximum gathered from every rank)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tpcore.cut.split import Split
+from tpcore.parallel.quantized_linear import RowParallelTokenFP8Linear, TokenFP8Linear
+
+
+def layer(in_features: int = 12, cls: type = TokenFP8Linear) -> TokenFP8Linear:
+    linear = nn.Linear(in_features, 4, device="meta")
+    held = TokenFP8Linear.hold_rows(linear, torch.float32)
+    held.__class__ = cls
+    return held
+
+
+def inputs(dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    x = torch.randn(2, 5, 12, generator=torch.Generator().manual_seed(0)).to(dtype) * 3
+    x[0, 1] = 0  # a token of zeros: the machine epsilon as its scale
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_token_is_rounded_as_compressed_tensors_rounds_it(dtype):
+    forward = pytest.importorskip("compressed_tensors.quantization.lifecycle.forward")
+    from compressed_tensors.quantization import preset_name_to_scheme
+    from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
+
+    args = preset_name_to_scheme("FP8_DYNAMIC", ["Linear"]).input_activations
+    x = inputs(dtype)
+    scale, zero_point = compute_dynamic_scales_and_zp(value=x, args=args, module=nn.Linear(12, 4))
+    expected = forward.fake_quantize(x, scale, zero_point, args)
+    got = layer().quantized_input(x)
+    assert got.dtype == expected.dtype and torch.equal(got, expected)
+
+
+def test_a_row_parallel_rank_rounds_its_features_with_the_whole_token_s_scale(monkeypatch):
+    world, x = 3, inputs()
+    whole = layer().quantized_input(x)
+    pieces = [Split(-1).shard(x, rank, world) for rank in range(world)]
+    maxima = torch.cat([piece.abs().amax(-1, keepdim=True) for piece in pieces], dim=-1)
+    monkeypatch.setattr("tpcore.parallel.quantized_linear.all_gather", lambda tensor, group: maxima)
+    for rank, piece in enumerate(pieces):
+        got = layer(cls=RowParallelTokenFP8Linear).quantized_input(piece)
+        assert torch.equal(got, Split(-1).shard(whole, rank, world))
