@@ -11,17 +11,23 @@ object answers two questions before any weight is read:
   part of the quantized tensors.
 - :meth:`QuantizedFormat.adopt` (optional): the same for a model object transformers loaded, its tensors kept.
 
-tpcore ships block FP8 (:mod:`tpcore.load.quantized_formats`); a plugin returns more from
-``tpcore_register_quantized_formats``, one object per ``quant_method``.
+tpcore ships block FP8, compressed-tensors and torchao (:mod:`tpcore.load.quantized_formats`); a plugin returns
+more from ``tpcore_register_quantized_formats``, one object per ``quant_method``.
 """
 
 from __future__ import annotations
 
 from typing import Any, ClassVar
 
+import torch
 from torch import nn
 
-__all__ = ["QuantizedFormat"]
+from tpcore.errors import ShardingError
+
+__all__ = ["FP8_VALUES", "QuantizedFormat", "refuse_untaken"]
+
+#: the dtypes FP8 checkpoints store their values in
+FP8_VALUES = (torch.float8_e4m3fn,)
 
 
 class QuantizedFormat:
@@ -47,3 +53,13 @@ class QuantizedFormat:
         stores in this format; the number of layers made. Raise :class:`~tpcore.ShardingError` naming a stored
         tensor that no layer takes."""
         raise NotImplementedError(f"{type(self).__name__} holds no layers")
+
+
+def refuse_untaken(keys: set[str], verb: str, form: str) -> None:
+    """Raise :class:`ShardingError` naming the first of the stored ``keys`` no layer took."""
+    if keys:
+        first = min(keys)
+        raise ShardingError(
+            f"{first!r} {verb} a tensor that tpcore does not split in {form} yet (only linear layers' weights; "
+            f"{len(keys)} such tensors)"
+        )

@@ -1,0 +1,225 @@
+"""compressed-tensors checkpoints (llmcompressor's output): ``pack-quantized`` integers (W4A16, W8A16) become
+:class:`~tpcore.parallel.packed_int_linear.PackedIntLinear`, ``float-quantized`` FP8_DYNAMIC
+:class:`~tpcore.parallel.quantized_linear.TokenFP8Linear`, from a directory (:meth:`CompressedTensors.hold`) or from
+the object transformers loads (:meth:`CompressedTensors.adopt`); every other variant is refused by name."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from tpcore.authoring.quantized_format import FP8_VALUES, QuantizedFormat, refuse_untaken
+from tpcore.errors import ShardingError
+from tpcore.parallel.packed_int_linear import BIT_WIDTHS, PackedIntLinear
+from tpcore.parallel.quantized_linear import TokenFP8Linear
+
+__all__ = ["CompressedTensors"]
+
+
+class CompressedTensors(QuantizedFormat):
+    """compressed-tensors checkpoints (llmcompressor's output), in two of its layouts:
+
+    - ``pack-quantized`` integers (W4A16, W8A16): a linear stored as ``weight_packed`` (int32 words along the input
+      features) beside its ``weight_scale`` becomes a :class:`PackedIntLinear`; symmetric, a scale per group or per
+      row, activations unquantized;
+    - ``float-quantized`` FP8 with dynamic per-token activations (``FP8_DYNAMIC``): an e4m3 ``weight`` beside its
+      per-row ``weight_scale`` becomes a :class:`TokenFP8Linear`."""
+
+    quant_method = "compressed-tensors"
+    description = "compressed-tensors pack-quantized integers (W4A16, W8A16) and FP8_DYNAMIC"
+
+    def check(self, quantization: dict[str, Any], where: str) -> None:
+        for name in ("sparsity_config", "transform_config", "kv_cache_scheme"):
+            if quantization.get(name):
+                raise ShardingError(f"{where} is compressed-tensors with a {name}: tpcore splits its quantization only")
+        self.scheme(quantization, where)
+
+    def scheme(self, quantization: dict[str, Any], where: str) -> tuple[str | None, dict[str, Any]]:
+        """The one layout and weight scheme of every config group, checked."""
+        groups = quantization.get("config_groups") or {}
+        schemes = []
+        for name, group in groups.items():
+            layout = group.get("format") or quantization.get("format")
+            schemes.append((layout, _checked_group(layout, group, f"{where}, config group {name!r}")))
+        if not schemes:
+            raise ShardingError(f"{where} is compressed-tensors without config groups")
+        if any(scheme != schemes[0] for scheme in schemes):
+            raise ShardingError(f"{where} has config groups of different schemes: tpcore splits one scheme")
+        return schemes[0]
+
+    def adopt(self, model: nn.Module, quantization: dict[str, Any]) -> int:
+        """compressed-tensors' own layers become tpcore's: a linear still compressed (transformers leaves it so until
+        the first forward) a :class:`PackedIntLinear` or :class:`TokenFP8Linear` with its tensors; one decompressed
+        by a forward a plain linear again, where its activations were not quantized. Either way compressed-tensors'
+        forward and its tensors go."""
+        hook = model.__dict__.pop("ct_decompress_hook", None)  # decompresses the whole model on its first forward
+        if hook is not None:
+            hook.remove()
+        if any(type(module._parameters) is not dict for module in model.modules()):  # its offloading, on decompressing
+            from compressed_tensors.offload.dispatch import remove_dispatch
+
+            remove_dispatch(model, onload_tensors=True)
+        adopted = 0
+        for path, module in model.named_modules():
+            own = module.__dict__.get("forward")
+            if getattr(own, "__func__", None) is type(module).forward:  # the class's own, bound back by remove_dispatch
+                del module.forward
+            scheme = module.__dict__.get("quantization_scheme")
+            if scheme is not None:
+                adopted += _adopt_layer(module, scheme, f"{type(model).__name__}'s {path!r}")
+        return adopted
+
+    def hold(self, model: nn.Module, checkpoint: Any, quantization: dict[str, Any]) -> int:
+        layout, weights = self.scheme(quantization, "the checkpoint")
+        if layout == "float-quantized":
+            return _hold_token_fp8(model, checkpoint)
+        bits = int(weights["num_bits"])
+        keys = checkpoint.stored_keys(model)
+        packed_keys = {key for key in checkpoint.files if key.endswith(".weight_packed")}
+        for key in checkpoint.files:
+            if key.endswith(".weight_g_idx"):
+                raise ShardingError(f"{key!r}: activation-ordered groups (g_idx) are not split by tpcore yet")
+        held = 0
+        for path, module in list(model.named_modules()):
+            key = keys.get(f"{path}.weight" if path else "weight", f"{path}.weight")
+            packed_key = key.removesuffix("weight") + "weight_packed"
+            if not isinstance(module, nn.Linear) or packed_key not in packed_keys:
+                continue
+            scale_key = packed_key.removesuffix("packed") + "scale"
+            if scale_key not in checkpoint.files:
+                raise ShardingError(f"{packed_key!r} is stored without its {scale_key!r}")
+            group = module.in_features if weights["strategy"] == "channel" else int(weights["group_size"])
+            try:
+                PackedIntLinear.hold(
+                    module, bits, group, tuple(checkpoint.stored_shape(scale_key)), checkpoint.stored_dtype(scale_key)
+                )
+            except ValueError as error:
+                raise ShardingError(f"{packed_key!r}: {error}") from None
+            packed_keys.discard(packed_key)
+            held += 1
+        refuse_untaken(packed_keys, "packs", "compressed-tensors")
+        return held
+
+
+def _hold_token_fp8(model: nn.Module, checkpoint: Any) -> int:
+    """compressed-tensors FP8_DYNAMIC: each linear stored in e4m3 beside its per-row ``weight_scale`` becomes a
+    :class:`TokenFP8Linear`."""
+    keys = checkpoint.stored_keys(model)
+    scale_keys = {key for key in checkpoint.files if key.endswith(".weight_scale")}
+    held = 0
+    for path, module in list(model.named_modules()):
+        key = keys.get(f"{path}.weight" if path else "weight")
+        if not isinstance(module, nn.Linear) or key is None or checkpoint.stored_dtype(key) not in FP8_VALUES:
+            continue
+        scale_key = key + "_scale"
+        shape = checkpoint.stored_shape(scale_key) if scale_key in scale_keys else None
+        if shape != [module.out_features, 1]:
+            raise ShardingError(f"{key!r} is stored in e4m3 with {scale_key!r} of shape {shape}, not one scale a row")
+        TokenFP8Linear.hold_rows(module, checkpoint.stored_dtype(scale_key))
+        scale_keys.discard(scale_key)
+        held += 1
+    refuse_untaken(scale_keys, "scales", "compressed-tensors FP8")
+    return held
+
+
+def _adopt_layer(module: nn.Module, scheme: Any, where: str) -> int:
+    """One layer compressed-tensors set up (its ``quantization_scheme``) made tpcore's in place; 1 if it holds
+    quantized tensors still, else 0."""
+    layout = "float-quantized" if getattr(scheme.weights, "type", None) == "float" else "pack-quantized"
+    group = {name: getattr(scheme, name) for name in ("weights", "input_activations", "output_activations")}
+    weights = _checked_group(layout, {k: v.model_dump() if v is not None else None for k, v in group.items()}, where)
+    quantizes_tokens = scheme.input_activations is not None
+    for attribute in ("forward", "quantization_scheme", "quantization_status", "quantization_enabled"):
+        module.__dict__.pop(attribute, None)
+    parameters = module._parameters
+    words, scale, weight = parameters.get("weight_packed"), parameters.get("weight_scale"), parameters.get("weight")
+    for name in ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx"):
+        parameters.pop(name, None)
+    if not isinstance(module, nn.Linear) or scale is None:
+        return 0
+    if layout == "float-quantized":
+        if weight is None or weight.dtype not in FP8_VALUES:
+            raise ShardingError(
+                f"{where} was decompressed by a forward, and its inputs are quantized per token: parallelize the "
+                "checkpoint's directory, or the model as transformers loads it, before any forward"
+            )
+        TokenFP8Linear.hold_rows(module, scale.dtype)
+        module.weight, module.weight_scale = weight, scale
+        module.weight_scale_inv = scale
+        return 1
+    if words is None:
+        return 0  # decompressed: a plain linear again
+    assert not quantizes_tokens
+    group_size = module.in_features if weights["strategy"] == "channel" else int(weights["group_size"])
+    try:
+        PackedIntLinear.hold(module, int(weights["num_bits"]), group_size, tuple(scale.shape), scale.dtype)
+    except ValueError as error:
+        raise ShardingError(f"{where}: {error}") from None
+    module.weight_packed = words
+    module.weight, module.weight_scale = words, scale
+    return 1
+
+
+def _checked_group(layout: str | None, group: dict[str, Any], where: str) -> dict[str, Any]:
+    """A compressed-tensors config group's weight scheme where tpcore splits the group, or :class:`ShardingError`
+    naming what it does not."""
+    if layout == "float-quantized":
+        return _checked_token_fp8(group, where)
+    if layout != "pack-quantized":
+        raise ShardingError(
+            f"{where} is compressed-tensors {layout!r}: tpcore splits its 'pack-quantized' integers and "
+            "'float-quantized' FP8_DYNAMIC"
+        )
+    for activations in ("input_activations", "output_activations"):
+        if group.get(activations):
+            raise ShardingError(
+                f"{where} quantizes {activations.replace('_', ' ')}: tpcore splits packed integers with weights "
+                "quantized only (W4A16, W8A16)"
+            )
+    return _checked_weights(group.get("weights") or {}, where)
+
+
+def _checked_token_fp8(group: dict[str, Any], where: str) -> dict[str, Any]:
+    """FP8_DYNAMIC: e4m3 weights, a static scale a row; e4m3 inputs, a dynamic scale a token; outputs as they are."""
+    weights, inputs = group.get("weights") or {}, group.get("input_activations") or {}
+    wanted_weights = {"type": "float", "num_bits": 8, "strategy": "channel", "symmetric": True, "dynamic": False}
+    wanted_inputs = {"type": "float", "num_bits": 8, "strategy": "token", "symmetric": True, "dynamic": True}
+    for what, found, wanted in (("weights", weights, wanted_weights), ("input activations", inputs, wanted_inputs)):
+        differing = {key: found.get(key) for key, value in wanted.items() if found.get(key) != value}
+        if differing:
+            raise ShardingError(
+                f"{where} is float-quantized with {what} {differing}: tpcore splits FP8_DYNAMIC (weights "
+                f"{wanted_weights}, input activations {wanted_inputs})"
+            )
+    if group.get("output_activations"):
+        raise ShardingError(f"{where} quantizes output activations: tpcore splits FP8_DYNAMIC")
+    return weights
+
+
+def _checked_weights(weights: dict[str, Any], where: str) -> dict[str, Any]:
+    """A compressed-tensors weight scheme tpcore splits, or :class:`ShardingError` naming what it does not."""
+    refusals = {
+        "type": (weights.get("type") == "int", f"{weights.get('type')!r} values (tpcore splits integers)"),
+        "num_bits": (
+            weights.get("num_bits") in BIT_WIDTHS,
+            f"{weights.get('num_bits')}-bit values (tpcore unpacks {', '.join(map(str, BIT_WIDTHS))} bits)",
+        ),
+        "symmetric": (
+            weights.get("symmetric", True) is True,
+            "asymmetric values with zero points (tpcore splits symmetric ones)",
+        ),
+        "strategy": (
+            weights.get("strategy") in ("group", "channel"),
+            f"a {weights.get('strategy')!r} strategy (tpcore splits a scale per group or per row)",
+        ),
+        "dynamic": (not weights.get("dynamic"), "dynamic weight scales"),
+        "actorder": (
+            weights.get("actorder") in (None, "weight", "static"),
+            f"activation-ordered groups ({weights.get('actorder')!r}, g_idx)",
+        ),
+    }
+    for ok, what in refusals.values():
+        if not ok:
+            raise ShardingError(f"{where} stores {what}")
+    return weights

@@ -1,0 +1,88 @@
+"""torchao checkpoints as transformers saves them in safetensors: ``Int8WeightOnlyConfig`` per row becomes
+:class:`~tpcore.parallel.int8_linear.Int8Linear`, from a directory or from the ``Int8Tensor`` weights of the object
+transformers loads; every other torchao config is refused by name."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from tpcore.authoring.quantized_format import QuantizedFormat, refuse_untaken
+from tpcore.errors import ShardingError
+from tpcore.parallel.int8_linear import Int8Linear
+
+__all__ = ["TorchAO"]
+
+
+class TorchAO(QuantizedFormat):
+    """torchao's int8 weight-only quantization (``Int8WeightOnlyConfig``, per row), as transformers saves it in
+    safetensors: a linear stored as ``_weight_qdata`` (int8) beside its ``_weight_scale`` becomes an
+    :class:`Int8Linear`."""
+
+    quant_method = "torchao"
+    description = "torchao int8 weight-only (int8 values, a scale per row)"
+
+    def check(self, quantization: dict[str, Any], where: str) -> None:
+        quant_type = quantization.get("quant_type")
+        if not isinstance(quant_type, dict) or set(quant_type) != {"default"}:
+            raise ShardingError(
+                f"{where} is torchao {quant_type!r}: tpcore splits one Int8WeightOnlyConfig for every layer, as "
+                "transformers 5 saves it"
+            )
+        kind, data = quant_type["default"].get("_type"), quant_type["default"].get("_data") or {}
+        granularity = (data.get("granularity") or {}).get("_type", "PerRow")
+        if kind != "Int8WeightOnlyConfig" or granularity != "PerRow" or data.get("group_size"):
+            group = f", groups of {data['group_size']}" if data.get("group_size") else ""
+            raise ShardingError(
+                f"{where} is torchao {kind} ({granularity}{group}): tpcore splits Int8WeightOnlyConfig per row only"
+            )
+        if quantization.get("include_input_output_embeddings"):
+            raise ShardingError(f"{where} quantizes its embeddings: tpcore splits torchao's linear layers only")
+
+    def adopt(self, model: nn.Module, quantization: dict[str, Any]) -> int:
+        """A linear whose weight is torchao's per-row ``Int8Tensor`` becomes an :class:`Int8Linear` holding its
+        values, scales and zero points."""
+        adopted = 0
+        for path, module in model.named_modules():
+            weight: Any = module._parameters.get("weight")
+            if not isinstance(module, nn.Linear) or type(weight).__name__ != "Int8Tensor":
+                continue
+            per_row = list(weight.block_size) == [1, module.in_features]
+            if not per_row or weight.act_quant_kwargs is not None or weight.act_pre_scale is not None:
+                raise ShardingError(
+                    f"{type(model).__name__}'s {path!r} is a torchao Int8Tensor of blocks {weight.block_size} or "
+                    "with activations quantized: tpcore splits per-row int8 weight-only ones"
+                )
+            values, scale, zero_point = weight.qdata, weight.scale, weight.zero_point
+            module.__dict__.pop("extra_repr", None)  # torchao's, bound to the layer: nothing a rank can import
+            Int8Linear.hold(module, scale.dtype)
+            module._weight_qdata = nn.Parameter(values, requires_grad=False)
+            module.weight = module._weight_qdata
+            module._weight_scale = nn.Parameter(scale.reshape(-1, 1), requires_grad=False)
+            module._weight_zero_point = nn.Parameter(zero_point.reshape(-1, 1), requires_grad=False)
+            adopted += 1
+        return adopted
+
+    def hold(self, model: nn.Module, checkpoint: Any, quantization: dict[str, Any]) -> int:
+        keys = checkpoint.stored_keys(model)
+        value_keys = {key for key in checkpoint.files if key.endswith("._weight_qdata")}
+        held = 0
+        for path, module in list(model.named_modules()):
+            value_key = keys.get(f"{path}.weight", f"{path}.weight").removesuffix("weight") + "_weight_qdata"
+            if not isinstance(module, nn.Linear) or value_key not in value_keys:
+                continue
+            scale_key = value_key.removesuffix("qdata") + "scale"
+            shapes = [
+                checkpoint.stored_shape(key) if key in checkpoint.files else None for key in (value_key, scale_key)
+            ]
+            if shapes != [[module.out_features, module.in_features], [module.out_features, 1]]:
+                raise ShardingError(
+                    f"{value_key!r} and {scale_key!r} are stored as {shapes}: tpcore splits int8 values with a scale "
+                    f"per row, here ({module.out_features}, {module.in_features}) and ({module.out_features}, 1)"
+                )
+            Int8Linear.hold(module, checkpoint.stored_dtype(scale_key))
+            value_keys.discard(value_key)
+            held += 1
+        refuse_untaken(value_keys, "quantizes", "torchao")
+        return held
