@@ -9,6 +9,8 @@ A random-init Llama of SmolLM2-135M's widths (``--layers``, 30 by default) saved
 - ``w4a16``: compressed-tensors' pack-quantized int4 (``save_pack_quantized``: llmcompressor's W4A16 layout,
   groups of ``--group``, 64 by default since 576 features are not whole groups of 128), written by
   compressed-tensors itself;
+- ``fp8-dynamic``: compressed-tensors' ``FP8_DYNAMIC`` (e4m3 weights, a scale a row, each token's input rounded
+  through e4m3 as it runs);
 - ``int8``: torchao's ``Int8WeightOnlyConfig`` (int8 values, a scale per row), quantized and saved by transformers'
   ``TorchAoConfig``.
 
@@ -29,6 +31,7 @@ first one-token forward (where transformers decompresses pack-quantized layers),
     python bench/quantized.py                   # about 3 minutes on 2 CPU cores -> bench/results/quantized.md
     python bench/quantized.py --format w4a16    # -> bench/results/quantized_w4a16.md
     python bench/quantized.py --format int8     # -> bench/results/quantized_int8.md
+    python bench/quantized.py --format fp8-dynamic  # -> bench/results/quantized_fp8-dynamic.md
     python bench/quantized.py --quick           # a smoke run
 """
 
@@ -44,7 +47,12 @@ from _common import arguments, parse, printed, write_result
 from _models import smollm2_spec
 
 import tpcore
-from tpcore.testing.quantized_checkpoints import save_block_fp8, save_int8_weight_only, save_pack_quantized
+from tpcore.testing.quantized_checkpoints import (
+    save_block_fp8,
+    save_fp8_dynamic,
+    save_int8_weight_only,
+    save_pack_quantized,
+)
 
 #: each format's saver, its name in the tables, and what transformers holds of it on a CPU
 FORMATS = {
@@ -56,6 +64,11 @@ FORMATS = {
     "w4a16": (
         lambda model, directory, args: save_pack_quantized(model, directory, 4, args.group),
         "W4A16",
+        "decompressed in its first forward",
+    ),
+    "fp8-dynamic": (
+        lambda model, directory, args: save_fp8_dynamic(model, directory),
+        "FP8_DYNAMIC",
         "decompressed in its first forward",
     ),
     "int8": (
@@ -160,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     sections = [
         f"Llama of SmolLM2-135M's widths, {args.layers} layers, random init, saved in {name} ("
         + {"fp8": f"blocks of {args.block} x {args.block}", "w4a16": f"int4 in groups of {args.group}"}.get(
-            args.format, "a scale per row"
+            args.format, "a scale a row"
         )
         + f", the LM head in fp32): {stored / 2**20:.0f} MiB of safetensors. Loads: median of "
         f"3 (transformers) and {args.rounds} (tpcore); decode: greedy, {args.new_tokens} new tokens after a 32-token "
