@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 import tpcore
 from tpcore import ShardingError
 from tpcore.testing import compare_outputs
-from tpcore.testing.quantized_checkpoints import save_fp8_dynamic, save_pack_quantized
+from tpcore.testing.quantized_checkpoints import save_fp8_dynamic, save_pack_quantized, save_w8a8
 from tpcore.tools.cli import main
 
 pytest.importorskip("compressed_tensors", reason="compressed-tensors writes the checkpoints")
@@ -106,8 +106,8 @@ def test_an_object_already_decompressed_by_a_forward_splits_as_a_plain_model(w4_
         assert torch.equal(greedy_outputs(model)[1], tokens)
 
 
-def fp8_layer_classes(context) -> dict[str, str]:
-    """On a rank: one layer's e4m3 values' dtype and the classes of its projections."""
+def token_layer_classes(context) -> dict[str, str]:
+    """On a rank: one layer's 8-bit values' dtype and the classes of its projections."""
     layer = context.store["model"].model.layers[0]
     return {
         "values": str(layer.self_attn.q_proj.weight.dtype),
@@ -116,25 +116,45 @@ def fp8_layer_classes(context) -> dict[str, str]:
     }
 
 
+#: each preset whose inputs are rounded per token: its writer, its values' dtype and its layer class
+TOKEN_PRESETS = {
+    "fp8-dynamic": (save_fp8_dynamic, "torch.float8_e4m3fn", "TokenFP8Linear"),
+    "w8a8": (save_w8a8, "torch.int8", "TokenInt8Linear"),
+}
+
+
 @pytest.fixture(scope="module")
-def fp8_dynamic_dir(tmp_path_factory):
-    """A tiny Llama saved as FP8_DYNAMIC: e4m3 weights, a scale a row, inputs quantized per token as it runs."""
-    return save_fp8_dynamic(quantizable_llama(), tmp_path_factory.mktemp("fp8-dynamic") / "model")
+def token_dirs(tmp_path_factory):
+    """A tiny Llama saved as FP8_DYNAMIC and as W8A8: 8-bit weights, a scale a row, inputs rounded per token."""
+    root = tmp_path_factory.mktemp("token-rounded")
+    return {name: save(quantizable_llama(), root / name) for name, (save, _, _) in TOKEN_PRESETS.items()}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("source", "world_size"), [("directory", 2), ("directory", 3), ("object", 3)])
-def test_fp8_dynamic_splits_with_each_token_s_scale_gathered_from_every_rank(fp8_dynamic_dir, source, world_size):
+@pytest.mark.parametrize(
+    ("preset", "source", "world_size"),
+    [
+        ("fp8-dynamic", "directory", 2),
+        ("fp8-dynamic", "directory", 3),
+        ("fp8-dynamic", "object", 3),
+        ("w8a8", "directory", 3),
+        ("w8a8", "object", 2),
+    ],
+)
+def test_token_rounded_presets_split_with_each_token_s_scale_gathered_from_every_rank(
+    token_dirs, preset, source, world_size
+):
     """Row-parallel layers hold some of each token's features: the token's scale is the maximum over all of them,
     gathered, so each rank rounds its features as the whole layer does."""
-    expected, tokens = transformers_outputs(fp8_dynamic_dir)
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(fp8_dynamic_dir).eval()
-    with split(str(fp8_dynamic_dir) if source == "directory" else loaded, world_size) as model:
+    directory, (_, values, layer_class) = token_dirs[preset], TOKEN_PRESETS[preset]
+    expected, tokens = transformers_outputs(directory)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+    with split(str(directory) if source == "directory" else loaded, world_size) as model:
         check_split_outputs(model, expected, tokens, world_size)
-        assert model._tpcore_handle.pool.run(fp8_layer_classes)[0] == {
-            "values": "torch.float8_e4m3fn",
-            "q_proj": "TokenFP8Linear",
-            "down_proj": "RowParallelTokenFP8Linear",
+        assert model._tpcore_handle.pool.run(token_layer_classes)[0] == {
+            "values": values,
+            "q_proj": layer_class,
+            "down_proj": f"RowParallel{layer_class}",
         }
 
 
@@ -183,6 +203,7 @@ def weights(**values):
             "quantizes input activations",
         ),
         (lambda q: q.update(format="float-quantized"), r"float-quantized with weights \{'type': 'int'"),
+        (lambda q: q.update(format="int-quantized"), r"int-quantized with weights \{'num_bits': 4, 'strategy': 'group'\}"),
         (lambda q: q.update(format="nvfp4-pack-quantized"), "'nvfp4-pack-quantized'"),
         (lambda q: q.update(sparsity_config={"format": "sparse-24-bitmask"}), "with a sparsity_config"),
         (lambda q: q.update(config_groups={}), "without config groups"),

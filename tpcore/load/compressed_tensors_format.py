@@ -7,10 +7,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 from tpcore.authoring.quantized_format import FP8_VALUES, QuantizedFormat, refuse_untaken
 from tpcore.errors import ShardingError
+from tpcore.parallel.int8_linear import TokenInt8Linear
 from tpcore.parallel.packed_int_linear import BIT_WIDTHS, PackedIntLinear
 from tpcore.parallel.quantized_linear import TokenFP8Linear
 
@@ -24,10 +26,12 @@ class CompressedTensors(QuantizedFormat):
       features) beside its ``weight_scale`` becomes a :class:`PackedIntLinear`; symmetric, a scale per group or per
       row, activations unquantized;
     - ``float-quantized`` FP8 with dynamic per-token activations (``FP8_DYNAMIC``): an e4m3 ``weight`` beside its
-      per-row ``weight_scale`` becomes a :class:`TokenFP8Linear`."""
+      per-row ``weight_scale`` becomes a :class:`TokenFP8Linear`;
+    - ``int-quantized`` int8 with dynamic per-token activations (``W8A8``): an int8 ``weight`` beside its per-row
+      ``weight_scale`` becomes a :class:`TokenInt8Linear`."""
 
     quant_method = "compressed-tensors"
-    description = "compressed-tensors pack-quantized integers (W4A16, W8A16) and FP8_DYNAMIC"
+    description = "compressed-tensors pack-quantized integers (W4A16, W8A16), FP8_DYNAMIC and W8A8"
 
     def check(self, quantization: dict[str, Any], where: str) -> None:
         for name in ("sparsity_config", "transform_config", "kv_cache_scheme"):
@@ -72,8 +76,8 @@ class CompressedTensors(QuantizedFormat):
 
     def hold(self, model: nn.Module, checkpoint: Any, quantization: dict[str, Any]) -> int:
         layout, weights = self.scheme(quantization, "the checkpoint")
-        if layout == "float-quantized":
-            return _hold_token_fp8(model, checkpoint)
+        if layout in _TOKEN_ROUNDED:
+            return _hold_token_rounded(model, checkpoint, layout)
         bits = int(weights["num_bits"])
         keys = checkpoint.stored_keys(model)
         packed_keys = {key for key in checkpoint.files if key.endswith(".weight_packed")}
@@ -102,31 +106,44 @@ class CompressedTensors(QuantizedFormat):
         return held
 
 
-def _hold_token_fp8(model: nn.Module, checkpoint: Any) -> int:
-    """compressed-tensors FP8_DYNAMIC: each linear stored in e4m3 beside its per-row ``weight_scale`` becomes a
-    :class:`TokenFP8Linear`."""
+#: the layouts whose inputs are rounded per token: the dtype each stores its values in, and its layer class
+_TOKEN_ROUNDED = {
+    "float-quantized": (FP8_VALUES, TokenFP8Linear.hold_rows),
+    "int-quantized": ((torch.int8,), TokenInt8Linear.hold),
+}
+
+
+def _hold_token_rounded(model: nn.Module, checkpoint: Any, layout: str) -> int:
+    """FP8_DYNAMIC or W8A8: each linear stored in 8-bit values beside its per-row ``weight_scale`` becomes the
+    layout's layer class."""
+    dtypes, hold = _TOKEN_ROUNDED[layout]
     keys = checkpoint.stored_keys(model)
     scale_keys = {key for key in checkpoint.files if key.endswith(".weight_scale")}
     held = 0
     for path, module in list(model.named_modules()):
         key = keys.get(f"{path}.weight" if path else "weight")
-        if not isinstance(module, nn.Linear) or key is None or checkpoint.stored_dtype(key) not in FP8_VALUES:
+        if not isinstance(module, nn.Linear) or key is None or checkpoint.stored_dtype(key) not in dtypes:
             continue
         scale_key = key + "_scale"
         shape = checkpoint.stored_shape(scale_key) if scale_key in scale_keys else None
         if shape != [module.out_features, 1]:
-            raise ShardingError(f"{key!r} is stored in e4m3 with {scale_key!r} of shape {shape}, not one scale a row")
-        TokenFP8Linear.hold_rows(module, checkpoint.stored_dtype(scale_key))
+            raise ShardingError(f"{key!r} is stored quantized with {scale_key!r} of shape {shape}, not a scale a row")
+        hold(module, checkpoint.stored_dtype(scale_key))
         scale_keys.discard(scale_key)
         held += 1
-    refuse_untaken(scale_keys, "scales", "compressed-tensors FP8")
+    refuse_untaken(scale_keys, "scales", f"compressed-tensors {layout}")
     return held
 
 
 def _adopt_layer(module: nn.Module, scheme: Any, where: str) -> int:
     """One layer compressed-tensors set up (its ``quantization_scheme``) made tpcore's in place; 1 if it holds
     quantized tensors still, else 0."""
-    layout = "float-quantized" if getattr(scheme.weights, "type", None) == "float" else "pack-quantized"
+    if getattr(scheme.weights, "type", None) == "float":
+        layout = "float-quantized"
+    elif scheme.input_activations is not None:
+        layout = "int-quantized"
+    else:
+        layout = "pack-quantized"  # weights quantized only: packed, or decompressed by a forward
     group = {name: getattr(scheme, name) for name in ("weights", "input_activations", "output_activations")}
     weights = _checked_group(layout, {k: v.model_dump() if v is not None else None for k, v in group.items()}, where)
     quantizes_tokens = scheme.input_activations is not None
@@ -138,15 +155,17 @@ def _adopt_layer(module: nn.Module, scheme: Any, where: str) -> int:
         parameters.pop(name, None)
     if not isinstance(module, nn.Linear) or scale is None:
         return 0
-    if layout == "float-quantized":
-        if weight is None or weight.dtype not in FP8_VALUES:
+    if layout in _TOKEN_ROUNDED:
+        dtypes, hold = _TOKEN_ROUNDED[layout]
+        if weight is None or weight.dtype not in dtypes:
             raise ShardingError(
                 f"{where} was decompressed by a forward, and its inputs are quantized per token: parallelize the "
                 "checkpoint's directory, or the model as transformers loads it, before any forward"
             )
-        TokenFP8Linear.hold_rows(module, scale.dtype)
+        hold(module, scale.dtype)
         module.weight, module.weight_scale = weight, scale
-        module.weight_scale_inv = scale
+        if isinstance(module, TokenFP8Linear):
+            module.weight_scale_inv = scale
         return 1
     if words is None:
         return 0  # decompressed: a plain linear again
@@ -164,12 +183,12 @@ def _adopt_layer(module: nn.Module, scheme: Any, where: str) -> int:
 def _checked_group(layout: str | None, group: dict[str, Any], where: str) -> dict[str, Any]:
     """A compressed-tensors config group's weight scheme where tpcore splits the group, or :class:`ShardingError`
     naming what it does not."""
-    if layout == "float-quantized":
-        return _checked_token_fp8(group, where)
+    if layout in _TOKEN_ROUNDED:
+        return _checked_token_rounded(layout, group, where)
     if layout != "pack-quantized":
         raise ShardingError(
-            f"{where} is compressed-tensors {layout!r}: tpcore splits its 'pack-quantized' integers and "
-            "'float-quantized' FP8_DYNAMIC"
+            f"{where} is compressed-tensors {layout!r}: tpcore splits its 'pack-quantized' integers, "
+            "'float-quantized' FP8_DYNAMIC and 'int-quantized' W8A8"
         )
     for activations in ("input_activations", "output_activations"):
         if group.get(activations):
@@ -180,20 +199,23 @@ def _checked_group(layout: str | None, group: dict[str, Any], where: str) -> dic
     return _checked_weights(group.get("weights") or {}, where)
 
 
-def _checked_token_fp8(group: dict[str, Any], where: str) -> dict[str, Any]:
-    """FP8_DYNAMIC: e4m3 weights, a static scale a row; e4m3 inputs, a dynamic scale a token; outputs as they are."""
+def _checked_token_rounded(layout: str, group: dict[str, Any], where: str) -> dict[str, Any]:
+    """FP8_DYNAMIC (``float-quantized``) or W8A8 (``int-quantized``): 8-bit weights, a static scale a row; 8-bit
+    inputs of the same kind, a dynamic scale a token; outputs as they are."""
+    kind = "float" if layout == "float-quantized" else "int"
+    name = "FP8_DYNAMIC" if kind == "float" else "W8A8"
     weights, inputs = group.get("weights") or {}, group.get("input_activations") or {}
-    wanted_weights = {"type": "float", "num_bits": 8, "strategy": "channel", "symmetric": True, "dynamic": False}
-    wanted_inputs = {"type": "float", "num_bits": 8, "strategy": "token", "symmetric": True, "dynamic": True}
+    wanted_weights = {"type": kind, "num_bits": 8, "strategy": "channel", "symmetric": True, "dynamic": False}
+    wanted_inputs = {"type": kind, "num_bits": 8, "strategy": "token", "symmetric": True, "dynamic": True}
     for what, found, wanted in (("weights", weights, wanted_weights), ("input activations", inputs, wanted_inputs)):
         differing = {key: found.get(key) for key, value in wanted.items() if found.get(key) != value}
         if differing:
             raise ShardingError(
-                f"{where} is float-quantized with {what} {differing}: tpcore splits FP8_DYNAMIC (weights "
-                f"{wanted_weights}, input activations {wanted_inputs})"
+                f"{where} is {layout} with {what} {differing}: tpcore splits {name} (weights {wanted_weights}, "
+                f"input activations {wanted_inputs})"
             )
     if group.get("output_activations"):
-        raise ShardingError(f"{where} quantizes output activations: tpcore splits FP8_DYNAMIC")
+        raise ShardingError(f"{where} quantizes output activations: tpcore splits {name}")
     return weights
 
 

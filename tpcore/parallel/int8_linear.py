@@ -1,4 +1,4 @@
-"""A linear layer whose weight is int8 with a float scale per output row, computed on a rank's rows or columns.
+"""Linear layers whose weight is int8 with a float scale per output row, computed on a rank's rows or columns.
 
 :class:`Int8Linear` holds torchao's ``Int8WeightOnlyConfig`` weights (per row, symmetric), as transformers saves them::
 
@@ -11,6 +11,11 @@ computed as torchao's ``Int8Tensor`` computes its per-row weight-only product: t
 input's dtype, one matrix product, the output columns scaled, the bias added. A row-parallel layer
 (:class:`RowParallelInt8Linear`) all-reduces the unscaled partial products first, then scales once: every rank
 keeps one byte a weight.
+
+:class:`TokenInt8Linear` holds compressed-tensors' ``W8A8`` (``int-quantized``: an int8 ``weight`` and its
+``weight_scale (out, 1)``) and computes as compressed-tensors decompresses and fake-quantizes: ``W_r = q_r * scale``
+in the scale's dtype, each token's input rounded through int8 (:mod:`tpcore.parallel.token_rounding`), then the
+product.
 """
 
 from __future__ import annotations
@@ -21,9 +26,10 @@ from torch import nn
 
 from tpcore.cut.split import Split
 from tpcore.parallel.layers import reduce_partial_sums
-from tpcore.parallel.quantized_linear import QuantizedLinear
+from tpcore.parallel.quantized_linear import QuantizedLinear, RowParallelQuantized
+from tpcore.parallel.token_rounding import GatheredTokenMaxima, TokenRoundedInputs
 
-__all__ = ["Int8Linear", "RowParallelInt8Linear"]
+__all__ = ["Int8Linear", "RowParallelInt8Linear", "RowParallelTokenInt8Linear", "TokenInt8Linear"]
 
 
 class Int8Linear(QuantizedLinear):
@@ -80,6 +86,42 @@ class RowParallelInt8Linear(Int8Linear):
 
 
 Int8Linear.row_parallel_class = RowParallelInt8Linear
+
+
+class TokenInt8Linear(TokenRoundedInputs, QuantizedLinear):
+    """``nn.Linear`` whose ``weight`` is int8 with a ``weight_scale`` per row, its input rounded per token through
+    int8 (module docstring); made from an ``nn.Linear`` in place by :meth:`hold`."""
+
+    #: a model-wide cast casts the scales (and bias), as transformers does; the values stay int8
+    keeps_stored_dtypes = False
+    token_values = "int8"
+    weight_scale: nn.Parameter
+
+    @classmethod
+    def hold(cls, linear: nn.Linear, scale_dtype: torch.dtype) -> TokenInt8Linear:
+        """Make the meta ``linear`` hold an int8 ``weight`` and a ``weight_scale`` ``(out, 1)`` of ``scale_dtype``."""
+        linear.__class__ = cls
+        assert isinstance(linear, TokenInt8Linear)
+        linear.weight = _frozen(torch.empty(linear.out_features, linear.in_features, dtype=torch.int8, device="meta"))
+        linear.weight_scale = _frozen(torch.empty(linear.out_features, 1, dtype=scale_dtype, device="meta"))
+        return linear
+
+    def follower_cuts(self, split: Split) -> dict[str, Split]:
+        """The scales follow the weight's rows; a cut of the columns leaves them whole."""
+        return {"weight_scale": split} if split.dim == 0 else {}
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """``q_r * scale`` in the scale's dtype, then ``dtype``."""
+        scale = self.weight_scale
+        return (self.weight.to(scale.dtype) * scale).to(dtype)
+
+
+class RowParallelTokenInt8Linear(RowParallelQuantized, GatheredTokenMaxima, TokenInt8Linear):
+    """:class:`TokenInt8Linear` holding a shard of the input features: each token's maximum gathered from every
+    rank, the output all-reduced, the bias added once."""
+
+
+TokenInt8Linear.row_parallel_class = RowParallelTokenInt8Linear
 
 
 def _frozen(tensor: torch.Tensor) -> nn.Parameter:

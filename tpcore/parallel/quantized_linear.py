@@ -23,8 +23,8 @@ from torch import nn
 
 from tpcore.cut.scale_blocks import block_index
 from tpcore.cut.split import Split
-from tpcore.parallel.comm import all_gather
 from tpcore.parallel.layers import reduce_partial_sums
+from tpcore.parallel.token_rounding import GatheredTokenMaxima, TokenRoundedInputs
 
 __all__ = [
     "BlockFP8Linear",
@@ -180,16 +180,12 @@ class RowParallelBlockFP8Linear(RowParallelQuantized, BlockFP8Linear):
 BlockFP8Linear.row_parallel_class = RowParallelBlockFP8Linear
 
 
-class TokenFP8Linear(BlockFP8Linear):
+class TokenFP8Linear(TokenRoundedInputs, BlockFP8Linear):
     """compressed-tensors' ``FP8_DYNAMIC``: e4m3 weights with a scale per output row (:class:`BlockFP8Linear` of
     ``(1, in)`` blocks, the scale stored as ``weight_scale`` and also known as ``weight_scale_inv``), and each
-    token's input rounded through e4m3 before the product, as compressed-tensors fake-quantizes it::
+    token's input rounded through e4m3 before the product (:mod:`tpcore.parallel.token_rounding`)."""
 
-        s_t = max_j |x[t, j]| / 448      (the machine epsilon where 0)
-        x'[t, j] = e4m3(clamp(x[t, j] / s_t, -448, 448)) * s_t
-
-    The maximum runs over the token's whole input: a row-parallel layer, holding some of its features, gathers
-    every rank's (:class:`RowParallelTokenFP8Linear`)."""
+    token_values = "e4m3"
 
     @classmethod
     def hold_rows(cls, linear: nn.Linear, scale_dtype: torch.dtype) -> TokenFP8Linear:
@@ -202,29 +198,13 @@ class TokenFP8Linear(BlockFP8Linear):
         held.weight_scale_inv = held.weight_scale
         return held
 
-    def token_amax(self, x: torch.Tensor) -> torch.Tensor:
-        """``max_j |x[..., j]|`` over each token's whole input, ``(..., 1)``."""
-        return x.abs().amax(dim=-1, keepdim=True)
 
-    def quantized_input(self, x: torch.Tensor) -> torch.Tensor:
-        scale = self.token_amax(x) / E4M3_MAX
-        scale = torch.where(scale == 0, torch.finfo(scale.dtype).eps, scale)
-        rounded = (x / scale).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).to(x.dtype)
-        return rounded * scale
-
-
-class RowParallelTokenFP8Linear(RowParallelQuantized, TokenFP8Linear):
+class RowParallelTokenFP8Linear(RowParallelQuantized, GatheredTokenMaxima, TokenFP8Linear):
     """:class:`TokenFP8Linear` holding a shard of the input features: each token's maximum gathered from every
     rank, the output all-reduced, the bias added once."""
 
-    def token_amax(self, x: torch.Tensor) -> torch.Tensor:
-        return all_gather(super().token_amax(x), self.tp_group).amax(dim=-1, keepdim=True)
-
 
 TokenFP8Linear.row_parallel_class = RowParallelTokenFP8Linear
-
-#: the largest finite float8_e4m3fn value
-E4M3_MAX = 448.0
 
 
 def localize_quantized(model: nn.Module, rank: int, world_size: int) -> int:

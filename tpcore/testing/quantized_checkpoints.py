@@ -9,8 +9,9 @@ No library on the package registry writes that layout without a GPU, so the bloc
 compressed-tensors itself: its scheme applied to the model, each group's scale from its weights' absolute maximum
 (``calculate_qparams``, as a min-max observer gives it), then its compressor packs and saves.
 
-:func:`save_fp8_dynamic` writes compressed-tensors' ``FP8_DYNAMIC`` preset the same way (e4m3 weights, a scale a
-row from each row's absolute maximum; activations quantized per token at run time).
+:func:`save_fp8_dynamic` and :func:`save_w8a8` write compressed-tensors' ``FP8_DYNAMIC`` and ``W8A8`` presets the
+same way (e4m3 or int8 weights, a scale a row from each row's absolute maximum; activations quantized per token at
+run time).
 
 :func:`save_int8_weight_only` writes torchao's per-row int8 weight-only layout as transformers does: the model
 saved, loaded again with ``TorchAoConfig(Int8WeightOnlyConfig())`` and saved in safetensors.
@@ -24,7 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tpcore.parallel.quantized_linear import E4M3_MAX
+from tpcore.parallel.token_rounding import E4M3_MAX
 
 __all__ = [
     "E4M3_MAX",
@@ -33,6 +34,7 @@ __all__ = [
     "save_fp8_dynamic",
     "save_int8_weight_only",
     "save_pack_quantized",
+    "save_w8a8",
 ]
 
 
@@ -102,10 +104,20 @@ def save_pack_quantized(
 def save_fp8_dynamic(model: nn.Module, directory: str | Path, keep: tuple[str, ...] = ("lm_head",)) -> Path:
     """Save ``model`` (changed in place) in ``directory`` as compressed-tensors' ``FP8_DYNAMIC``: every
     ``nn.Linear`` but those named in ``keep`` in e4m3 with a scale per row. Needs ``compressed-tensors``."""
+    return _save_preset(model, directory, "FP8_DYNAMIC", keep, "float-quantized")
+
+
+def save_w8a8(model: nn.Module, directory: str | Path, keep: tuple[str, ...] = ("lm_head",)) -> Path:
+    """Save ``model`` (changed in place) in ``directory`` as compressed-tensors' ``W8A8``: every ``nn.Linear`` but
+    those named in ``keep`` in int8 with a scale per row, inputs rounded per token through int8 at run time. Needs
+    ``compressed-tensors``."""
+    return _save_preset(model, directory, "W8A8", keep, "int-quantized")
+
+
+def _save_preset(model: nn.Module, directory: str | Path, preset: str, keep: tuple[str, ...], layout: str) -> Path:
     from compressed_tensors.quantization import preset_name_to_scheme
 
-    scheme = preset_name_to_scheme("FP8_DYNAMIC", ["Linear"])
-    return _save_compressed(model, directory, scheme, None, keep, "float-quantized")
+    return _save_compressed(model, directory, preset_name_to_scheme(preset, ["Linear"]), None, keep, layout)
 
 
 def _save_compressed(model, directory, scheme, group_size: int | None, keep: tuple[str, ...], layout: str):

@@ -1,6 +1,7 @@
-""":class:`tpcore.parallel.quantized_linear.TokenFP8Linear` (compressed-tensors' ``FP8_DYNAMIC``): each token's input
-rounded through e4m3 as compressed-tensors rounds it, bit for bit, and a row-parallel rank, holding some of the
-token's features, rounds them with the scale of the whole token (the maximum gathered from every rank)."""
+"""Per-token input rounding (:mod:`tpcore.parallel.token_rounding`, compressed-tensors' ``FP8_DYNAMIC`` and ``W8A8``):
+each token's input rounded through e4m3 or int8 as compressed-tensors rounds it, bit for bit, and a row-parallel rank
+of :class:`~tpcore.parallel.quantized_linear.TokenFP8Linear`, holding some of the token's features, rounds them with
+the scale of the whole token (the maximum gathered from every rank)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from torch import nn
 
 from tpcore.cut.split import Split
 from tpcore.parallel.quantized_linear import RowParallelTokenFP8Linear, TokenFP8Linear
+from tpcore.parallel.token_rounding import rounded_per_token
 
 
 def layer(in_features: int = 12, cls: type = TokenFP8Linear) -> TokenFP8Linear:
@@ -26,16 +28,17 @@ def inputs(dtype: torch.dtype = torch.float32) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_token_is_rounded_as_compressed_tensors_rounds_it(dtype):
+@pytest.mark.parametrize(("preset", "values"), [("FP8_DYNAMIC", "e4m3"), ("W8A8", "int8")])
+def test_a_token_is_rounded_as_compressed_tensors_rounds_it(dtype, preset, values):
     forward = pytest.importorskip("compressed_tensors.quantization.lifecycle.forward")
     from compressed_tensors.quantization import preset_name_to_scheme
     from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
 
-    args = preset_name_to_scheme("FP8_DYNAMIC", ["Linear"]).input_activations
+    args = preset_name_to_scheme(preset, ["Linear"]).input_activations
     x = inputs(dtype)
     scale, zero_point = compute_dynamic_scales_and_zp(value=x, args=args, module=nn.Linear(12, 4))
     expected = forward.fake_quantize(x, scale, zero_point, args)
-    got = layer().quantized_input(x)
+    got = rounded_per_token(x, x.abs().amax(-1, keepdim=True), values)
     assert got.dtype == expected.dtype and torch.equal(got, expected)
 
 
@@ -44,7 +47,7 @@ def test_a_row_parallel_rank_rounds_its_features_with_the_whole_token_s_scale(mo
     whole = layer().quantized_input(x)
     pieces = [Split(-1).shard(x, rank, world) for rank in range(world)]
     maxima = torch.cat([piece.abs().amax(-1, keepdim=True) for piece in pieces], dim=-1)
-    monkeypatch.setattr("tpcore.parallel.quantized_linear.all_gather", lambda tensor, group: maxima)
+    monkeypatch.setattr("tpcore.parallel.token_rounding.all_gather", lambda tensor, group: maxima)
     for rank, piece in enumerate(pieces):
         got = layer(cls=RowParallelTokenFP8Linear).quantized_input(piece)
         assert torch.equal(got, Split(-1).shard(whole, rank, world))
