@@ -203,7 +203,10 @@ def weights(**values):
             "quantizes input activations",
         ),
         (lambda q: q.update(format="float-quantized"), r"float-quantized with weights \{'type': 'int'"),
-        (lambda q: q.update(format="int-quantized"), r"int-quantized with weights \{'num_bits': 4, 'strategy': 'group'\}"),
+        (
+            lambda q: q.update(format="int-quantized"),
+            r"int-quantized with weights \{'num_bits': 4, 'strategy': 'group'\}",
+        ),
         (lambda q: q.update(format="nvfp4-pack-quantized"), "'nvfp4-pack-quantized'"),
         (lambda q: q.update(sparsity_config={"format": "sparse-24-bitmask"}), "with a sparsity_config"),
         (lambda q: q.update(config_groups={}), "without config groups"),
