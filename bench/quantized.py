@@ -11,6 +11,7 @@ A random-init Llama of SmolLM2-135M's widths (``--layers``, 30 by default) saved
   compressed-tensors itself;
 - ``fp8-dynamic``: compressed-tensors' ``FP8_DYNAMIC`` (e4m3 weights, a scale a row, each token's input rounded
   through e4m3 as it runs);
+- ``w8a8``: compressed-tensors' ``W8A8`` (the same with int8);
 - ``int8``: torchao's ``Int8WeightOnlyConfig`` (int8 values, a scale per row), quantized and saved by transformers'
   ``TorchAoConfig``.
 
@@ -32,6 +33,7 @@ first one-token forward (where transformers decompresses pack-quantized layers),
     python bench/quantized.py --format w4a16    # -> bench/results/quantized_w4a16.md
     python bench/quantized.py --format int8     # -> bench/results/quantized_int8.md
     python bench/quantized.py --format fp8-dynamic  # -> bench/results/quantized_fp8-dynamic.md
+    python bench/quantized.py --format w8a8     # -> bench/results/quantized_w8a8.md
     python bench/quantized.py --quick           # a smoke run
 """
 
@@ -52,6 +54,7 @@ from tpcore.testing.quantized_checkpoints import (
     save_fp8_dynamic,
     save_int8_weight_only,
     save_pack_quantized,
+    save_w8a8,
 )
 
 #: each format's saver, its name in the tables, and what transformers holds of it on a CPU
@@ -69,6 +72,11 @@ FORMATS = {
     "fp8-dynamic": (
         lambda model, directory, args: save_fp8_dynamic(model, directory),
         "FP8_DYNAMIC",
+        "decompressed in its first forward",
+    ),
+    "w8a8": (
+        lambda model, directory, args: save_w8a8(model, directory),
+        "W8A8",
         "decompressed in its first forward",
     ),
     "int8": (
