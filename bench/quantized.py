@@ -13,13 +13,15 @@ A random-init Llama of SmolLM2-135M's widths (``--layers``, 30 by default) saved
   through e4m3 as it runs);
 - ``w8a8``: compressed-tensors' ``W8A8`` (the same with int8);
 - ``int8``: torchao's ``Int8WeightOnlyConfig`` (int8 values, a scale per row), quantized and saved by transformers'
-  ``TorchAoConfig``.
+  ``TorchAoConfig``;
+- ``llm-int8``: bitsandbytes 8-bit (LLM.int8(): int8 rows, inputs rounded per token through int8, outlier columns
+  of 6 or more in the input's dtype), quantized and saved by transformers' ``BitsAndBytesConfig``.
 
 Two ways, one after the other in this process, each loading the directory ``--rounds`` times (median):
 
 - **transformers**: ``AutoModelForCausalLM.from_pretrained(dir)`` (``--threads`` torch threads, default 2), which on
-  a CPU dequantizes block FP8 at load, decompresses pack-quantized integers in its first forward and computes int8
-  with torchao's tensor subclass;
+  a CPU dequantizes block FP8 at load, decompresses pack-quantized integers in its first forward, computes int8
+  with torchao's tensor subclass and bitsandbytes' 8-bit layers with its integer product;
 - **tpcore**: ``tpcore.parallelize(dir, num_gpus=N)`` (gloo, the cores split between the ranks): each rank reads
   its part of the quantized values (and the scales it needs), and dequantizes a layer at a time in each forward.
 
@@ -34,6 +36,7 @@ first one-token forward (where transformers decompresses pack-quantized layers),
     python bench/quantized.py --format int8     # -> bench/results/quantized_int8.md
     python bench/quantized.py --format fp8-dynamic  # -> bench/results/quantized_fp8-dynamic.md
     python bench/quantized.py --format w8a8     # -> bench/results/quantized_w8a8.md
+    python bench/quantized.py --format llm-int8  # -> bench/results/quantized_llm-int8.md
     python bench/quantized.py --quick           # a smoke run
 """
 
@@ -53,6 +56,7 @@ from tpcore.testing.quantized_checkpoints import (
     save_block_fp8,
     save_fp8_dynamic,
     save_int8_weight_only,
+    save_llm_int8,
     save_pack_quantized,
     save_w8a8,
 )
@@ -83,6 +87,11 @@ FORMATS = {
         lambda model, directory, args: save_int8_weight_only(model, directory),
         "torchao int8 weight-only",
         "torchao's Int8Tensor",
+    ),
+    "llm-int8": (
+        lambda model, directory, args: save_llm_int8(model, directory),
+        "bitsandbytes 8-bit",
+        "bitsandbytes' Linear8bitLt",
     ),
 }
 

@@ -1,10 +1,12 @@
-"""What the quantized formats' tests share: a tiny Llama to quantize and transformers' outputs for it, the bytes a
-split keeps, all-MiniLM-L6-v2's real weights saved quantized and split, and checkpoints with a changed config."""
+"""What the quantized formats' tests share: a tiny Llama to quantize and transformers' outputs for it, the layers and
+bytes a split keeps, the plan ``tpcore plugins`` shows, all-MiniLM-L6-v2's real weights saved quantized and split,
+and checkpoints with a changed config."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import re
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -14,6 +16,7 @@ import pytest
 import rank_helpers
 import torch
 import transformers
+from safetensors.torch import load_file
 
 import tpcore
 from tpcore.testing import compare_outputs, tiny_llama
@@ -90,6 +93,40 @@ def check_split_outputs(model: Any, expected: Any, tokens: torch.Tensor, world_s
     )
     assert torch.equal(generated, tokens)
     check_largest_rank(model._tpcore_handle.plan, world_size)
+
+
+def rank_layer_kinds(context, values: str) -> dict[str, str]:
+    """On a rank: the dtype of the first layer's ``q_proj.<values>`` and the classes of its row-parallel projections."""
+    layer = context.store["model"].model.layers[0]
+    return {
+        "values": str(getattr(layer.self_attn.q_proj, values).dtype),
+        "o_proj": type(layer.self_attn.o_proj).__name__,
+        "down_proj": type(layer.mlp.down_proj).__name__,
+    }
+
+
+def check_split_layers(
+    model: Any, expected: Any, tokens: torch.Tensor, world_size: int, values: str, dtype: str, row_class: str
+) -> None:
+    """:func:`check_split_outputs`, and the ranks hold ``q_proj.<values>`` in ``dtype`` and ``row_class`` for the
+    row-parallel projections."""
+    check_split_outputs(model, expected, tokens, world_size)
+    kinds = model._tpcore_handle.pool.run(rank_layer_kinds, values)[0]
+    assert kinds == {"values": dtype, "o_proj": row_class, "down_proj": row_class}
+
+
+def check_plan_shown(directory: Path, shown: str, cut: tuple[str, ...] = (), replicated: tuple[str, ...] = ()) -> None:
+    """``tpcore plugins --model directory --world-size 2`` printed ``shown``: the tensors named in ``cut`` cut along
+    dim 0 and those in ``replicated`` whole on every rank (names as the plan groups layers, ``model.layers.*...``),
+    the whole model counted at the files' own bytes, the largest rank at most 0.55 of them."""
+    for name in cut:
+        assert re.search(rf"{re.escape(name)}\s+cut dim 0", shown), name
+    for name in replicated:
+        assert re.search(rf"{re.escape(name)}\s+replicated", shown), name
+    stored = sum(t.numel() * t.element_size() for t in load_file(directory / "model.safetensors").values())
+    per_rank, whole = (float(n) for n in re.search(r"per rank ([\d.]+) KiB of ([\d.]+) KiB", shown).groups())
+    assert abs(whole * 1024 - stored) < 0.01 * stored
+    assert per_rank <= 0.55 * whole
 
 
 def check_largest_rank(plan, world_size: int) -> None:

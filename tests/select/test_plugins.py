@@ -13,6 +13,7 @@ from transformers import BertModel, ResNetConfig, ResNetModel
 
 import tpcore
 from tpcore import AutoPolicy, Policy, UnsupportedModelError
+from tpcore.load.quantized_formats import BUILT_IN_FORMATS
 from tpcore.select import plugins as tp_plugins
 from tpcore.select.plugins import (
     PluginLoadWarning,
@@ -523,15 +524,17 @@ class FakeFormat(tpcore.QuantizedFormat):
     description = "three bits, for tests"
 
 
+#: the formats tpcore splits itself, in order
+BUILT_IN_METHODS = [form.quant_method for form in BUILT_IN_FORMATS]
+
+
 def test_a_plugin_s_quantized_format_joins_tpcore_s_own(fake_entry_points, capsys):
     fake = FakeFormat()
     fake_entry_points.points.append(
         FakeEntryPoint("int3", plugin_module("tp_int3", formats=(fake,)), FakeDist("tp-int3", "0.1"))
     )
     formats = quantized_formats()
-    assert [form.quant_method for form in formats] == ["fp8", "compressed-tensors", "torchao", "fake-int3"] and formats[
-        3
-    ] is fake
+    assert [form.quant_method for form in formats] == [*BUILT_IN_METHODS, "fake-int3"] and formats[-1] is fake
     (info,) = plugin_infos()
     assert (info.formats, info.policies, info.error) == (["fake-int3"], [], None)
     assert main(["plugins"]) == 0
@@ -552,5 +555,5 @@ def test_a_plugin_whose_format_conflicts_or_is_no_format_is_reported_and_dropped
     fake_entry_points.points.extend([plugin, good])
     with pytest.warns(PluginLoadWarning, match=error):
         formats_now = quantized_formats()
-    assert [form.quant_method for form in formats_now] == ["fp8", "compressed-tensors", "torchao"]
+    assert [form.quant_method for form in formats_now] == BUILT_IN_METHODS
     assert [entry.policy for entry in registered_policies()] == [FakePolicy]

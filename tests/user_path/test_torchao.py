@@ -6,7 +6,6 @@ refused by name."""
 
 from __future__ import annotations
 
-import re
 import shutil
 
 import pytest
@@ -14,8 +13,9 @@ import torch
 import transformers
 from quantized_checks import (
     check_engine_reads,
+    check_plan_shown,
     check_real_minilm_split,
-    check_split_outputs,
+    check_split_layers,
     greedy_outputs,
     quantizable_llama,
     split,
@@ -37,23 +37,8 @@ def int8_dir(tmp_path_factory):
     return save_int8_weight_only(quantizable_llama(), tmp_path_factory.mktemp("int8") / "model")
 
 
-def layer_classes(context) -> dict[str, str]:
-    """On a rank: one layer's int8 values' dtype and the classes of its projections."""
-    layer = context.store["model"].model.layers[0]
-    return {
-        "values": str(layer.self_attn.q_proj._weight_qdata.dtype),
-        "o_proj": type(layer.self_attn.o_proj).__name__,
-        "down_proj": type(layer.mlp.down_proj).__name__,
-    }
-
-
 def check_split(model, expected, tokens, world_size):
-    check_split_outputs(model, expected, tokens, world_size)
-    assert model._tpcore_handle.pool.run(layer_classes)[0] == {
-        "values": "torch.int8",
-        "o_proj": "RowParallelInt8Linear",
-        "down_proj": "RowParallelInt8Linear",
-    }
+    check_split_layers(model, expected, tokens, world_size, "_weight_qdata", "torch.int8", "RowParallelInt8Linear")
 
 
 @pytest.mark.slow
@@ -89,13 +74,12 @@ def test_real_minilm_weights_in_int8_split_with_their_biases(tmp_path):
 
 def test_the_plan_shown_for_an_int8_directory_counts_its_bytes_as_stored(int8_dir, capsys, no_process_starts):
     assert main(["plugins", "--model", str(int8_dir), "--world-size", "2"]) == 0
-    shown = capsys.readouterr().out
-    assert re.search(r"model\.layers\.\*\.mlp\.up_proj\._weight_scale\s+cut dim 0", shown)
-    assert re.search(r"model\.layers\.\*\.mlp\.down_proj\._weight_scale\s+replicated", shown)
-    stored = sum(t.numel() * t.element_size() for t in load_file(int8_dir / "model.safetensors").values())
-    per_rank, whole = (float(n) for n in re.search(r"per rank ([\d.]+) KiB of ([\d.]+) KiB", shown).groups())
-    assert abs(whole * 1024 - stored) < 0.01 * stored
-    assert per_rank <= 0.55 * whole
+    check_plan_shown(
+        int8_dir,
+        capsys.readouterr().out,
+        cut=("model.layers.*.mlp.up_proj._weight_scale",),
+        replicated=("model.layers.*.mlp.down_proj._weight_scale",),
+    )
 
 
 # -- refused --------------------------------------------------------------------------------------------------

@@ -14,7 +14,8 @@ same way (e4m3 or int8 weights, a scale a row from each row's absolute maximum; 
 run time).
 
 :func:`save_int8_weight_only` writes torchao's per-row int8 weight-only layout as transformers does: the model
-saved, loaded again with ``TorchAoConfig(Int8WeightOnlyConfig())`` and saved in safetensors.
+saved, loaded again with ``TorchAoConfig(Int8WeightOnlyConfig())`` and saved in safetensors. :func:`save_llm_int8`
+writes bitsandbytes' 8-bit layout the same way (``BitsAndBytesConfig(load_in_8bit=True)``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ __all__ = [
     "save_block_fp8",
     "save_fp8_dynamic",
     "save_int8_weight_only",
+    "save_llm_int8",
     "save_pack_quantized",
     "save_w8a8",
 ]
@@ -147,10 +149,29 @@ def save_int8_weight_only(model: nn.Module, directory: str | Path) -> Path:
     """Save ``model`` in ``directory`` with torchao's ``Int8WeightOnlyConfig`` (int8 values, a scale per row) on
     every linear layer but the LM head, through transformers' ``TorchAoConfig``. Needs the ``torchao`` package.
     Returns the directory."""
+    from torchao.quantization import Int8WeightOnlyConfig
+    from transformers import TorchAoConfig
+
+    return _save_through_transformers(model, directory, TorchAoConfig(Int8WeightOnlyConfig()))
+
+
+def save_llm_int8(model: nn.Module, directory: str | Path, threshold: float = 6.0) -> Path:
+    """Save ``model`` in ``directory`` as bitsandbytes 8-bit (LLM.int8(), outlier ``threshold``) on every linear
+    layer but the LM head, through transformers' ``BitsAndBytesConfig(load_in_8bit=True)``. Needs the
+    ``bitsandbytes`` package. Returns the directory."""
+    from transformers import BitsAndBytesConfig
+
+    return _save_through_transformers(
+        model, directory, BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=threshold)
+    )
+
+
+def _save_through_transformers(model: nn.Module, directory: str | Path, quantization: object) -> Path:
+    """``model`` saved, loaded again by transformers with ``quantization_config=quantization`` and saved in
+    ``directory`` (safetensors)."""
     import tempfile
 
-    from torchao.quantization import Int8WeightOnlyConfig
-    from transformers import AutoConfig, TorchAoConfig
+    from transformers import AutoConfig
 
     directory = Path(directory)
     with tempfile.TemporaryDirectory() as scratch:
@@ -158,7 +179,7 @@ def save_int8_weight_only(model: nn.Module, directory: str | Path) -> Path:
         model_class = type(model)
         config = AutoConfig.from_pretrained(scratch)
         quantized = model_class.from_pretrained(  # type: ignore[attr-defined]
-            scratch, config=config, quantization_config=TorchAoConfig(Int8WeightOnlyConfig())
+            scratch, config=config, quantization_config=quantization
         )
     quantized.save_pretrained(directory, safe_serialization=True)
     return directory
