@@ -167,6 +167,7 @@ BENCH_SCRIPTS = (
     "quantized.py --format fp8-dynamic",
     "quantized.py --format w8a8",
     "quantized.py --format llm-int8",
+    "quantized.py --format nf4",
 )
 
 

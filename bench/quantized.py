@@ -15,13 +15,16 @@ A random-init Llama of SmolLM2-135M's widths (``--layers``, 30 by default) saved
 - ``int8``: torchao's ``Int8WeightOnlyConfig`` (int8 values, a scale per row), quantized and saved by transformers'
   ``TorchAoConfig``;
 - ``llm-int8``: bitsandbytes 8-bit (LLM.int8(): int8 rows, inputs rounded per token through int8, outlier columns
-  of 6 or more in the input's dtype), quantized and saved by transformers' ``BitsAndBytesConfig``.
+  of 6 or more in the input's dtype), quantized and saved by transformers' ``BitsAndBytesConfig``;
+- ``nf4``: bitsandbytes 4-bit NF4 with nested block scales (``bnb_4bit_use_double_quant``), the same way.
 
 Two ways, one after the other in this process, each loading the directory ``--rounds`` times (median):
 
 - **transformers**: ``AutoModelForCausalLM.from_pretrained(dir)`` (``--threads`` torch threads, default 2), which on
   a CPU dequantizes block FP8 at load, decompresses pack-quantized integers in its first forward, computes int8
-  with torchao's tensor subclass and bitsandbytes' 8-bit layers with its integer product;
+  with torchao's tensor subclass and bitsandbytes' layers with its own products (4-bit: its dequantizing product,
+  its fused bfloat16 CPU kernel turned off as in the tests, since it rounds the inputs to bfloat16; with ``nf4`` a
+  further row decodes with that kernel, transformers' default, its tokens compared with the dequantizing product's);
 - **tpcore**: ``tpcore.parallelize(dir, num_gpus=N)`` (gloo, the cores split between the ranks): each rank reads
   its part of the quantized values (and the scales it needs), and dequantizes a layer at a time in each forward.
 
@@ -37,6 +40,7 @@ first one-token forward (where transformers decompresses pack-quantized layers),
     python bench/quantized.py --format fp8-dynamic  # -> bench/results/quantized_fp8-dynamic.md
     python bench/quantized.py --format w8a8     # -> bench/results/quantized_w8a8.md
     python bench/quantized.py --format llm-int8  # -> bench/results/quantized_llm-int8.md
+    python bench/quantized.py --format nf4      # -> bench/results/quantized_nf4.md
     python bench/quantized.py --quick           # a smoke run
 """
 
@@ -54,6 +58,7 @@ from _models import smollm2_spec
 import tpcore
 from tpcore.testing.quantized_checkpoints import (
     save_block_fp8,
+    save_four_bit,
     save_fp8_dynamic,
     save_int8_weight_only,
     save_llm_int8,
@@ -93,7 +98,20 @@ FORMATS = {
         "bitsandbytes 8-bit",
         "bitsandbytes' Linear8bitLt",
     ),
+    "nf4": (
+        lambda model, directory, args: save_four_bit(model, directory, "nf4", nested=True),
+        "bitsandbytes NF4",
+        "bitsandbytes' Linear4bit",
+    ),
 }
+
+
+def dequantizing(model):
+    """``model`` with bitsandbytes' fused 4-bit CPU kernel turned off (as the tests do: it computes in bfloat16)."""
+    for module in model.modules():
+        if type(module).__name__ == "Linear4bit":
+            module.support_avx512bf16_for_cpu = False
+    return model
 
 
 def tensor_bytes(tensor: torch.Tensor) -> int:
@@ -146,8 +164,8 @@ def main(argv: list[str] | None = None) -> None:
         save, name, held_as = FORMATS[args.format]
         directory = save(smollm2_spec(args.layers).build(), Path(scratch) / args.format, args)
         stored = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
-        loads = [timed(lambda: ready(transformers.AutoModelForCausalLM.from_pretrained(directory).eval(), ids))
-                 for _ in range(3)]  # fmt: skip
+        loads = [timed(lambda: ready(dequantizing(transformers.AutoModelForCausalLM.from_pretrained(directory).eval()),
+                                     ids)) for _ in range(3)]  # fmt: skip
         reference = loads[-1][1]
         speed, expected = decode(reference, ids, args.new_tokens)
         held = sum(tensor_bytes(t) for t in reference.state_dict().values())  # once it has computed
@@ -155,6 +173,14 @@ def main(argv: list[str] | None = None) -> None:
         rows.append([f"transformers ({held_as})", "1", f"{held / 2**20:.0f}", f"{held / stored:.2f}",
                      f"{load:.1f}", "1.00", f"{speed:.1f}", "-"])  # fmt: skip
         del reference, loads
+        if (
+            args.format == "nf4"
+        ):  # what transformers computes by default: the fused bfloat16 kernel where the CPU has it
+            fused = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+            fused_speed, fused_tokens = decode(fused, ids, args.new_tokens)
+            rows.append(["transformers (its default CPU kernel: bfloat16 where the CPU has AVX-512-BF16)", "1", "-",
+                         "-", "-", "-", f"{fused_speed:.1f}", str(torch.equal(fused_tokens, expected))])  # fmt: skip
+            del fused
         plain = Path(scratch) / "fp32"
         smollm2_spec(args.layers).build().save_pretrained(plain)  # the same model unquantized: the split's own costs
         ways = [(f"tpcore N={n} ({name} on the ranks)", directory, n) for n in map(int, args.world_sizes.split(","))]
@@ -189,9 +215,11 @@ def main(argv: list[str] | None = None) -> None:
     ]
     sections = [
         f"Llama of SmolLM2-135M's widths, {args.layers} layers, random init, saved in {name} ("
-        + {"fp8": f"blocks of {args.block} x {args.block}", "w4a16": f"int4 in groups of {args.group}"}.get(
-            args.format, "a scale a row"
-        )
+        + {
+            "fp8": f"blocks of {args.block} x {args.block}",
+            "w4a16": f"int4 in groups of {args.group}",
+            "nf4": "blocks of 64, nested scales",
+        }.get(args.format, "a scale a row")
         + f", the LM head in fp32): {stored / 2**20:.0f} MiB of safetensors. Loads: median of "
         f"3 (transformers) and {args.rounds} (tpcore); decode: greedy, {args.new_tokens} new tokens after a 32-token "
         f"prompt, batch 1; transformers on {args.threads} threads in this process.",

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from tpcore.cut.scale_blocks import block_index
+from tpcore.cut.scale_blocks import block_index, first_whole_block
 from tpcore.cut.split import Split
 from tpcore.parallel.quantized_linear import BlockFP8Linear, e4m3_as_scaled_float32, localize_quantized
 from tpcore.testing.quantized_checkpoints import block_fp8
@@ -129,3 +129,17 @@ def test_holding_refuses_scales_of_another_grid():
     linear = nn.Linear(9, 10, device="meta")
     with pytest.raises(ValueError, match=r"has \(3, 3\) scales, not \(2, 3\)"):
         BlockFP8Linear.hold(linear, (4, 3), (2, 3))
+
+
+@pytest.mark.parametrize(
+    ("blocks", "first"),
+    [
+        ([2, 2, 3, 3], 2),
+        ([], 0),
+        ([0, 0, 1], None),  # half a block at the end
+        ([0, 1, 1, 2], None),  # a cut inside a block at the start
+        ([1, 1, 3, 3], None),  # blocks out of order (a piece of two ranges)
+    ],
+)
+def test_first_whole_block_is_found_only_where_a_piece_is_whole_blocks_in_order(blocks, first):
+    assert first_whole_block(torch.tensor(blocks, dtype=torch.int64), 2) == first

@@ -88,9 +88,9 @@ class Spy:
     def __getattr__(self, name):
         return getattr(self.handle, name)
 
-    def read(self, key, dim=None, start=0, stop=0):
+    def read(self, key, dim=None, start=0, stop=0, view=None):
         self.log.append((key, "whole" if dim is None else (slice(None),) * dim + (slice(start, stop),)))
-        return self.handle.read(key, dim, start, stop)
+        return self.handle.read(key, dim, start, stop, view)
 
 
 @pytest.fixture

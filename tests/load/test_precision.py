@@ -114,6 +114,23 @@ def test_strict_fp32_modules_stay_fp32_in_bf16_too(monkeypatch):
     assert cast["model.layers.1.mlp.up_proj.weight"] == torch.bfloat16
 
 
+@pytest.mark.parametrize(
+    ("kept", "expected"),
+    [
+        (True, {"weight": torch.float32, "scale": torch.float32, "bias": torch.float32}),
+        (("scale",), {"weight": torch.bfloat16, "scale": torch.float32, "bias": torch.bfloat16}),
+        (False, {"weight": torch.bfloat16, "scale": torch.bfloat16, "bias": torch.bfloat16}),
+    ],
+)
+def test_a_quantized_layer_keeps_the_dtypes_of_the_tensors_it_names(kept, expected):
+    """``keeps_stored_dtypes``: every tensor of the module (``True``), those it names, or none."""
+    layer = torch.nn.Linear(4, 3)
+    layer.scale = torch.nn.Parameter(torch.ones(3))
+    layer.keeps_stored_dtypes = kept
+    cast_model(torch.nn.Sequential(layer), torch.bfloat16)
+    assert {name: tensor.dtype for name, tensor in layer.named_parameters()} == expected
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("name", "dtype"), [("t5", torch.float16), ("llama", torch.bfloat16)])
 def test_parallelize_casts_the_ranks_models_as_from_pretrained(loaded, name, dtype):

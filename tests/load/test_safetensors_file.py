@@ -60,6 +60,30 @@ def test_a_slice_read_equals_safetensors_own_slice(tmp_path_factory, cases):
     file.close()
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 6),
+    columns=st.integers(1, 8),
+    dim=st.sampled_from([0, 1]),
+    bounds=st.tuples(st.floats(0, 1), st.floats(0, 1)),
+)
+def test_a_flat_tensor_read_as_rows_gives_the_slice_of_its_reshape(tmp_path_factory, rows, columns, dim, bounds):
+    """A tensor stored flat (bitsandbytes' packed 4-bit codes, ``(n, 1)``) read as ``(rows, columns)``: any rows or
+    columns of it are those of the reshaped tensor."""
+    path = tmp_path_factory.mktemp("st") / "model.safetensors"
+    flat = torch.randint(0, 255, (rows * columns, 1), dtype=torch.uint8)
+    save_file({"packed": flat}, str(path))
+    size = (rows, columns)[dim]
+    start, stop = sorted(round(bound * size) for bound in bounds)
+    file = SafetensorsFile(path)
+    got = file.read("packed", dim, start, stop, [rows, columns])
+    assert torch.equal(got, flat.reshape(rows, columns).narrow(dim, start, stop - start))
+    assert torch.equal(file.read("packed", None, view=[rows, columns]), flat.reshape(rows, columns))
+    with pytest.raises(ValueError, match=r"tensor 'packed' of shape \[\d+, 1\] cannot be read as \[\d+, \d+\]"):
+        file.read("packed", 0, 0, 1, [rows + 1, columns])
+    file.close()
+
+
 def test_columns_are_read_in_batches_of_iovecs_and_short_reads_are_continued(tmp_path, monkeypatch):
     tensor = torch.randn(3000, 10)  # 3000 runs of 4 columns: more than one preadv's iovecs
     save_file({"w": tensor}, str(tmp_path / "model.safetensors"))

@@ -1,8 +1,9 @@
-"""bitsandbytes 8-bit checkpoints on the user's path: LLM.int8() (int8 rows, a scale a row, outlier input columns
-in the input's dtype), quantized and saved by transformers' ``BitsAndBytesConfig`` itself, split by
-``tpcore.parallelize(dir)``, by ``parallelize(model)`` of the quantized object transformers holds, and by the SPMD
-engine, give transformers' own outputs at an even and an uneven world size, outliers in column- and row-parallel
-layers alike, each rank holding its int8 values; what tpcore does not split is refused by name."""
+"""bitsandbytes checkpoints on the user's path: 8-bit LLM.int8() (int8 rows, a scale a row, outlier input columns
+in the input's dtype) and 4-bit NF4 and FP4 (two codes a byte, a scale per block of 64, nested or not), quantized and
+saved by transformers' ``BitsAndBytesConfig`` itself, split by ``tpcore.parallelize(dir)``, by ``parallelize(model)``
+of the quantized object transformers holds, and by the SPMD engine, give transformers' own outputs at an even and an
+uneven world size (8-bit: outliers in column- and row-parallel layers alike; 4-bit: cuts inside blocks), each rank
+holding its int8 values or 4-bit codes; what tpcore does not split is refused by name."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from quantized_checks import (
     check_plan_shown,
     check_real_minilm_split,
     check_split_layers,
+    dequantizing,
     greedy_outputs,
     quantizable_llama,
     split,
@@ -24,7 +26,8 @@ from safetensors.torch import load_file, save_file
 
 import tpcore
 from tpcore import ShardingError
-from tpcore.testing.quantized_checkpoints import save_llm_int8
+from tpcore.testing import tiny_llama
+from tpcore.testing.quantized_checkpoints import save_four_bit, save_llm_int8
 from tpcore.tools.cli import main
 
 pytest.importorskip("bitsandbytes", reason="bitsandbytes quantizes the checkpoints")
@@ -99,7 +102,15 @@ def test_the_plan_shown_for_an_llm_int8_directory_counts_its_bytes_as_stored(int
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        (lambda q: q.update(load_in_8bit=False, load_in_4bit=True, bnb_4bit_quant_type="nf4"), r"4-bit \(nf4\)"),
+        (lambda q: q.update(load_in_8bit=False, load_in_4bit=True, bnb_4bit_quant_type="int4"), "4-bit 'int4'"),
+        (
+            lambda q: q.update(load_in_8bit=False, load_in_4bit=True, bnb_4bit_quant_storage="bfloat16"),
+            r"as bfloat16 \(bnb_4bit_quant_storage\)",
+        ),
+        (
+            lambda q: q.update(load_in_8bit=False, load_in_4bit=True, bnb_4bit_compute_dtype="int8"),
+            "computes bitsandbytes 4-bit in 'int8'",
+        ),
         (lambda q: q.update(llm_int8_has_fp16_weight=True), "llm_int8_has_fp16_weight"),
     ],
 )
@@ -125,3 +136,84 @@ def test_a_layer_stored_otherwise_is_refused_naming_its_tensor(int8_dir, tmp_pat
     save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ShardingError, match=message):
         tpcore.parallelize(str(directory), num_gpus=2)
+
+
+# -- 4-bit ----------------------------------------------------------------------------------------------------
+
+
+def whole_block_llama() -> torch.nn.Module:
+    """A tiny Llama whose linears' inputs are whole blocks of 64 (192 and 448 features, as bitsandbytes' 4-bit layers
+    need), 6 query heads of 32 over 2 key/value heads: at 2 ranks the MLP's 448 features are cut inside a block."""
+    return tiny_llama(hidden_size=192, num_attention_heads=6, num_key_value_heads=2, intermediate_size=448, head_dim=32)
+
+
+@pytest.fixture(scope="module")
+def four_bit_dirs(tmp_path_factory):
+    """NF4 with nested scales and FP4 without, by name."""
+    root = tmp_path_factory.mktemp("four_bit")
+    return {
+        "nf4": save_four_bit(whole_block_llama(), root / "nf4", "nf4", nested=True),
+        "fp4": save_four_bit(whole_block_llama(), root / "fp4", "fp4", nested=False),
+    }
+
+
+def check_four_bit_split(model, expected, tokens, world_size):
+    check_split_layers(model, expected, tokens, world_size, "weight", "torch.uint8", "RowParallelFourBitLinear")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("kind", "world_size"), [("nf4", 2), ("fp4", 3)])
+def test_a_four_bit_directory_splits_and_gives_transformers_outputs(four_bit_dirs, kind, world_size):
+    expected, tokens = transformers_outputs(four_bit_dirs[kind])
+    with split(str(four_bit_dirs[kind]), world_size) as model:
+        check_four_bit_split(model, expected, tokens, world_size)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("kind", "world_size"), [("nf4", 3), ("fp4", 2)])
+def test_the_four_bit_object_splits_with_its_codes(four_bit_dirs, kind, world_size):
+    """The object transformers holds (``Linear4bit`` layers, nested scales made float32 on the caller) is split as
+    it is: its packed codes go to the ranks."""
+    reference = dequantizing(transformers.AutoModelForCausalLM.from_pretrained(four_bit_dirs[kind]).eval())
+    assert type(reference.model.layers[0].mlp.up_proj).__name__ == "Linear4bit"
+    expected, tokens = greedy_outputs(reference)
+    with split(reference, world_size) as model:
+        check_four_bit_split(model, expected, tokens, world_size)
+
+
+@pytest.mark.slow
+def test_the_spmd_engine_reads_a_four_bit_directory(four_bit_dirs, rank_pools):
+    check_engine_reads(four_bit_dirs["nf4"], rank_pools)
+
+
+@pytest.mark.slow
+def test_real_minilm_weights_in_nf4_split_with_their_biases(tmp_path):
+    """all-MiniLM-L6-v2's real weights in NF4 with nested scales (384 and 1536 features: whole blocks), every linear
+    with a bias, at 3 ranks."""
+    check_real_minilm_split(save_four_bit, tmp_path / "nf4", 3)
+
+
+def test_the_plan_shown_for_a_four_bit_directory_counts_its_codes(four_bit_dirs, capsys, no_process_starts):
+    assert main(["plugins", "--model", str(four_bit_dirs["nf4"]), "--world-size", "2"]) == 0
+    check_plan_shown(
+        four_bit_dirs["nf4"],
+        capsys.readouterr().out,
+        cut=("model.layers.*.mlp.up_proj.absmax",),
+        replicated=("model.layers.*.mlp.down_proj.absmax", "model.layers.*.mlp.down_proj.nested_absmax"),
+        unread=".quant_state.",
+    )
+
+
+def test_four_bit_layers_whose_blocks_cross_rows_are_refused_naming_the_first(tmp_path):
+    """The tiny Llama's 96 and 160 input features are no whole blocks of 64: its flat blocks run across rows."""
+    directory = save_four_bit(quantizable_llama(), tmp_path / "nf4")
+    with pytest.raises(ShardingError, match=r"'model.layers.0.self_attn.q_proj.weight': 96 input features are not"):
+        tpcore.parallelize(str(directory), num_gpus=2)
+
+
+def test_a_four_bit_object_repacked_by_a_forward_is_refused(four_bit_dirs, no_process_starts):
+    """bitsandbytes' fused CPU kernel repacks a layer's codes in its first forward (on CPUs with AVX-512-BF16)."""
+    reference = transformers.AutoModelForCausalLM.from_pretrained(four_bit_dirs["fp4"]).eval()
+    reference.model.layers[1].mlp.up_proj.weight.quant_state.packing_format_for_cpu = True
+    with pytest.raises(ShardingError, match=r"'model.layers.1.mlp.up_proj' holds bitsandbytes' CPU-packed codes"):
+        tpcore.parallelize(reference, num_gpus=2)

@@ -16,6 +16,8 @@ ranks that hold a part of it, which is why the scales are never cut.
 A packed format stores ``p`` values an element along a dimension (eight 4-bit integers an int32 word), so a cut
 of its stored tensor deals whole elements: index ``i`` of a piece holds the values ``[p g(i), p g(i) + p)``.
 ``block_index(..., packing=p)`` gives the block of each of those values, for a dimension of ``size`` stored elements.
+Where a piece is whole blocks in order (:func:`first_whole_block`), a layer scales it by a slice of the scales
+instead of looking each value's block up.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 
 from tpcore.cut.split import Split
 
-__all__ = ["block_index"]
+__all__ = ["block_index", "first_whole_block"]
 
 
 def block_index(
@@ -41,3 +43,11 @@ def block_index(
     pieces = [torch.arange(start * packing, stop * packing) // block for start, stop in ranges]
     pieces.append(torch.zeros(padding * packing, dtype=torch.int64))
     return torch.cat(pieces)
+
+
+def first_whole_block(blocks: torch.Tensor, block: int) -> int | None:
+    """The first block of ``blocks`` (:func:`block_index`'s output, blocks of ``block`` values) where they are whole
+    blocks in order from it on (``b, b, ..., b + 1, ...``, ``block`` of each), else ``None``; 0 for no values."""
+    first = int(blocks[0]) if len(blocks) else 0
+    whole = torch.arange(first, first + len(blocks) // block).repeat_interleave(block)
+    return first if len(blocks) % block == 0 and torch.equal(blocks, whole) else None

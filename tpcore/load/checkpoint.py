@@ -206,13 +206,13 @@ class Checkpoint:
         taken: list[tuple[torch.Tensor, str]] = []
 
         def take(key: str, dim: int | None, start: int = 0, stop: int = 0) -> torch.Tensor:
-            taken.append((self._take(key, dim, start, stop, device), key))
+            taken.append((self._take(key, dim, start, stop, device, sources.view), key))
             return taken[-1][0]
 
         if split is None:
             tensor = _combine(sources, take, None, 0, 0)
         else:
-            shapes = [[self.stored_shape(key) for key in group] for group in sources.keys]
+            shapes = self._source_shapes(sources, self.stored_shape)
             shape = combined_shape(sources, shapes)
             dim = split.dim % len(shape)
             ranges, padding = _split_ranges(split, shape[dim], rank, world_size)
@@ -221,17 +221,30 @@ class Checkpoint:
             tensor = _own(tensor, device)
         return tensor
 
+    @staticmethod
+    def _source_shapes(sources: Sources, stored_shape: Callable[[str], list[int]]) -> Any:
+        """The shapes of ``sources``' stored tensors, grouped as its keys, each as it is read (its ``view``);
+        ``None`` where a view does not hold the stored elements."""
+        if sources.view is None:
+            return [[stored_shape(key) for key in group] for group in sources.keys]
+        (key,) = sources.all_keys
+        return [[list(sources.view)]] if math.prod(sources.view) == math.prod(stored_shape(key)) else None
+
     def _mapped(self, key: str) -> bool:
         """Whether tensors read for ``key`` may be views of a mapped file (pickle checkpoints)."""
         return isinstance(self._handle(self.files[key]), dict)
 
-    def _take(self, key: str, dim: int | None, start: int, stop: int, device: torch.device) -> torch.Tensor:
-        """Stored tensor ``key`` (``dim`` ``None``), or its part ``[start, stop)`` along ``dim``, on ``device``."""
+    def _take(
+        self, key: str, dim: int | None, start: int, stop: int, device: torch.device, view: Any = None
+    ) -> torch.Tensor:
+        """Stored tensor ``key`` (``dim`` ``None``), or its part ``[start, stop)`` along ``dim``, on ``device``;
+        read as the shape ``view`` where given (:attr:`Sources.view <tpcore.load.conversion.Sources.view>`)."""
         handle = self._handle(self.files[key])
         if isinstance(handle, dict):  # a pickle checkpoint, memory-mapped
-            tensor = handle[key] if dim is None else handle[key].narrow(dim, start, stop - start)
+            whole = handle[key] if view is None else handle[key].reshape(view)
+            tensor = whole if dim is None else whole.narrow(dim, start, stop - start)
             return tensor if device == CPU else tensor.to(device)
-        tensor = handle.read(key, dim, start, stop)
+        tensor = handle.read(key, dim, start, stop, None if view is None else list(view))
         return tensor if device == CPU else tensor.to(device)
 
     def stored_shape(self, key: str) -> list[int]:
@@ -287,7 +300,7 @@ class Checkpoint:
         are checked first (:meth:`verify`), so a missing or truncated one fails here, not on a rank.
         """
         aliases, by_name = _aliases(model)
-        found = model_sources(model, self.files, by_name)
+        found = {**model_sources(model, self.files, by_name), **self._declared_sources(model)}
         parameters = {id(tensor) for tensor in model.parameters()}
         reads, missing = [], []
         for name, tensor in named_tensors(model).items():
@@ -309,6 +322,22 @@ class Checkpoint:
         self._check_shapes(model, stored)
         return reads
 
+    def _declared_sources(self, model: nn.Module) -> dict[str, Sources]:
+        """The sources of the tensors whose layers name their stored keys (``stored_as``: a quantized layer's
+        tensors stored under other names), each read as the model tensor's shape where stored flat or otherwise
+        shaped with the same elements."""
+        sources = {}
+        for path, module in model.named_modules():
+            for name, key in getattr(module, "stored_as", {}).items():
+                if key not in self.files:
+                    continue
+                shape = tuple(module.get_parameter(name).shape) if name in module._parameters else None
+                if shape is None:
+                    shape = tuple(module.get_buffer(name).shape)
+                view = None if list(shape) == self.stored_shape(key) else shape
+                sources[f"{path}.{name}" if path else name] = Sources(((key,),), view=view)
+        return sources
+
     def stored_keys(self, model: nn.Module) -> dict[str, str]:
         """The stored key of every model tensor (by each of its names) that one stored tensor makes, as
         ``from_pretrained`` renames keys (:func:`~tpcore.load.conversion.model_sources`)."""
@@ -327,12 +356,15 @@ class Checkpoint:
         lazy = [read for read in reads if read.sources.converted is None]  # converted ones: checked on the rank
         stored = self._shapes_of(key for read in lazy for key in read.sources.all_keys)
         for read in lazy:
-            shapes = [[stored[key] for key in group] for group in read.sources.keys]
-            uneven = any(shape != group[0] for group in shapes for shape in group)  # e.g. one expert of another size
-            shape = None if uneven else combined_shape(read.sources, shapes)
+            shapes = self._source_shapes(read.sources, stored.__getitem__)
+            if shapes is None:  # a view of other elements than stored
+                uneven, shape, got = False, None, f"{math.prod(stored[read.sources.all_keys[0]])} elements"
+            else:
+                uneven = any(shape != group[0] for group in shapes for shape in group)  # one expert of another size
+                shape = None if uneven else combined_shape(read.sources, shapes)
+                got = "pieces of different shapes" if uneven else f"the shape {shape}"
             wanted = tuple(model_tensors[read.name].shape)
             if shape != wanted:
-                got = "pieces of different shapes" if uneven else f"the shape {shape}"
                 keys = read.sources.all_keys
                 source = repr(keys[0]) if len(keys) == 1 else f"{keys[0]!r} and {len(keys) - 1} more stored tensors"
                 raise ValueError(

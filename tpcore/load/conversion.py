@@ -47,6 +47,7 @@ class Sources(NamedTuple):
     stack_dim: int | None = None  # each group's tensors stacked along this new dim; None: one key per group
     cat_dim: int | None = None  # groups concatenated along this dim; None: one group
     converted: Converted | None = None  # set: read whole and converted by transformers (fallback)
+    view: tuple[int, ...] | None = None  # set: the one stored tensor read as this shape (row-major, same elements)
 
     @property
     def all_keys(self) -> list[str]:
@@ -55,6 +56,8 @@ class Sources(NamedTuple):
 
 def combined_shape(sources: Sources, shapes: Sequence[Sequence[Sequence[int]]]) -> tuple[int, ...]:
     """The shape of the tensor ``sources`` make from stored tensors of ``shapes`` (grouped as ``sources.keys``)."""
+    if sources.view is not None:
+        return tuple(sources.view)
     group_shapes = []
     for group in shapes:
         shape = list(group[0])

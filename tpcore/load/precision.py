@@ -94,24 +94,29 @@ def cast_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
 
     Floating parameters and persistent buffers become ``dtype``, or fp32 where their name matches
     :func:`fp32_patterns`; non-persistent buffers, integer tensors and the tensors of a module that
-    ``keeps_stored_dtypes`` (a quantized layer's values and scales) keep their dtype. Parameters
-    keep their identity (``param.data`` is replaced), so tied weights stay tied.
+    ``keeps_stored_dtypes`` (a quantized layer's values and scales: all of them where it is ``True``, those it
+    names where it is a tuple of names) keep their dtype. Parameters keep their identity (``param.data`` is
+    replaced), so tied weights stay tied.
     """
     patterns = fp32_patterns(model, dtype)
     keep_fp32 = re.compile("|".join(f"(?:{p.replace('*', '.*')})" for p in patterns)) if patterns else None
     seen: set[int] = set()
     cast_buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (buffer, its cast), both kept alive
     for module_name, module in model.named_modules(remove_duplicate=False):
-        if getattr(module, "keeps_stored_dtypes", False):  # quantized values and their scales
+        kept = getattr(module, "keeps_stored_dtypes", False)  # quantized values and their scales
+        if kept is True:
             continue
+        kept = kept or ()
         prefix = f"{module_name}." if module_name else ""
         for name, param in module.named_parameters(recurse=False):
-            if id(param) in seen or not param.is_floating_point():
+            if id(param) in seen or not param.is_floating_point() or name in kept:
                 continue
             seen.add(id(param))
             param.data = param.data.to(_target(prefix + name, dtype, keep_fp32))
         for name, buffer in list(module._buffers.items()):
             if buffer is None or not buffer.is_floating_point() or name in module._non_persistent_buffers_set:
+                continue
+            if name in kept:
                 continue
             if id(buffer) not in cast_buffers:  # a buffer shared by modules stays one tensor
                 cast_buffers[id(buffer)] = buffer, buffer.to(_target(prefix + name, dtype, keep_fp32))

@@ -89,9 +89,16 @@ class SafetensorsFile:
             raise ValueError(f"{self.path.name}: tensor {key!r} has dtype {code}, which this torch cannot hold")
         return TORCH_DTYPES[code]
 
-    def read(self, key: str, dim: int | None = None, start: int = 0, stop: int = 0) -> torch.Tensor:
-        """Tensor ``key`` (``dim`` ``None``), or its rows ``[start, stop)`` along ``dim``, in a new CPU tensor."""
+    def read(
+        self, key: str, dim: int | None = None, start: int = 0, stop: int = 0, view: list[int] | None = None
+    ) -> torch.Tensor:
+        """Tensor ``key`` (``dim`` ``None``), or its rows ``[start, stop)`` along ``dim``, in a new CPU tensor;
+        read as the shape ``view`` where given (the same elements, row-major: a flat packed tensor read as rows)."""
         shape, dtype = self.shape(key), self.dtype(key)
+        if view is not None:
+            if math.prod(view) != math.prod(shape):
+                raise ValueError(f"{self.path.name}: tensor {key!r} of shape {shape} cannot be read as {list(view)}")
+            shape = list(view)
         if dim is None:
             dim, start, stop = 0, 0, shape[0] if shape else 1
         dim %= max(len(shape), 1)

@@ -41,8 +41,8 @@ class LLMInt8Linear(QuantizedLinear):
     """``nn.Linear`` holding bitsandbytes' 8-bit ``weight`` and ``SCB`` (module docstring); made from an
     ``nn.Linear`` in place by :meth:`hold`."""
 
-    #: a model-wide cast casts the bias; the values stay int8 and ``SCB`` float32, as bitsandbytes keeps them
-    keeps_stored_dtypes = True
+    #: a model-wide cast casts the bias, as transformers does; the values stay int8 and ``SCB`` float32
+    keeps_stored_dtypes = ("SCB",)
     #: inputs of at least this magnitude are computed in the input's dtype (``llm_int8_threshold``; 0: none)
     threshold: float = 6.0
     SCB: nn.Parameter

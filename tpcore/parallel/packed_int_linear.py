@@ -23,7 +23,7 @@ import sys
 import torch
 from torch import nn
 
-from tpcore.cut.scale_blocks import block_index
+from tpcore.cut.scale_blocks import block_index, first_whole_block
 from tpcore.cut.split import Split
 from tpcore.parallel.quantized_linear import QuantizedLinear, RowParallelQuantized
 
@@ -98,12 +98,9 @@ class PackedIntLinear(QuantizedLinear):
             raise ValueError("packed values cut with padding: a padding word would read as nonzero values")
         whole_words = self.whole_shape[1] // self.packing[1]
         groups = block_index(cut, whole_words, self.group_size, rank, world_size, self.packing[1])
-        first = int(groups[0]) if len(groups) else 0
-        aligned = len(groups) % self.group_size == 0 and torch.equal(
-            groups, torch.arange(first, first + len(groups) // self.group_size).repeat_interleave(self.group_size)
-        )
-        self.scale_cols = None if aligned else groups.to(self.weight_packed.device)
-        self.first_group = first
+        first = first_whole_block(groups, self.group_size)
+        self.scale_cols = None if first is not None else groups.to(self.weight_packed.device)
+        self.first_group = first or 0
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """``W_r`` (module docstring) in ``dtype``."""

@@ -44,7 +44,8 @@ class QuantizedLayer(nn.Module):
     (:meth:`follower_cuts`) and tells it the cut of each of its own tensors (:attr:`cuts`, by name, the same on every
     rank), and a rank tells it its rank once loaded (:meth:`localize`)."""
 
-    keeps_stored_dtypes = True
+    #: the tensors a model-wide cast leaves in their stored dtypes: all (``True``), none, or those named
+    keeps_stored_dtypes: bool | tuple[str, ...] = True
     #: the plan's cut of each of this module's own tensors that is cut: ``{name: Split}`` (dims counted from 0)
     cuts: dict[str, Split] = {}
     #: how many values one stored element of ``weight`` holds along each of its dimensions (a packed format's

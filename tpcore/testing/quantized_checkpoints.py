@@ -15,7 +15,8 @@ run time).
 
 :func:`save_int8_weight_only` writes torchao's per-row int8 weight-only layout as transformers does: the model
 saved, loaded again with ``TorchAoConfig(Int8WeightOnlyConfig())`` and saved in safetensors. :func:`save_llm_int8`
-writes bitsandbytes' 8-bit layout the same way (``BitsAndBytesConfig(load_in_8bit=True)``).
+writes bitsandbytes' 8-bit layout the same way (``BitsAndBytesConfig(load_in_8bit=True)``), :func:`save_four_bit` its
+4-bit one.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ __all__ = [
     "E4M3_MAX",
     "block_fp8",
     "save_block_fp8",
+    "save_four_bit",
     "save_fp8_dynamic",
     "save_int8_weight_only",
     "save_llm_int8",
@@ -164,6 +166,16 @@ def save_llm_int8(model: nn.Module, directory: str | Path, threshold: float = 6.
     return _save_through_transformers(
         model, directory, BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=threshold)
     )
+
+
+def save_four_bit(model: nn.Module, directory: str | Path, kind: str = "nf4", nested: bool = True) -> Path:
+    """Save ``model`` in ``directory`` as bitsandbytes 4-bit (``kind``: ``"nf4"`` or ``"fp4"``, block scales
+    ``nested`` or not) on every linear layer but the LM head, through transformers' ``BitsAndBytesConfig(
+    load_in_4bit=True)``. Needs the ``bitsandbytes`` package. Returns the directory."""
+    from transformers import BitsAndBytesConfig
+
+    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=kind, bnb_4bit_use_double_quant=nested)
+    return _save_through_transformers(model, directory, quantization)
 
 
 def _save_through_transformers(model: nn.Module, directory: str | Path, quantization: object) -> Path:
