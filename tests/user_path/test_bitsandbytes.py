@@ -129,7 +129,9 @@ def test_a_bitsandbytes_variant_tpcore_does_not_split_is_refused_before_any_rank
         ("model.layers.1.mlp.up_proj.SCB", lambda t: t[:-1].clone(), r"are stored as \[\[160, 96\], \[159\]\]"),
     ],
 )
-def test_a_layer_stored_otherwise_is_refused_naming_its_tensor(int8_dir, tmp_path, key, change, message):
+def test_a_layer_stored_otherwise_is_refused_naming_its_tensor_before_any_rank_starts(
+    int8_dir, tmp_path, key, change, message, no_process_starts
+):
     directory = with_quantization_changed(int8_dir, tmp_path / "model", lambda q: None)
     tensors = load_file(directory / "model.safetensors")
     tensors[key] = change(tensors[key])
@@ -204,7 +206,7 @@ def test_the_plan_shown_for_a_four_bit_directory_counts_its_codes(four_bit_dirs,
     )
 
 
-def test_four_bit_layers_whose_blocks_cross_rows_are_refused_naming_the_first(tmp_path):
+def test_four_bit_layers_whose_blocks_cross_rows_are_refused_before_any_rank_starts(tmp_path, no_process_starts):
     """The tiny Llama's 96 and 160 input features are no whole blocks of 64: its flat blocks run across rows."""
     directory = save_four_bit(quantizable_llama(), tmp_path / "nf4")
     with pytest.raises(ShardingError, match=r"'model.layers.0.self_attn.q_proj.weight': 96 input features are not"):

@@ -224,7 +224,9 @@ def test_a_variant_tpcore_does_not_split_is_refused_before_any_rank_starts(
         tpcore.parallelize(str(directory), num_gpus=2)
 
 
-def test_packed_words_no_linear_takes_are_refused_naming_them(w4_dir, tmp_path):
+def test_packed_words_no_linear_takes_are_refused_naming_them_before_any_rank_starts(
+    w4_dir, tmp_path, no_process_starts
+):
     directory = tmp_path / "model"
     shutil.copytree(w4_dir, directory)
     tensors = load_file(directory / "model.safetensors")

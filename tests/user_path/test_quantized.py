@@ -201,7 +201,7 @@ def test_compile_is_refused_for_quantized_layers(fp8_dir):
         tpcore.parallelize(str(fp8_dir[0]), num_gpus=2, compile=True)
 
 
-def test_a_scale_no_linear_takes_is_refused_naming_it(fp8_dir, tmp_path):
+def test_a_scale_no_linear_takes_is_refused_naming_it_before_any_rank_starts(fp8_dir, tmp_path, no_process_starts):
     directory = tmp_path / "model"
     shutil.copytree(fp8_dir[0], directory)
     tensors = load_file(directory / "model.safetensors")

@@ -119,9 +119,13 @@ class CheckpointSource:
         self.checkpoint = Checkpoint(directory)
         self.config = self.checkpoint.config()  # a directory without a model in it fails here
         self.formats = quantized_formats()
-        check_quantization(self.config, f"the checkpoint in {self.checkpoint.directory.name!r}", self.formats)
+        quantized = check_quantization(
+            self.config, f"the checkpoint in {self.checkpoint.directory.name!r}", self.formats
+        )
         self.checkpoint.verify(self.checkpoint.files)  # and so does a missing, truncated or corrupt weight file
         self.model_class = model_class
+        if quantized is not None:  # built now: its format refuses a tensor it cannot split before any rank starts
+            _ = self.model
         #: the module that defines the model, which the ranks import while the caller builds it
         self.preload = _modeling_modules(self.config, model_class)
 
