@@ -126,7 +126,11 @@ def test_a_bitsandbytes_variant_tpcore_does_not_split_is_refused_before_any_rank
     ("key", "change", "message"),
     [
         ("model.layers.1.mlp.up_proj.weight_format", lambda t: torch.ones_like(t), "not bitsandbytes' row format"),
-        ("model.layers.1.mlp.up_proj.SCB", lambda t: t[:-1].clone(), r"are stored as \[\[160, 96\], \[159\]\]"),
+        (
+            "model.layers.1.mlp.up_proj.SCB",
+            lambda t: t[:-1].clone(),
+            r"stored as \[\(\[160, 96\], torch.int8\), \(\[159\], torch.float32\)\]",
+        ),
     ],
 )
 def test_a_layer_stored_otherwise_is_refused_naming_its_tensor_before_any_rank_starts(

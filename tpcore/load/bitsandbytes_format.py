@@ -59,70 +59,69 @@ class BitsAndBytes(QuantizedFormat):
                 "tpcore splits the int8 weights inference uses"
             )
 
-    @staticmethod
-    def threshold(quantization: dict[str, Any]) -> float:
-        return float(quantization.get("llm_int8_threshold", 6.0))
-
     def adopt(self, model: nn.Module, quantization: dict[str, Any]) -> int:
         """A ``Linear8bitLt`` becomes an :class:`LLMInt8Linear` holding its int8 values and ``SCB``, a
         ``Linear4bit`` a :class:`FourBitLinear` holding its codes and its block scales (nested ones made float32)."""
-        if _four_bit(quantization):
-            return _adopt_four_bit(model)
-        adopted = 0
-        for path, module in model.named_modules():
-            state = getattr(module, "state", None)
-            if type(module).__name__ != "Linear8bitLt" or state is None:
-                continue
-            weight = module.weight
-            scales = getattr(weight, "SCB", None)
-            if scales is None:
-                scales = state.SCB
-            if weight.dtype != torch.int8 or scales is None or state.has_fp16_weights:
-                raise ShardingError(
-                    f"{type(model).__name__}'s {path!r} is a bitsandbytes 8-bit layer without int8 weights and their "
-                    "scales (not yet quantized, or kept in float16 for training): tpcore splits quantized ones"
-                )
-            bias = module.bias
-            assert isinstance(module, nn.Linear)
-            LLMInt8Linear.hold(module, state.threshold)
-            module.weight = nn.Parameter(weight.data, requires_grad=False)
-            module.SCB = nn.Parameter(scales, requires_grad=False)
-            module.bias = bias
-            for attribute in ("state", "index", "init_8bit_state"):
-                module.__dict__.pop(attribute, None)
-            adopted += 1
-        return adopted
+        return _adopt_four_bit(model) if _four_bit(quantization) else _adopt_llm_int8(model)
 
     def hold(self, model: nn.Module, checkpoint: Any, quantization: dict[str, Any]) -> int:
         if _four_bit(quantization):
             return _hold_four_bit(model, checkpoint, _compute_dtype(quantization, "the checkpoint"))
-        keys = checkpoint.stored_keys(model)
-        scale_keys = {key for key in checkpoint.files if key.endswith(".SCB")}
-        held = 0
-        for path, module in list(model.named_modules()):
-            key = keys.get(f"{path}.weight" if path else "weight")
-            if not isinstance(module, nn.Linear) or key is None or key.removesuffix("weight") + "SCB" not in scale_keys:
-                continue
-            scale_key = key.removesuffix("weight") + "SCB"
-            shapes = [checkpoint.stored_shape(key), checkpoint.stored_shape(scale_key)]
-            dtypes = [checkpoint.stored_dtype(key), checkpoint.stored_dtype(scale_key)]
-            if shapes != [[module.out_features, module.in_features], [module.out_features]] or dtypes != [
-                torch.int8,
-                torch.float32,
-            ]:
-                raise ShardingError(
-                    f"{key!r} and {scale_key!r} are stored as {shapes} of {dtypes}: tpcore splits bitsandbytes' int8 "
-                    f"rows and float32 row scales, here ({module.out_features}, {module.in_features}) and "
-                    f"({module.out_features},)"
-                )
-            format_key = key + "_format"
-            if format_key in checkpoint.files and int(checkpoint.read(format_key, None, 0, 1)) != _ROW_FORMAT:
-                raise ShardingError(f"{format_key!r} is not bitsandbytes' row format: tpcore splits row-major int8")
-            LLMInt8Linear.hold(module, self.threshold(quantization))
-            scale_keys.discard(scale_key)
-            held += 1
-        refuse_untaken(scale_keys, "scales", "bitsandbytes 8-bit")
-        return held
+        return _hold_llm_int8(model, checkpoint, float(quantization.get("llm_int8_threshold", 6.0)))
+
+
+def _adopt_llm_int8(model: nn.Module) -> int:
+    """Each ``Linear8bitLt`` of ``model`` made an :class:`LLMInt8Linear` with its int8 values and ``SCB``."""
+    adopted = 0
+    for path, module in model.named_modules():
+        state = getattr(module, "state", None)
+        if type(module).__name__ != "Linear8bitLt" or state is None:
+            continue
+        assert isinstance(module, nn.Linear)
+        weight, bias = module.weight, module.bias
+        scales = getattr(weight, "SCB", None)
+        if scales is None:
+            scales = state.SCB
+        if weight.dtype != torch.int8 or scales is None or state.has_fp16_weights:
+            raise ShardingError(
+                f"{type(model).__name__}'s {path!r} is a bitsandbytes 8-bit layer without int8 weights and their "
+                "scales (not yet quantized, or kept in float16 for training): tpcore splits quantized ones"
+            )
+        LLMInt8Linear.hold(module, state.threshold)
+        module.weight = nn.Parameter(weight.data, requires_grad=False)
+        module.SCB = nn.Parameter(scales, requires_grad=False)
+        module.bias = bias
+        for attribute in ("state", "index", "init_8bit_state"):
+            module.__dict__.pop(attribute, None)
+        adopted += 1
+    return adopted
+
+
+def _hold_llm_int8(model: nn.Module, checkpoint: Any, threshold: float) -> int:
+    """Each linear stored as int8 rows beside its ``SCB`` becomes an :class:`LLMInt8Linear`."""
+    keys = checkpoint.stored_keys(model)
+    scale_keys = {key for key in checkpoint.files if key.endswith(".SCB")}
+    held = 0
+    for path, module in list(model.named_modules()):
+        key = keys.get(f"{path}.weight" if path else "weight")
+        scale_key = None if key is None else key.removesuffix("weight") + "SCB"
+        if not isinstance(module, nn.Linear) or scale_key not in scale_keys:
+            continue
+        stored = [(checkpoint.stored_shape(k), checkpoint.stored_dtype(k)) for k in (key, scale_key)]
+        wanted = [([module.out_features, module.in_features], torch.int8), ([module.out_features], torch.float32)]
+        if stored != wanted:
+            raise ShardingError(
+                f"{key!r} and {scale_key!r} are stored as {stored}: tpcore splits bitsandbytes' int8 rows and "
+                f"float32 row scales, here {wanted}"
+            )
+        format_key = f"{key}_format"
+        if format_key in checkpoint.files and int(checkpoint.read(format_key, None, 0, 1)) != _ROW_FORMAT:
+            raise ShardingError(f"{format_key!r} is not bitsandbytes' row format: tpcore splits row-major int8")
+        LLMInt8Linear.hold(module, threshold)
+        scale_keys.discard(scale_key)
+        held += 1
+    refuse_untaken(scale_keys, "scales", "bitsandbytes 8-bit")
+    return held
 
 
 def _four_bit(quantization: dict[str, Any]) -> bool:
@@ -169,7 +168,7 @@ def _hold_four_bit(model: nn.Module, checkpoint: Any, compute_dtype: torch.dtype
         if missing:
             raise ShardingError(f"{key!r} is stored 4-bit without {missing[0]!r}")
         try:
-            FourBitLinear.hold(
+            layer = FourBitLinear.hold(
                 module,
                 state["quant_type"],
                 int(state["blocksize"]),
@@ -179,7 +178,7 @@ def _hold_four_bit(model: nn.Module, checkpoint: Any, compute_dtype: torch.dtype
             )
         except ValueError as error:
             raise ShardingError(f"{key!r}: {error}") from None
-        module.stored_as = stored_as  # type: ignore[assignment]  # a FourBitLinear now
+        layer.stored_as = stored_as
         state_keys.discard(state_key)
         held += 1
     refuse_untaken(state_keys, "quantizes", "bitsandbytes 4-bit")

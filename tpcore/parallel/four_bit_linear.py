@@ -59,8 +59,6 @@ class FourBitLinear(QuantizedLinear):
     code: nn.Parameter
     nested_absmax: nn.Parameter
     nested_code: nn.Parameter
-    #: the stored key of each of its tensors (set by the format that holds it; read by the checkpoint)
-    stored_as: dict[str, str] = {}
     #: this rank's block scales in float32 (:meth:`localize`: ``absmax``, or made from nested scales)
     block_scales: torch.Tensor
     #: the block of each value of this rank's rows (:meth:`localize`), or ``None`` where the rank holds whole blocks

@@ -51,6 +51,9 @@ class QuantizedLayer(nn.Module):
     #: how many values one stored element of ``weight`` holds along each of its dimensions (a packed format's
     #: integers a word): the plan measures heads and layer sizes in values, and cuts ``weight`` in whole elements
     packing: tuple[int, ...] = (1, 1)
+    #: the stored key of each of its tensors that the files keep under another name (``{name: key}``, set by the
+    #: format that holds it): the checkpoint reads it from there, a flat one as this tensor's shape
+    stored_as: dict[str, str] = {}
 
     def follower_cuts(self, split: Split) -> dict[str, Split]:
         """The cuts of this module's other tensors that follow ``split``, its weight's cut (dims counted from 0):
