@@ -164,6 +164,7 @@ BENCH_SCRIPTS = (
     "quantized.py",
     "quantized.py --format w4a16",
     "quantized.py --format int8",
+    "quantized.py --format float8",
     "quantized.py --format fp8-dynamic",
     "quantized.py --format w8a8",
     "quantized.py --format llm-int8",

@@ -13,7 +13,7 @@ A random-init Llama of SmolLM2-135M's widths (``--layers``, 30 by default) saved
   through e4m3 as it runs);
 - ``w8a8``: compressed-tensors' ``W8A8`` (the same with int8);
 - ``int8``: torchao's ``Int8WeightOnlyConfig`` (int8 values, a scale per row), quantized and saved by transformers'
-  ``TorchAoConfig``;
+  ``TorchAoConfig``; ``float8``: its ``Float8WeightOnlyConfig`` (e4m3 values, a scale per row), the same way;
 - ``llm-int8``: bitsandbytes 8-bit (LLM.int8(): int8 rows, inputs rounded per token through int8, outlier columns
   of 6 or more in the input's dtype), quantized and saved by transformers' ``BitsAndBytesConfig``;
 - ``nf4``: bitsandbytes 4-bit NF4 with nested block scales (``bnb_4bit_use_double_quant``), the same way.
@@ -37,6 +37,7 @@ first one-token forward (where transformers decompresses pack-quantized layers),
     python bench/quantized.py                   # about 3 minutes on 2 CPU cores -> bench/results/quantized.md
     python bench/quantized.py --format w4a16    # -> bench/results/quantized_w4a16.md
     python bench/quantized.py --format int8     # -> bench/results/quantized_int8.md
+    python bench/quantized.py --format float8   # -> bench/results/quantized_float8.md
     python bench/quantized.py --format fp8-dynamic  # -> bench/results/quantized_fp8-dynamic.md
     python bench/quantized.py --format w8a8     # -> bench/results/quantized_w8a8.md
     python bench/quantized.py --format llm-int8  # -> bench/results/quantized_llm-int8.md
@@ -58,6 +59,7 @@ from _models import smollm2_spec
 import tpcore
 from tpcore.testing.quantized_checkpoints import (
     save_block_fp8,
+    save_float8_weight_only,
     save_four_bit,
     save_fp8_dynamic,
     save_int8_weight_only,
@@ -92,6 +94,11 @@ FORMATS = {
         lambda model, directory, args: save_int8_weight_only(model, directory),
         "torchao int8 weight-only",
         "torchao's Int8Tensor",
+    ),
+    "float8": (
+        lambda model, directory, args: save_float8_weight_only(model, directory),
+        "torchao float8 weight-only",
+        "torchao's Float8Tensor",
     ),
     "llm-int8": (
         lambda model, directory, args: save_llm_int8(model, directory),

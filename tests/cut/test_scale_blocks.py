@@ -143,3 +143,25 @@ def test_holding_refuses_scales_of_another_grid():
 )
 def test_first_whole_block_is_found_only_where_a_piece_is_whole_blocks_in_order(blocks, first):
     assert first_whole_block(torch.tensor(blocks, dtype=torch.int64), 2) == first
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_fp8_layer_is_torchao_s_float8_weight_only_product_bit_for_bit(dtype):
+    """:class:`RowFP8Linear` (torchao's ``Float8WeightOnlyConfig``): the weight dequantized in float32 and rounded
+    once, the product, then the bias."""
+    pytest.importorskip("torchao")
+    from torchao.quantization import Float8Tensor
+    from torchao.quantization.granularity import PerRow
+
+    from tpcore.parallel.quantized_linear import RowFP8Linear
+
+    generator = torch.Generator().manual_seed(8)
+    weight = torch.randn(12, 40, generator=generator).to(dtype)
+    reference = Float8Tensor.from_hp(weight, granularity=PerRow())
+    bias, x = torch.randn(12, generator=generator).to(dtype), torch.randn(3, 40, generator=generator).to(dtype)
+    layer = RowFP8Linear.hold_rows(nn.Linear(40, 12, device="meta"))
+    layer.weight = nn.Parameter(reference.qdata, requires_grad=False)
+    layer.weight_scale_inv = nn.Parameter(reference.scale.float().reshape(-1, 1), requires_grad=False)
+    layer.bias = nn.Parameter(bias, requires_grad=False)
+    localize_quantized(layer, 0, 1)
+    assert torch.equal(layer(x), F.linear(x, reference, bias))

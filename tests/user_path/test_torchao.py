@@ -1,8 +1,8 @@
-"""torchao int8 weight-only checkpoints on the user's path: ``Int8WeightOnlyConfig`` (int8 values, a scale per row),
-quantized and saved by transformers' ``TorchAoConfig`` itself, split by ``tpcore.parallelize(dir)``, by
-``parallelize(model)`` of the quantized object transformers holds, and by the SPMD engine, give transformers' own
-outputs at an even and an uneven world size, each rank holding its int8 values; what tpcore does not split is
-refused by name."""
+"""torchao weight-only checkpoints on the user's path: ``Int8WeightOnlyConfig`` (int8 values, a scale per row) and
+``Float8WeightOnlyConfig`` (e4m3 values, a scale per row), quantized and saved by transformers' ``TorchAoConfig``
+itself, split by ``tpcore.parallelize(dir)``, by ``parallelize(model)`` of the quantized object transformers holds,
+and by the SPMD engine, give transformers' own outputs at an even and an uneven world size, each rank holding its
+int8 or e4m3 values; what tpcore does not split is refused by name."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 
 import tpcore
 from tpcore import ShardingError
-from tpcore.testing.quantized_checkpoints import save_int8_weight_only
+from tpcore.testing.quantized_checkpoints import save_float8_weight_only, save_int8_weight_only
 from tpcore.tools.cli import main
 
 pytest.importorskip("torchao", reason="torchao quantizes the checkpoints")
@@ -82,6 +82,40 @@ def test_the_plan_shown_for_an_int8_directory_counts_its_bytes_as_stored(int8_di
     )
 
 
+# -- float8 weight-only ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def float8_dir(tmp_path_factory):
+    return save_float8_weight_only(quantizable_llama(), tmp_path_factory.mktemp("float8") / "model")
+
+
+def check_float8_split(model, expected, tokens, world_size):
+    check_split_layers(model, expected, tokens, world_size, "weight", "torch.float8_e4m3fn", "RowParallelRowFP8Linear")
+
+
+@pytest.mark.slow
+def test_a_float8_weight_only_directory_splits_and_gives_transformers_outputs(float8_dir):
+    """e4m3 values read from ``_weight_qdata``, their row scales from ``_weight_scale``, at an uneven 3 ranks."""
+    expected, tokens = transformers_outputs(float8_dir)
+    with split(str(float8_dir), 3) as model:
+        check_float8_split(model, expected, tokens, 3)
+
+
+@pytest.mark.slow
+def test_the_float8_object_splits_with_its_e4m3_values(float8_dir):
+    reference = transformers.AutoModelForCausalLM.from_pretrained(float8_dir).eval()
+    assert type(reference.model.layers[0].mlp.up_proj.weight).__name__ == "Float8Tensor"
+    expected, tokens = greedy_outputs(reference)
+    with split(reference, 2) as model:
+        check_float8_split(model, expected, tokens, 2)
+
+
+@pytest.mark.slow
+def test_real_minilm_weights_in_float8_split_with_their_biases(tmp_path):
+    check_real_minilm_split(save_float8_weight_only, tmp_path / "float8", 2)
+
+
 # -- refused --------------------------------------------------------------------------------------------------
 
 
@@ -93,6 +127,10 @@ def default_type(**data):
     ("change", "message"),
     [
         (default_type(_type="Int4WeightOnlyConfig"), r"torchao Int4WeightOnlyConfig \(PerRow\)"),
+        (
+            default_type(_type="Float8WeightOnlyConfig", _data={"weight_dtype": {"_data": "float8_e5m2"}}),
+            r"torchao Float8WeightOnlyConfig \(PerRow, float8_e5m2\)",
+        ),
         (default_type(_data={"group_size": 32}), r"PerRow, groups of 32"),
         (default_type(_data={"granularity": {"_type": "PerTensor"}}), r"\(PerTensor\)"),
         (lambda q: q.update(quant_type="int8_weight_only"), "torchao 'int8_weight_only'"),

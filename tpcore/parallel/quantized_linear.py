@@ -32,6 +32,7 @@ __all__ = [
     "QuantizedLinear",
     "RowParallelQuantized",
     "TokenFP8Linear",
+    "RowFP8Linear",
     "RowParallelBlockFP8Linear",
     "e4m3_as_scaled_float32",
     "localize_quantized",
@@ -182,6 +183,34 @@ class RowParallelBlockFP8Linear(RowParallelQuantized, BlockFP8Linear):
 
 
 BlockFP8Linear.row_parallel_class = RowParallelBlockFP8Linear
+
+
+class RowFP8Linear(BlockFP8Linear):
+    """torchao's ``Float8WeightOnlyConfig`` (per row): e4m3 weights with a float32 scale per output row
+    (:class:`BlockFP8Linear` of ``(1, in)`` blocks), computed as torchao's ``Float8Tensor`` computes a weight-only
+    product: the weight dequantized in float32 and rounded once to the input's dtype, the product, then the bias
+    added (not fused into the product)."""
+
+    #: a model-wide cast casts the scales (and bias), as transformers does for torchao; the values stay e4m3
+    keeps_stored_dtypes = ("weight",)
+
+    @classmethod
+    def hold_rows(cls, linear: nn.Linear) -> RowFP8Linear:
+        """Make the meta ``linear`` hold e4m3 values and a float32 ``weight_scale_inv`` ``(out, 1)``."""
+        held = cls.hold(linear, (1, linear.in_features), (linear.out_features, 1))
+        assert isinstance(held, RowFP8Linear)
+        return held
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.dequantized(x.dtype))
+        return out if self.bias is None else out + self.bias
+
+
+class RowParallelRowFP8Linear(RowParallelQuantized, RowFP8Linear):
+    """:class:`RowFP8Linear` holding a shard of the input features; output all-reduced, bias added once."""
+
+
+RowFP8Linear.row_parallel_class = RowParallelRowFP8Linear
 
 
 class TokenFP8Linear(TokenRoundedInputs, BlockFP8Linear):

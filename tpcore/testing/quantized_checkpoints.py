@@ -14,7 +14,8 @@ same way (e4m3 or int8 weights, a scale a row from each row's absolute maximum; 
 run time).
 
 :func:`save_int8_weight_only` writes torchao's per-row int8 weight-only layout as transformers does: the model
-saved, loaded again with ``TorchAoConfig(Int8WeightOnlyConfig())`` and saved in safetensors. :func:`save_llm_int8`
+saved, loaded again with ``TorchAoConfig(Int8WeightOnlyConfig())`` and saved in safetensors
+(:func:`save_float8_weight_only`: ``Float8WeightOnlyConfig``). :func:`save_llm_int8`
 writes bitsandbytes' 8-bit layout the same way (``BitsAndBytesConfig(load_in_8bit=True)``), :func:`save_four_bit` its
 4-bit one.
 """
@@ -33,6 +34,7 @@ __all__ = [
     "E4M3_MAX",
     "block_fp8",
     "save_block_fp8",
+    "save_float8_weight_only",
     "save_four_bit",
     "save_fp8_dynamic",
     "save_int8_weight_only",
@@ -155,6 +157,15 @@ def save_int8_weight_only(model: nn.Module, directory: str | Path) -> Path:
     from transformers import TorchAoConfig
 
     return _save_through_transformers(model, directory, TorchAoConfig(Int8WeightOnlyConfig()))
+
+
+def save_float8_weight_only(model: nn.Module, directory: str | Path) -> Path:
+    """Save ``model`` in ``directory`` with torchao's ``Float8WeightOnlyConfig`` (e4m3 values, a scale per row) on
+    every linear layer but the LM head, through transformers' ``TorchAoConfig``. Needs the ``torchao`` package."""
+    from torchao.quantization import Float8WeightOnlyConfig
+    from transformers import TorchAoConfig
+
+    return _save_through_transformers(model, directory, TorchAoConfig(Float8WeightOnlyConfig()))
 
 
 def save_llm_int8(model: nn.Module, directory: str | Path, threshold: float = 6.0) -> Path:
