@@ -58,6 +58,7 @@ from _models import smollm2_spec
 
 import tpcore
 from tpcore.testing.quantized_checkpoints import (
+    dequantizing,
     save_block_fp8,
     save_float8_weight_only,
     save_four_bit,
@@ -111,14 +112,6 @@ FORMATS = {
         "bitsandbytes' Linear4bit",
     ),
 }
-
-
-def dequantizing(model):
-    """``model`` with bitsandbytes' fused 4-bit CPU kernel turned off (as the tests do: it computes in bfloat16)."""
-    for module in model.modules():
-        if type(module).__name__ == "Linear4bit":
-            module.support_avx512bf16_for_cpu = False
-    return model
 
 
 def tensor_bytes(tensor: torch.Tensor) -> int:

@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 
 import tpcore
 from tpcore.testing import compare_outputs, tiny_llama
+from tpcore.testing.quantized_checkpoints import dequantizing
 
 #: two prompts, and the greedy tokens each test compares
 IDS = torch.tensor([[5, 6, 7, 8, 9, 10, 11], [12, 3, 4, 99, 1, 2, 50]])
@@ -33,20 +34,10 @@ def quantizable_llama() -> torch.nn.Module:
 
 
 def transformers_outputs(directory: Path, **load) -> tuple[Any, torch.Tensor]:
-    """transformers' model for ``directory`` (``from_pretrained(directory, **load)``, then :func:`dequantizing`):
+    """transformers' model for ``directory`` (``from_pretrained(directory, **load)``, then ``dequantizing``):
     its outputs for :data:`IDS` and its greedy tokens."""
     reference = transformers.AutoModelForCausalLM.from_pretrained(directory, **load).eval()
     return greedy_outputs(dequantizing(reference))
-
-
-def dequantizing(model: Any) -> Any:
-    """``model`` with bitsandbytes' fused 4-bit CPU kernel turned off in its ``Linear4bit`` layers, so that they
-    compute through bitsandbytes' dequantizing product, as tpcore's ranks do: on CPUs with AVX-512-BF16 a first
-    forward would otherwise repack the codes and compute in bfloat16, whatever the compute dtype."""
-    for module in model.modules():
-        if type(module).__name__ == "Linear4bit":
-            module.support_avx512bf16_for_cpu = False
-    return model
 
 
 def greedy_outputs(model: Any) -> tuple[Any, torch.Tensor]:

@@ -15,7 +15,6 @@ from quantized_checks import (
     check_plan_shown,
     check_real_minilm_split,
     check_split_layers,
-    dequantizing,
     greedy_outputs,
     quantizable_llama,
     split,
@@ -27,7 +26,7 @@ from safetensors.torch import load_file, save_file
 import tpcore
 from tpcore import ShardingError
 from tpcore.testing import tiny_llama
-from tpcore.testing.quantized_checkpoints import save_four_bit, save_llm_int8
+from tpcore.testing.quantized_checkpoints import dequantizing, save_four_bit, save_llm_int8
 from tpcore.tools.cli import main
 
 pytest.importorskip("bitsandbytes", reason="bitsandbytes quantizes the checkpoints")

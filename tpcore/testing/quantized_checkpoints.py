@@ -33,6 +33,7 @@ from tpcore.parallel.token_rounding import E4M3_MAX
 __all__ = [
     "E4M3_MAX",
     "block_fp8",
+    "dequantizing",
     "save_block_fp8",
     "save_float8_weight_only",
     "save_four_bit",
@@ -187,6 +188,17 @@ def save_four_bit(model: nn.Module, directory: str | Path, kind: str = "nf4", ne
 
     quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=kind, bnb_4bit_use_double_quant=nested)
     return _save_through_transformers(model, directory, quantization)
+
+
+def dequantizing(model: nn.Module) -> nn.Module:
+    """``model`` (loaded by transformers) with bitsandbytes' fused 4-bit CPU kernel turned off in its ``Linear4bit``
+    layers, so that they compute through bitsandbytes' dequantizing product, as tpcore's ranks do: on CPUs with
+    AVX-512-BF16 a first forward would otherwise repack the codes and compute in bfloat16, whatever the compute
+    dtype. Returns ``model``."""
+    for module in model.modules():
+        if type(module).__name__ == "Linear4bit":
+            module.support_avx512bf16_for_cpu = False  # type: ignore[assignment]  # a bitsandbytes flag
+    return model
 
 
 def _save_through_transformers(model: nn.Module, directory: str | Path, quantization: object) -> Path:
