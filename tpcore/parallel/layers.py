@@ -456,9 +456,8 @@ def set_layer_size(module: nn.Module) -> None:
         return
     if isinstance(module, nn.Linear):  # a packed weight's elements hold ``packing`` values each
         packing = getattr(module, "packing", (1, 1))
-        module.out_features, module.in_features = (
-            size * values for size, values in zip(weight.shape, packing, strict=True)
-        )
+        sizes = [size * values for size, values in zip(weight.shape, packing, strict=True)]
+        module.out_features, module.in_features = reversed(sizes) if getattr(module, "transposed", False) else sizes
     elif _Conv1D is not None and isinstance(module, _Conv1D):
         module.nx, module.nf = weight.shape
     elif isinstance(module, nn.Embedding):

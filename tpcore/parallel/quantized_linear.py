@@ -52,6 +52,9 @@ class QuantizedLayer(nn.Module):
     #: how many values one stored element of ``weight`` holds along each of its dimensions (a packed format's
     #: integers a word): the plan measures heads and layer sizes in values, and cuts ``weight`` in whole elements
     packing: tuple[int, ...] = (1, 1)
+    #: ``weight`` is stored ``(in, out)`` (GPTQ's ``qweight``, as HF ``Conv1D``): a policy's cut of ``(out, in)``
+    #: dimension ``d`` cuts its dimension ``1 - d``, and ``packing`` counts its dimensions as stored
+    transposed = False
     #: the stored key of each of its tensors that the files keep under another name (``{name: key}``, set by the
     #: format that holds it): the checkpoint reads it from there, a flat one as this tensor's shape
     stored_as: dict[str, str] = {}

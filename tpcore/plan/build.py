@@ -204,6 +204,8 @@ class _Builder:
         owner_path = join(target.name, spec.module_path)
         owner = get_path(target.layer, spec.module_path)
         packing = owner.packing if isinstance(owner, QuantizedLayer) else None
+        if isinstance(owner, QuantizedLayer) and owner.transposed and weight_split is not None:
+            weight_split = weight_split.resolved(2)._replace(dim=1 - weight_split.resolved(2).dim)
         for path, tensor, split in ((spec.weight, resolved[0], weight_split), (spec.bias, resolved[1], bias_split)):
             if tensor is not None and split is not None:
                 values = packing[split.dim] if packing is not None and tensor is resolved[0] else 1

@@ -1,0 +1,137 @@
+""":class:`tpcore.parallel.gptq_linear.GPTQLinear`: the whole layer computes what GPTQModel's torch kernel computes,
+bit for bit (2-, 4- and 8-bit values, asymmetric zero points, act-order ``g_idx``, v1 and v2 zero points); column
+pieces concatenate to it bit for bit, and row-parallel ranks over threads sum to it, cuts inside groups included."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tpcore.cut.split import Split
+from tpcore.parallel.gptq_linear import GPTQLinear, RowParallelGPTQLinear
+from tpcore.parallel.packed_int_linear import unpack_words
+from tpcore.parallel.threads import ThreadGroup, run_ranks
+
+pytest.importorskip("gptqmodel", reason="GPTQModel packs the weights and computes the reference")
+from gptqmodel.nn_modules.qlinear.torch import TorchLinear  # noqa: E402
+
+OUT, IN, GROUP = 40, 96, 32  # 3 groups of 32: a cut at 2 ranks falls inside one
+
+
+def quantized(bits: int, act_order: bool, seed: int = 1) -> TorchLinear:
+    """A random float16 weight and bias packed by GPTQModel (asymmetric min-max groups), ready to compute."""
+    generator = torch.Generator().manual_seed(seed)
+    linear = nn.Linear(IN, OUT).half()
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(OUT, IN, generator=generator) / 10)
+        linear.bias.copy_(torch.randn(OUT, generator=generator))
+    order = torch.randperm(IN, generator=generator) if act_order else torch.arange(IN)
+    g_idx = torch.empty(IN, dtype=torch.int32)
+    g_idx[order] = torch.arange(IN, dtype=torch.int32) // GROUP
+    weight, top = linear.weight.float(), 2**bits - 1
+    low = torch.stack([weight[:, g_idx == g].amin(1).clamp(max=0) for g in range(IN // GROUP)], 1)
+    high = torch.stack([weight[:, g_idx == g].amax(1).clamp(min=0) for g in range(IN // GROUP)], 1)
+    scales = (high - low) / top
+    zeros = (-low / scales).round().clamp(0, top).to(torch.int32)
+    packed = TorchLinear(bits, GROUP, False, act_order, IN, OUT, bias=True)
+    packed.pack_original(linear, scales.half(), zeros, g_idx)
+    packed.optimized = True  # its eager dequantization, not torch.compile's
+    packed.post_init()
+    return packed.eval()
+
+
+def layer(
+    packed: TorchLinear,
+    split: Split | None = None,
+    rank: int = 0,
+    world: int = 1,
+    v1: bool = False,
+    follow: bool = True,
+):
+    """A :class:`GPTQLinear` holding rank ``rank``'s part of ``packed``'s tensors as the plan would give it: the
+    tensors its :meth:`~GPTQLinear.follower_cuts` name cut with the weight (``follow=False``: the scales of a column
+    cut alone, the rank picking its zero points and groups from whole tensors); ``v1``: its zero points stored as GPTQ
+    v1 stores them, less one."""
+    linear = GPTQLinear.hold(nn.Linear(IN, OUT, device="meta"), packed.bits, GROUP, torch.float16, int(v1))
+    qzeros = packed.qzeros - 0x11111111 if v1 else packed.qzeros  # 4-bit fields
+    tensors = {"qweight": packed.qweight, "qzeros": qzeros, "scales": packed.scales, "g_idx": packed.g_idx}
+    cuts = {}
+    if split is not None:
+        followers = linear.follower_cuts(split) if follow else {"scales": split} if split.dim == 1 else {}
+        cuts = {"qweight": split, **followers}
+    for name, tensor in tensors.items():
+        setattr(linear, name, nn.Parameter(cuts[name].shard(tensor, rank, world) if name in cuts else tensor, False))
+    linear.weight = linear.qweight
+    bias = packed.bias.to(torch.float16)
+    columns = split is not None and split.dim == 1
+    linear.bias = nn.Parameter(Split(0, heads=OUT // 8).shard(bias, rank, world) if columns else bias, False)
+    linear.cuts = cuts
+    linear.localize(rank, world)
+    return linear
+
+
+def inputs(dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    return torch.randn(2, 5, IN, generator=torch.Generator().manual_seed(7)).to(dtype)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("act_order", [False, True], ids=["sorted-groups", "act-order"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_the_whole_layer_is_gptqmodels_torch_kernel_bit_for_bit(bits, act_order, dtype):
+    packed = quantized(bits, act_order)
+    x = inputs(dtype)
+    with torch.no_grad():
+        expected = packed(x)
+    got = layer(packed)(x)
+    assert got.dtype == expected.dtype == dtype
+    assert torch.equal(got, expected)
+
+
+def test_v1_zero_points_are_read_one_less():
+    packed = quantized(4, False)
+    assert unpack_words(packed.qzeros, 4).min() >= 1  # so that one less is a field less one, no borrow
+    x = inputs()
+    assert torch.equal(layer(packed, v1=True)(x), layer(packed)(x))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("act_order", [False, True], ids=["sorted-groups", "act-order"])
+@pytest.mark.parametrize("follow", [True, False], ids=["zeros-cut", "zeros-picked"])
+def test_column_pieces_concatenate_to_the_whole_layer(world, act_order, follow):
+    """Output features dealt in runs of 8 (a word of zero points), the scales with them, the zero points cut in
+    words or picked from whole ones."""
+    packed = quantized(4, act_order)
+    x = inputs()
+    expected = layer(packed)(x)
+    pieces = [layer(packed, Split(1, heads=OUT // 8), rank, world, follow=follow)(x) for rank in range(world)]
+    assert torch.equal(torch.cat(pieces, dim=-1), expected)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("act_order", [False, True], ids=["sorted-groups", "act-order"])
+@pytest.mark.parametrize("follow", [True, False], ids=["g_idx-cut", "g_idx-picked"])
+def test_row_parallel_ranks_sum_to_the_whole_layer(world, act_order, follow):
+    """Each rank's words (48, 32 or 24 input features: a cut inside a group at 2 and 4 ranks), each row's group
+    from ``g_idx`` (cut with the words, or picked from the whole); the float16 partial products summed in float32
+    and rounded once."""
+    packed = quantized(4, act_order)
+    x = inputs()
+    expected = layer(packed)(x)
+    group = ThreadGroup(world)
+
+    def rank_output(rank: int) -> torch.Tensor:
+        ours = layer(packed, Split(0, heads=IN // 8), rank, world, follow=follow)
+        ours.__class__, ours.tp_group = RowParallelGPTQLinear, group
+        rows = Split(-1, heads=IN // 8)
+        return ours(rows.shard(x, rank, world))
+
+    for got in run_ranks(group, rank_output):  # one rounding of a float32 sum in another order: at most an ulp
+        torch.testing.assert_close(got, expected, rtol=1e-3, atol=2e-3)
+
+
+def test_bit_widths_that_straddle_words_and_partial_words_are_refused():
+    with pytest.raises(ValueError, match="3-bit values straddle int32 words"):
+        GPTQLinear.hold(nn.Linear(96, 8, device="meta"), 3, 32, torch.float16)
+    with pytest.raises(ValueError, match="100 input features are not whole words of 8 values"):
+        GPTQLinear.hold(nn.Linear(100, 8, device="meta"), 4, 32, torch.float16)

@@ -1,0 +1,179 @@
+"""A linear layer stored as GPTQ stores it (GPTQModel's and AutoGPTQ's layout), computed on a rank's words.
+
+:class:`GPTQLinear` holds ``b``-bit integers packed ``p = 32 / b`` to an int32 word along the input features, with a
+scale and a zero point per group of input features and output feature::
+
+    qweight  int32  (in_r / p, out_r)    this rank's words (also ``weight``; stored ``(in, out)``: ``transposed``)
+    scales   S      (groups, out_r)      cut with the output features; whole where the input features are cut
+    qzeros   int32  (groups, out_r / p)  zero points packed along the outputs, cut with them (in whole words)
+    g_idx    int32  (in_r,)              the group of each input feature, cut with them
+    W_r.T[i, o] = scales[g(i), o] * (q[i, o] - z[g(i), o]),   g(i) = g_idx of the rank's input feature i
+
+Value ``i`` of a column sits in word ``i // p`` at bit ``(i % p) b``. The plan cuts the words as any weight (measured
+in values through :attr:`~tpcore.parallel.quantized_linear.QuantizedLayer.packing`), so a rank holds whole words
+and any cut of the groups: act-order checkpoints (``desc_act``, ``g_idx`` not sorted) included, since each row finds
+its own group. Where a cut leaves them whole (the other dimension's cut, or output units that are no whole words of
+zero points), :meth:`GPTQLinear.localize` picks the rank's own: they cost ``1 / (2 g)`` and ``4 / out`` of a weight's
+bytes. GPTQ v1 checkpoints (``checkpoint_format: gptq``) store ``z - 1``, v2 ``z``.
+
+Each forward computes ``W_r`` as GPTQModel's torch kernel does (``q - z`` in int8 or int16, times the scale in the
+scales' dtype, then the input's dtype) and ``x @ W_r.T``, the bias added after the product, so a rank keeps ``b / 8``
+bytes a weight and never the whole model dequantized.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tpcore.cut.scale_blocks import block_index
+from tpcore.cut.split import Split
+from tpcore.parallel.comm import all_reduce
+from tpcore.parallel.packed_int_linear import unpack_words
+from tpcore.parallel.quantized_linear import QuantizedLinear, RowParallelQuantized
+
+__all__ = ["GPTQ_BIT_WIDTHS", "GPTQLinear", "RowParallelGPTQLinear"]
+
+#: the bit widths whose values fill whole int32 words (GPTQ's 3 bits straddle them)
+GPTQ_BIT_WIDTHS = (2, 4, 8)
+
+
+class GPTQLinear(QuantizedLinear):
+    """``nn.Linear`` whose weight is GPTQ's packed integers (module docstring); made from an ``nn.Linear`` by
+    :meth:`hold`, told its cut by the plan and its rank by
+    :func:`~tpcore.parallel.quantized_linear.localize_quantized`."""
+
+    transposed = True
+    bits = 4
+    group_size = 1
+    #: what the stored zero points lack: 1 for GPTQ v1 (``z - 1`` stored), 0 for v2
+    zero_offset = 0
+    #: the whole weight's ``(out, in)``, in values
+    whole_shape: tuple[int, int] = (0, 0)
+    qweight: nn.Parameter
+    qzeros: nn.Parameter
+    scales: nn.Parameter
+    g_idx: nn.Parameter
+    #: this rank's zero points ``(groups, out_r)`` and the group of each of its input features (:meth:`localize`)
+    zero_points: torch.Tensor
+    row_groups: torch.Tensor
+
+    @classmethod
+    def hold(
+        cls,
+        linear: nn.Linear,
+        bits: int,
+        group_size: int,
+        scale_dtype: torch.dtype,
+        zero_offset: int = 0,
+    ) -> GPTQLinear:
+        """Make the meta ``linear`` hold GPTQ's tensors in place (module docstring) for ``bits``-bit values, a scale
+        per ``group_size`` input features in ``scale_dtype``, and zero points stored ``zero_offset`` less."""
+        out_features, in_features = linear.out_features, linear.in_features
+        if bits not in GPTQ_BIT_WIDTHS:
+            raise ValueError(
+                f"{bits}-bit values straddle int32 words; tpcore unpacks {', '.join(map(str, GPTQ_BIT_WIDTHS))} bits"
+            )
+        per_word = 32 // bits
+        if in_features % per_word:
+            raise ValueError(f"{in_features} input features are not whole words of {per_word} values")
+        groups = -(-in_features // group_size)
+        bias = linear._parameters.get("bias")
+        linear.__class__ = cls
+        assert isinstance(linear, GPTQLinear)
+        linear._parameters.pop("weight", None)
+        linear._parameters.pop("bias", None)
+
+        def meta(*shape: int, dtype: torch.dtype = torch.int32) -> nn.Parameter:
+            return nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"), requires_grad=False)
+
+        linear.qweight = meta(in_features // per_word, out_features)
+        linear.qzeros = meta(groups, -(-out_features // per_word))
+        linear.scales = meta(groups, out_features, dtype=scale_dtype)
+        linear.g_idx = meta(in_features)
+        linear.weight = linear.qweight  # the name policies cut; the stored name comes first
+        linear.bias = bias  # type: ignore[assignment]  # after the stored tensors, as the files list them
+        linear.bits, linear.group_size, linear.zero_offset = bits, group_size, zero_offset
+        linear.packing = (per_word, 1)
+        linear.whole_shape = (out_features, in_features)
+        return linear
+
+    def follower_cuts(self, split: Split) -> dict[str, Split]:
+        """The scales' columns follow the output features, and the zero points' words where every unit the split
+        deals is whole words of them; ``g_idx`` follows the input features (the plan deals packed layers' features
+        in units of whole words, so the same units cut values and words alike). What does not follow stays whole."""
+        if split.dim == 0:
+            proportional = (split.heads is not None or split.parts is not None) and split.widths is None
+            return {"g_idx": split} if proportional else {}
+        follows = {"scales": split}
+        units = (split.heads or 0) * split.n_fused
+        out_features, per_word = self.whole_shape[0], self.packing[0]
+        if split.parts is None and units and out_features % units == 0 and (out_features // units) % per_word == 0:
+            follows["qzeros"] = split
+        return follows
+
+    def localize(self, rank: int, world_size: int) -> None:
+        """Pick this rank's zero points and the group of each of its input features where they came whole
+        (non-persistent buffers)."""
+        cut = self.cuts.get("qweight")
+        if cut is not None and cut.pad:
+            raise ValueError("packed values cut with padding: a padding word would read as nonzero values")
+        out_features, in_features = self.whole_shape
+        device = self.qweight.device
+        zeros = unpack_words(self.qzeros, self.bits).to(self.codes_dtype)
+        if self.zero_offset:
+            zeros = zeros.add_(self.zero_offset)
+        row_groups = self.g_idx.long()
+        if cut is not None and cut.dim == 1 and "qzeros" not in self.cuts:
+            columns = block_index(cut, out_features, 1, rank, world_size).to(device)
+            zeros = zeros.index_select(1, columns)
+        elif cut is not None and cut.dim == 0 and "g_idx" not in self.cuts:
+            rows = block_index(cut, in_features // self.packing[0], 1, rank, world_size, self.packing[0])
+            row_groups = row_groups.index_select(0, rows.to(device))
+        self.register_buffer("zero_points", zeros[:, : self.qweight.shape[1]].contiguous(), persistent=False)
+        self.register_buffer("row_groups", row_groups, persistent=False)
+
+    @property
+    def codes_dtype(self) -> torch.dtype:
+        """The integers ``q - z`` is computed in, as GPTQModel computes it: int8, int16 for 8-bit values."""
+        return torch.int16 if self.bits == 8 else torch.int8
+
+    def unpacked(self) -> torch.Tensor:
+        """``(in_r, out_r)`` :attr:`codes_dtype`: the unsigned ``b``-bit fields of this rank's words, value ``i`` of
+        each column at bit ``(i % p) b`` of word ``i // p``."""
+        words = self.qweight
+        shifts = torch.arange(0, 32, self.bits, dtype=torch.int32, device=words.device).view(1, -1, 1)
+        fields = words.unsqueeze(1).bitwise_right_shift(shifts).bitwise_and_((1 << self.bits) - 1)
+        return fields.to(self.codes_dtype).view(-1, words.shape[1])
+
+    def dequantized_columns(self) -> torch.Tensor:
+        """``W_r.T`` ``(in_r, out_r)`` in the scales' dtype (module docstring)."""
+        groups = self.row_groups
+        return self.scales.index_select(0, groups) * (self.unpacked() - self.zero_points.index_select(0, groups))
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """``W_r`` ``(out_r, in_r)`` in ``dtype``: a transposed view."""
+        return self.dequantized_columns().to(dtype).T
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.matmul(x.reshape(-1, x.shape[-1]), self.dequantized_columns().to(x.dtype))
+        return self.biased(out.view(*x.shape[:-1], out.shape[-1]))
+
+    def biased(self, out: torch.Tensor) -> torch.Tensor:
+        """``out + b``, the bias rounded to ``out``'s dtype first (as GPTQModel adds it)."""
+        return out if self.bias is None else out.add_(self.bias.to(out.dtype))
+
+
+class RowParallelGPTQLinear(RowParallelQuantized, GPTQLinear):
+    """:class:`GPTQLinear` holding a shard of the input features; output all-reduced, bias added once. A float16 or
+    bfloat16 input's partial products are summed in float32 and rounded once, as the unsplit product rounds its
+    float32 sum once."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.dequantized_columns().to(x.dtype)
+        wide = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+        partial = torch.matmul(x.reshape(-1, x.shape[-1]).to(wide), weight.to(wide))
+        return self.biased(all_reduce(partial, self.tp_group).to(x.dtype).view(*x.shape[:-1], partial.shape[-1]))
+
+
+GPTQLinear.row_parallel_class = RowParallelGPTQLinear
