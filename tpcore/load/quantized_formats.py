@@ -1,14 +1,14 @@
 """Quantized checkpoints: the format a checkpoint's ``quantization_config`` declares, split as stored where a
 :class:`~tpcore.QuantizedFormat` knows it, refused by name before any rank starts where none does.
 
-The built-in formats (:data:`BUILT_IN_FORMATS`: block FP8, compressed-tensors, torchao, bitsandbytes 8-bit, each in
+The built-in formats (:data:`BUILT_IN_FORMATS`: block FP8, compressed-tensors, torchao, bitsandbytes, GPTQ, each in
 a module of its own) make the meta skeleton's linears quantized layers holding what the files store before it is
 planned, so the plan counts a rank's bytes as stored and each rank reads only its part of the values. Plugins add
 formats (``tpcore_register_quantized_formats``; the callers above pass them in).
 
 A model object that transformers quantized (``model.hf_quantizer``) is split where its weights are plain again
 (FP8 dequantized at load on a device without FP8 kernels) or where its format adopts its layers (compressed-tensors',
-torchao's and bitsandbytes' become tpcore's layers, their tensors kept); otherwise it is refused
+torchao's, bitsandbytes' and GPTQModel's become tpcore's layers, their tensors kept); otherwise it is refused
 (:func:`adopt_quantized_model`).
 """
 
@@ -26,6 +26,7 @@ from tpcore.load.bitsandbytes_format import BitsAndBytes
 from tpcore.load.block_fp8_format import BlockFP8
 from tpcore.load.checkpoint import Checkpoint
 from tpcore.load.compressed_tensors_format import CompressedTensors
+from tpcore.load.gptq_format import GPTQ
 from tpcore.load.skeleton import empty_model
 from tpcore.load.torchao_format import TorchAO
 from tpcore.parallel.quantized_linear import QuantizedLayer
@@ -43,7 +44,7 @@ _STORAGE = {torch.int8, torch.uint8, torch.int32, torch.float8_e4m3fn, torch.flo
 
 
 #: the formats tpcore itself splits; plugins add more (``tpcore_register_quantized_formats``)
-BUILT_IN_FORMATS: tuple[QuantizedFormat, ...] = (BlockFP8(), CompressedTensors(), TorchAO(), BitsAndBytes())
+BUILT_IN_FORMATS: tuple[QuantizedFormat, ...] = (BlockFP8(), CompressedTensors(), TorchAO(), BitsAndBytes(), GPTQ())
 
 
 def quantization_of(config: Any) -> dict[str, Any] | None:

@@ -37,6 +37,7 @@ __all__ = [
     "save_block_fp8",
     "save_float8_weight_only",
     "save_four_bit",
+    "save_gptq",
     "save_fp8_dynamic",
     "save_int8_weight_only",
     "save_llm_int8",
@@ -188,6 +189,71 @@ def save_four_bit(model: nn.Module, directory: str | Path, kind: str = "nf4", ne
 
     quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=kind, bnb_4bit_use_double_quant=nested)
     return _save_through_transformers(model, directory, quantization)
+
+
+def save_gptq(
+    model: nn.Module,
+    directory: str | Path,
+    bits: int = 4,
+    group_size: int = 32,
+    act_order: bool = False,
+    checkpoint_format: str = "gptq",
+    keep: tuple[str, ...] = ("lm_head",),
+) -> Path:
+    """Save ``model`` in ``directory`` in float16 as a GPTQ checkpoint packed by GPTQModel's own packer: every
+    ``nn.Linear`` but those named in ``keep`` in ``bits``-bit integers, a scale and zero point per ``group_size``
+    input features (``act_order``: the features ranked by a fixed random order before grouping, as ``desc_act``
+    ranks them, so ``g_idx`` is not sorted). Round to nearest, no calibration: ``checkpoint_format="gptq"`` (v1,
+    stored zero points ``z - 1``) symmetric, as AutoGPTQ's releases are, ``"gptq_v2"`` asymmetric (min-max). Needs
+    the ``gptqmodel`` package. Returns the directory."""
+    from gptqmodel.nn_modules.qlinear.torch import TorchLinear
+    from safetensors.torch import load_file, save_file
+
+    directory = Path(directory)
+    model = model.to(torch.float16)
+    model.save_pretrained(directory)  # type: ignore[operator]  # a transformers model
+    (file,) = sorted(directory.glob("*.safetensors"))
+    tensors = load_file(file)
+    symmetric, top = checkpoint_format == "gptq", 2**bits - 1
+    generator = torch.Generator().manual_seed(0)
+    for path, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or f"{path}.weight" not in tensors or path.endswith(keep):
+            continue
+        weight = module.weight.detach().float()
+        order = (
+            torch.randperm(module.in_features, generator=generator) if act_order else torch.arange(module.in_features)
+        )
+        g_idx = torch.empty(module.in_features, dtype=torch.int32)
+        g_idx[order] = torch.arange(module.in_features, dtype=torch.int32) // group_size
+        groups = [weight[:, g_idx == group] for group in range(int(g_idx.max()) + 1)]
+        if symmetric:
+            scales = torch.stack([group.abs().amax(1) for group in groups], 1) * 2 / top
+            zeros = torch.full_like(scales, (top + 1) // 2)
+        else:
+            low = torch.stack([group.amin(1).clamp(max=0) for group in groups], 1)
+            high = torch.stack([group.amax(1).clamp(min=0) for group in groups], 1)
+            scales = (high - low) / top
+            zeros = (-low / scales.clamp(min=1e-8)).round().clamp(0, top)
+        scales = scales.clamp(min=1e-8)
+        packer = TorchLinear(bits, group_size, symmetric, act_order, module.in_features, module.out_features)
+        stored_zeros = zeros.to(torch.int32) - (1 if symmetric else 0)
+        packer.pack_original(module, scales.to(torch.float16), stored_zeros, g_idx)
+        del tensors[f"{path}.weight"]
+        for name in ("qweight", "qzeros", "scales", "g_idx"):
+            tensors[f"{path}.{name}"] = getattr(packer, name).contiguous()
+    save_file(tensors, file, metadata={"format": "pt"})
+    config_path = directory / "config.json"
+    config = json.loads(config_path.read_text())
+    config["quantization_config"] = {
+        "quant_method": "gptq",
+        "bits": bits,
+        "group_size": group_size,
+        "desc_act": act_order,
+        "sym": symmetric,
+        "checkpoint_format": checkpoint_format,
+    }
+    config_path.write_text(json.dumps(config, indent=2))
+    return directory
 
 
 def dequantizing(model: nn.Module) -> nn.Module:

@@ -1,0 +1,172 @@
+"""GPTQ checkpoints on the user's path: 4-bit integers packed by GPTQModel's own packer (v1 symmetric, v2 asymmetric
+with act-order ``g_idx``), split by ``tpcore.parallelize(dir)``, by ``parallelize(model)`` of the object transformers
+loads through optimum and GPTQModel, and by the SPMD engine, give transformers' own outputs (GPTQModel's torch
+kernel) at an even and an uneven world size, each rank holding its packed words. The tiny Llama's MLP is 5 groups
+of 32: at 2 ranks a cut falls inside a group, where vLLM requires whole groups a rank. What tpcore does not split is
+refused by name before any rank starts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from quantized_checks import (
+    HALF_RTOL,
+    check_engine_reads,
+    check_plan_shown,
+    check_split_layers,
+    greedy_outputs,
+    quantizable_llama,
+    split,
+    transformers_outputs,
+    with_quantization_changed,
+)
+from safetensors.torch import load_file, save_file
+
+import tpcore
+from tpcore import ShardingError
+from tpcore.testing.quantized_checkpoints import save_gptq
+from tpcore.tools.cli import main
+
+pytest.importorskip("gptqmodel", reason="GPTQModel packs the checkpoints and computes transformers' reference")
+pytest.importorskip("optimum", reason="transformers loads GPTQ checkpoints through optimum")
+
+
+def torch_kernel() -> dict:
+    """``from_pretrained`` options for GPTQModel's torch kernel in float16: its dequantizing product, as tpcore's
+    ranks compute (its default CPU kernel computes in bfloat16). The splits below run in float16 too (``dtype=``)."""
+    return {"dtype": torch.float16, "quantization_config": transformers.GPTQConfig(bits=4, backend="torch")}
+
+
+@pytest.fixture(scope="module")
+def gptq_dirs(tmp_path_factory):
+    """v1 (symmetric, groups in order) and v2 (asymmetric, act-order), by name."""
+    root = tmp_path_factory.mktemp("gptq")
+    return {
+        "v1": save_gptq(quantizable_llama(), root / "v1", checkpoint_format="gptq"),
+        "v2-act-order": save_gptq(quantizable_llama(), root / "v2", checkpoint_format="gptq_v2", act_order=True),
+    }
+
+
+def check_split(model, expected, tokens, world_size, dtype=torch.float16):
+    """Logits of a float16 (or bfloat16) run within :data:`HALF_RTOL`, greedy tokens identical; at 3 ranks the
+    largest keeps at most 0.42 of the bytes: scales of groups of 32 weigh an eighth of the words here, and the
+    row-parallel layers keep them whole (groups of 128 in a release weigh 1/32)."""
+    check_split_layers(
+        model, expected, tokens, world_size, "qweight", "torch.int32", "RowParallelGPTQLinear", HALF_RTOL[dtype], 0.42
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("kind", "world_size"), [("v1", 2), ("v2-act-order", 3)])
+def test_a_gptq_directory_splits_and_gives_transformers_outputs(gptq_dirs, kind, world_size):
+    expected, tokens = transformers_outputs(gptq_dirs[kind], **torch_kernel())
+    with split(str(gptq_dirs[kind]), world_size, dtype=torch.float16) as model:
+        check_split(model, expected, tokens, world_size)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("kind", "world_size"), [("v1", 3), ("v2-act-order", 2)])
+def test_the_gptq_object_splits_with_its_packed_words(gptq_dirs, kind, world_size):
+    """The object transformers holds (GPTQModel's ``TorchLinear`` layers, v1 zero points made v2 at load) is split
+    as it is: its packed words go to the ranks."""
+    reference = transformers.AutoModelForCausalLM.from_pretrained(gptq_dirs[kind], **torch_kernel()).eval()
+    assert type(reference.model.layers[0].mlp.up_proj).__name__ == "TorchLinear"
+    expected, tokens = greedy_outputs(reference)
+    with split(reference, world_size) as model:
+        check_split(model, expected, tokens, world_size)
+
+
+@pytest.mark.slow
+def test_a_bfloat16_split_rounds_its_partial_sums_once(gptq_dirs):
+    """In bfloat16 the row-parallel layers sum their partial products in float32 and round once, as the unsplit
+    product does (summed in bfloat16, this run's greedy tokens differ from transformers')."""
+    load = {**torch_kernel(), "dtype": torch.bfloat16}
+    expected, tokens = transformers_outputs(gptq_dirs["v1"], **load)
+    with split(str(gptq_dirs["v1"]), 2, dtype=torch.bfloat16) as model:
+        check_split(model, expected, tokens, 2, torch.bfloat16)
+
+
+@pytest.mark.slow
+def test_the_spmd_engine_reads_a_gptq_directory(gptq_dirs, rank_pools):
+    """The engine runs the checkpoint in float32 (no ``dtype=``): within float16's tolerance of transformers'."""
+    check_engine_reads(gptq_dirs["v2-act-order"], rank_pools, HALF_RTOL[torch.float16], **torch_kernel())
+
+
+def test_the_plan_shown_for_a_gptq_directory_counts_its_packed_words(gptq_dirs, capsys, no_process_starts):
+    """A column-parallel layer's words, scales and zero points cut with its output features; a row-parallel one's
+    words and ``g_idx`` with its input features, its scales and zero points whole. (Without ``dtype=`` the plan counts
+    the float16 embedding and norms at the float32 the ranks then run in, so the whole is not the files' bytes.)"""
+    assert main(["plugins", "--model", str(gptq_dirs["v1"]), "--world-size", "2"]) == 0
+    shown = capsys.readouterr().out
+    up = (
+        "model.layers.*.mlp.up_proj.qweight",
+        "model.layers.*.mlp.up_proj.scales",
+        "model.layers.*.mlp.up_proj.qzeros",
+    )
+    check_plan_shown(
+        gptq_dirs["v1"], shown, cut=up, replicated=("model.layers.*.mlp.up_proj.g_idx",), cut_dim=1, as_stored=False
+    )
+    check_plan_shown(
+        gptq_dirs["v1"],
+        shown,
+        cut=("model.layers.*.mlp.down_proj.qweight", "model.layers.*.mlp.down_proj.g_idx"),
+        replicated=("model.layers.*.mlp.down_proj.scales", "model.layers.*.mlp.down_proj.qzeros"),
+        as_stored=False,
+    )
+
+
+# -- refused --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda q: q.update(bits=3), "GPTQ 3-bit: tpcore splits 2, 4, 8-bit values"),
+        (lambda q: q.update(checkpoint_format="marlin"), "GPTQ in the 'marlin' layout"),
+        (lambda q: q.update(is_marlin_format=True), "repacked for Marlin kernels"),
+    ],
+)
+def test_a_gptq_variant_tpcore_does_not_split_is_refused_before_any_rank_starts(
+    gptq_dirs, tmp_path, change, message, no_process_starts
+):
+    directory = with_quantization_changed(gptq_dirs["v1"], tmp_path / "model", change)
+    with pytest.raises(ShardingError, match=message):
+        tpcore.parallelize(str(directory), num_gpus=2)
+
+
+@pytest.mark.parametrize(
+    ("key", "change", "message"),
+    [
+        ("model.layers.1.mlp.up_proj.g_idx", None, r"'model.layers.1.mlp.up_proj.qweight' is stored without .*g_idx"),
+        (
+            "model.layers.1.mlp.up_proj.scales",
+            lambda t: t[:-1].clone(),
+            r"'model.layers.1.mlp.up_proj.scales' is stored as \(\[2, 160\], torch.float16\)",
+        ),
+        ("model.layers.1.mlp.up_proj.qzeros", lambda t: t.float(), r"up_proj.qzeros' is stored as .*torch.float32"),
+    ],
+)
+def test_a_gptq_layer_stored_otherwise_is_refused_naming_its_tensor_before_any_rank_starts(
+    gptq_dirs, tmp_path, key, change, message, no_process_starts
+):
+    directory = with_quantization_changed(gptq_dirs["v1"], tmp_path / "model", lambda q: None)
+    tensors = load_file(directory / "model.safetensors")
+    if change is None:
+        del tensors[key]
+    else:
+        tensors[key] = change(tensors[key])
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ShardingError, match=message):
+        tpcore.parallelize(str(directory), num_gpus=2)
+
+
+def test_a_gptq_object_repacked_by_a_forward_is_refused(gptq_dirs, no_process_starts):
+    """GPTQModel's default CPU kernel repacks a layer's tensors for ``_weight_int4pack_mm_for_cpu`` in its first
+    forward."""
+    reference = transformers.AutoModelForCausalLM.from_pretrained(gptq_dirs["v1"], dtype=torch.float16).eval()
+    assert type(reference.model.layers[0].mlp.up_proj).__name__ == "TorchAtenLinear"
+    with torch.no_grad():
+        reference(input_ids=torch.tensor([[1, 2, 3]]))
+    with pytest.raises(ShardingError, match=r"'model.layers.0.self_attn.\w_proj' holds GPTQModel's CPU-repacked"):
+        tpcore.parallelize(reference, num_gpus=2)
