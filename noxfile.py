@@ -169,6 +169,7 @@ BENCH_SCRIPTS = (
     "quantized.py --format w8a8",
     "quantized.py --format llm-int8",
     "quantized.py --format nf4",
+    "quantized.py --format gptq",
 )
 
 

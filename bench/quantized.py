@@ -16,7 +16,9 @@ A random-init Llama of SmolLM2-135M's widths (``--layers``, 30 by default) saved
   ``TorchAoConfig``; ``float8``: its ``Float8WeightOnlyConfig`` (e4m3 values, a scale per row), the same way;
 - ``llm-int8``: bitsandbytes 8-bit (LLM.int8(): int8 rows, inputs rounded per token through int8, outlier columns
   of 6 or more in the input's dtype), quantized and saved by transformers' ``BitsAndBytesConfig``;
-- ``nf4``: bitsandbytes 4-bit NF4 with nested block scales (``bnb_4bit_use_double_quant``), the same way.
+- ``nf4``: bitsandbytes 4-bit NF4 with nested block scales (``bnb_4bit_use_double_quant``), the same way;
+- ``gptq``: GPTQ v1 4-bit, symmetric, groups of ``--group`` (``save_gptq``: packed by GPTQModel's own packer),
+  loaded by transformers through optimum and GPTQModel, both ways in bfloat16.
 
 Two ways, one after the other in this process, each loading the directory ``--rounds`` times (median):
 
@@ -24,7 +26,9 @@ Two ways, one after the other in this process, each loading the directory ``--ro
   a CPU dequantizes block FP8 at load, decompresses pack-quantized integers in its first forward, computes int8
   with torchao's tensor subclass and bitsandbytes' layers with its own products (4-bit: its dequantizing product,
   its fused bfloat16 CPU kernel turned off as in the tests, since it rounds the inputs to bfloat16; with ``nf4`` a
-  further row decodes with that kernel, transformers' default, its tokens compared with the dequantizing product's);
+  further row decodes with that kernel, transformers' default, its tokens compared with the dequantizing product's;
+  GPTQ: GPTQModel's torch kernel, as the tests, and a further row with its default CPU kernel, ``TorchAtenLinear``:
+  torch's int4 matrix product, scales rounded to bfloat16);
 - **tpcore**: ``tpcore.parallelize(dir, num_gpus=N)`` (gloo, the cores split between the ranks): each rank reads
   its part of the quantized values (and the scales it needs), and dequantizes a layer at a time in each forward.
 
@@ -42,6 +46,7 @@ first one-token forward (where transformers decompresses pack-quantized layers),
     python bench/quantized.py --format w8a8     # -> bench/results/quantized_w8a8.md
     python bench/quantized.py --format llm-int8  # -> bench/results/quantized_llm-int8.md
     python bench/quantized.py --format nf4      # -> bench/results/quantized_nf4.md
+    python bench/quantized.py --format gptq     # -> bench/results/quantized_gptq.md
     python bench/quantized.py --quick           # a smoke run
 """
 
@@ -63,6 +68,7 @@ from tpcore.testing.quantized_checkpoints import (
     save_float8_weight_only,
     save_four_bit,
     save_fp8_dynamic,
+    save_gptq,
     save_int8_weight_only,
     save_llm_int8,
     save_pack_quantized,
@@ -111,6 +117,28 @@ FORMATS = {
         "bitsandbytes NF4",
         "bitsandbytes' Linear4bit",
     ),
+    "gptq": (
+        lambda model, directory, args: save_gptq(model, directory, 4, args.group),
+        "GPTQ 4-bit",
+        "GPTQModel's torch kernel",
+    ),
+}
+
+
+def reference_options(form: str) -> dict:
+    """``from_pretrained`` options of the transformers way: GPTQ through GPTQModel's torch kernel in bfloat16 (the
+    dequantizing product tpcore's ranks compute), every other format as transformers loads it by default."""
+    if form != "gptq":
+        return {}
+    import transformers
+
+    return {"dtype": torch.bfloat16, "quantization_config": transformers.GPTQConfig(bits=4, backend="torch")}
+
+
+#: what transformers computes by default where the reference is another kernel: a further row decodes with it
+DEFAULT_KERNELS = {
+    "nf4": ("its default CPU kernel: bfloat16 where the CPU has AVX-512-BF16", {}),
+    "gptq": ("GPTQModel's default CPU kernel: torch's int4 product in bfloat16", {"dtype": torch.bfloat16}),
 }
 
 
@@ -149,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--format", choices=sorted(FORMATS), default="fp8")
     parser.add_argument("--block", type=int, default=64, help="fp8: the blocks' side")
-    parser.add_argument("--group", type=int, default=64, help="w4a16: input features a scale")
+    parser.add_argument("--group", type=int, default=64, help="w4a16 and gptq: input features a scale")
     parser.add_argument("--world-sizes", default="2,3", help="tpcore's rank counts, comma-separated")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of the transformers way")
     parser.add_argument("--rounds", type=int, default=3)
@@ -164,8 +192,9 @@ def main(argv: list[str] | None = None) -> None:
         save, name, held_as = FORMATS[args.format]
         directory = save(smollm2_spec(args.layers).build(), Path(scratch) / args.format, args)
         stored = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
-        loads = [timed(lambda: ready(dequantizing(transformers.AutoModelForCausalLM.from_pretrained(directory).eval()),
-                                     ids)) for _ in range(3)]  # fmt: skip
+        options = reference_options(args.format)
+        loads = [timed(lambda: ready(dequantizing(transformers.AutoModelForCausalLM.from_pretrained(
+                 directory, **options).eval()), ids)) for _ in range(3)]  # fmt: skip
         reference = loads[-1][1]
         speed, expected = decode(reference, ids, args.new_tokens)
         held = sum(tensor_bytes(t) for t in reference.state_dict().values())  # once it has computed
@@ -173,13 +202,12 @@ def main(argv: list[str] | None = None) -> None:
         rows.append([f"transformers ({held_as})", "1", f"{held / 2**20:.0f}", f"{held / stored:.2f}",
                      f"{load:.1f}", "1.00", f"{speed:.1f}", "-"])  # fmt: skip
         del reference, loads
-        if (
-            args.format == "nf4"
-        ):  # what transformers computes by default: the fused bfloat16 kernel where the CPU has it
-            fused = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+        if args.format in DEFAULT_KERNELS:  # what transformers computes by default, where the reference is another
+            kernel, kernel_options = DEFAULT_KERNELS[args.format]
+            fused = transformers.AutoModelForCausalLM.from_pretrained(directory, **kernel_options).eval()
             fused_speed, fused_tokens = decode(fused, ids, args.new_tokens)
-            rows.append(["transformers (its default CPU kernel: bfloat16 where the CPU has AVX-512-BF16)", "1", "-",
-                         "-", "-", "-", f"{fused_speed:.1f}", str(torch.equal(fused_tokens, expected))])  # fmt: skip
+            rows.append([f"transformers ({kernel})", "1", "-", "-", "-", "-", f"{fused_speed:.1f}",
+                         str(torch.equal(fused_tokens, expected))])  # fmt: skip
             del fused
         plain = Path(scratch) / "fp32"
         smollm2_spec(args.layers).build().save_pretrained(plain)  # the same model unquantized: the split's own costs
@@ -188,7 +216,10 @@ def main(argv: list[str] | None = None) -> None:
         for way, source, world_size in ways:
             times = []
             for _ in range(args.rounds):
-                seconds, model = timed(lambda: ready(tpcore.parallelize(str(source), num_gpus=world_size), ids))  # noqa: B023
+                dtype = options.get("dtype") if source == directory else None
+                seconds, model = timed(
+                    lambda: ready(tpcore.parallelize(str(source), num_gpus=world_size, dtype=dtype), ids)  # noqa: B023
+                )
                 times.append(seconds)
                 if len(times) < args.rounds:
                     model.deparallelize()
@@ -219,6 +250,7 @@ def main(argv: list[str] | None = None) -> None:
             "fp8": f"blocks of {args.block} x {args.block}",
             "w4a16": f"int4 in groups of {args.group}",
             "nf4": "blocks of 64, nested scales",
+            "gptq": f"symmetric int4 in groups of {args.group}, bfloat16",
         }.get(args.format, "a scale a row")
         + f", the LM head in fp32): {stored / 2**20:.0f} MiB of safetensors. Loads: median of "
         f"3 (transformers) and {args.rounds} (tpcore); decode: greedy, {args.new_tokens} new tokens after a 32-token "
