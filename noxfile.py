@@ -170,6 +170,7 @@ BENCH_SCRIPTS = (
     "quantized.py --format llm-int8",
     "quantized.py --format nf4",
     "quantized.py --format gptq",
+    "quantized.py --format awq",
 )
 
 

@@ -18,7 +18,8 @@ A random-init Llama of SmolLM2-135M's widths (``--layers``, 30 by default) saved
   of 6 or more in the input's dtype), quantized and saved by transformers' ``BitsAndBytesConfig``;
 - ``nf4``: bitsandbytes 4-bit NF4 with nested block scales (``bnb_4bit_use_double_quant``), the same way;
 - ``gptq``: GPTQ v1 4-bit, symmetric, groups of ``--group`` (``save_gptq``: packed by GPTQModel's own packer),
-  loaded by transformers through optimum and GPTQModel, both ways in bfloat16.
+  loaded by transformers through optimum and GPTQModel, both ways in bfloat16; ``awq``: AWQ 4-bit (AutoAWQ's GEMM
+  layout, ``save_awq``), the same way.
 
 Two ways, one after the other in this process, each loading the directory ``--rounds`` times (median):
 
@@ -47,6 +48,7 @@ first one-token forward (where transformers decompresses pack-quantized layers),
     python bench/quantized.py --format llm-int8  # -> bench/results/quantized_llm-int8.md
     python bench/quantized.py --format nf4      # -> bench/results/quantized_nf4.md
     python bench/quantized.py --format gptq     # -> bench/results/quantized_gptq.md
+    python bench/quantized.py --format awq      # -> bench/results/quantized_awq.md
     python bench/quantized.py --quick           # a smoke run
 """
 
@@ -64,6 +66,7 @@ from _models import smollm2_spec
 import tpcore
 from tpcore.testing.quantized_checkpoints import (
     dequantizing,
+    save_awq,
     save_block_fp8,
     save_float8_weight_only,
     save_four_bit,
@@ -122,23 +125,32 @@ FORMATS = {
         "GPTQ 4-bit",
         "GPTQModel's torch kernel",
     ),
+    "awq": (
+        lambda model, directory, args: save_awq(model, directory, args.group),
+        "AWQ 4-bit",
+        "GPTQModel's AWQ torch kernel",
+    ),
 }
 
 
 def reference_options(form: str) -> dict:
-    """``from_pretrained`` options of the transformers way: GPTQ through GPTQModel's torch kernel in bfloat16 (the
-    dequantizing product tpcore's ranks compute), every other format as transformers loads it by default."""
-    if form != "gptq":
-        return {}
+    """``from_pretrained`` options of the transformers way: GPTQ and AWQ through GPTQModel's torch kernels in
+    bfloat16 (the dequantizing products tpcore's ranks compute), every other format as transformers loads it by
+    default."""
     import transformers
 
-    return {"dtype": torch.bfloat16, "quantization_config": transformers.GPTQConfig(bits=4, backend="torch")}
+    kernels = {
+        "gptq": lambda: transformers.GPTQConfig(bits=4, backend="torch"),
+        "awq": lambda: transformers.AwqConfig(bits=4, backend="torch_awq"),
+    }
+    return {"dtype": torch.bfloat16, "quantization_config": kernels[form]()} if form in kernels else {}
 
 
 #: what transformers computes by default where the reference is another kernel: a further row decodes with it
 DEFAULT_KERNELS = {
     "nf4": ("its default CPU kernel: bfloat16 where the CPU has AVX-512-BF16", {}),
     "gptq": ("GPTQModel's default CPU kernel: torch's int4 product in bfloat16", {"dtype": torch.bfloat16}),
+    "awq": ("GPTQModel's default CPU kernel: torch's int4 product in bfloat16", {"dtype": torch.bfloat16}),
 }
 
 
@@ -251,6 +263,7 @@ def main(argv: list[str] | None = None) -> None:
             "w4a16": f"int4 in groups of {args.group}",
             "nf4": "blocks of 64, nested scales",
             "gptq": f"symmetric int4 in groups of {args.group}, bfloat16",
+            "awq": f"int4 with zero points in groups of {args.group}, bfloat16",
         }.get(args.format, "a scale a row")
         + f", the LM head in fp32): {stored / 2**20:.0f} MiB of safetensors. Loads: median of "
         f"3 (transformers) and {args.rounds} (tpcore); decode: greedy, {args.new_tokens} new tokens after a 32-token "

@@ -69,6 +69,7 @@ _EXPORTS = {
     "LLMInt8Linear": "tpcore.parallel.llm_int8_linear",
     "FourBitLinear": "tpcore.parallel.four_bit_linear",
     "GPTQLinear": "tpcore.parallel.gptq_linear",
+    "AWQLinear": "tpcore.parallel.gptq_linear",
     "parallelize": "tpcore.api",
     "AutoPolicy": "tpcore.select",
     "experts_arguments": "tpcore.select.tp_plan",
@@ -76,6 +77,7 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "AWQLinear",
     "Attention",
     "AutoPolicy",
     "BertLayoutPolicy",

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from tpcore.cut.split import Split
-from tpcore.parallel.gptq_linear import GPTQLinear, RowParallelGPTQLinear
+from tpcore.parallel.gptq_linear import AWQLinear, GPTQLinear, RowParallelAWQLinear, RowParallelGPTQLinear
 from tpcore.parallel.packed_int_linear import unpack_words
 from tpcore.parallel.threads import ThreadGroup, run_ranks
 
@@ -135,3 +135,88 @@ def test_bit_widths_that_straddle_words_and_partial_words_are_refused():
         GPTQLinear.hold(nn.Linear(96, 8, device="meta"), 3, 32, torch.float16)
     with pytest.raises(ValueError, match="100 input features are not whole words of 8 values"):
         GPTQLinear.hold(nn.Linear(100, 8, device="meta"), 4, 32, torch.float16)
+
+
+# -- AWQ ------------------------------------------------------------------------------------------------------
+
+
+def awq_quantized(seed: int = 1):
+    """A random float16 weight and bias packed by GPTQModel's AWQ packer (GEMM layout, min-max groups)."""
+    from gptqmodel.nn_modules.qlinear.torch_awq import AwqTorchLinear
+
+    generator = torch.Generator().manual_seed(seed)
+    linear = nn.Linear(IN, OUT).half()
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(OUT, IN, generator=generator) / 10)
+        linear.bias.copy_(torch.randn(OUT, generator=generator))
+    groups = linear.weight.float().view(OUT, -1, GROUP)
+    low, high = groups.amin(-1).clamp(max=0), groups.amax(-1).clamp(min=0)
+    scales = (high - low) / 15
+    packed = AwqTorchLinear(bits=4, group_size=GROUP, sym=False, desc_act=False, in_features=IN, out_features=OUT,
+                            bias=True)  # fmt: skip
+    packed.pack(linear, scales.half(), (-low / scales).round().clamp(0, 15).to(torch.int32))
+    packed.post_init()
+    return packed.eval()
+
+
+def awq_layer(packed, split: Split | None = None, rank: int = 0, world: int = 1) -> AWQLinear:
+    """An :class:`AWQLinear` holding rank ``rank``'s part of ``packed``'s tensors as the plan would give it."""
+    linear = AWQLinear.hold_awq(nn.Linear(IN, OUT, device="meta"), GROUP, torch.float16)
+    cuts = {} if split is None else {"qweight": split, **linear.follower_cuts(split)}
+    for name in ("qweight", "qzeros", "scales"):
+        tensor = getattr(packed, name)
+        setattr(linear, name, nn.Parameter(cuts[name].shard(tensor, rank, world) if name in cuts else tensor, False))
+    linear.weight = linear.qweight
+    columns = split is not None and split.dim == 1
+    linear.bias = nn.Parameter(Split(0, heads=OUT // 8).shard(packed.bias, rank, world) if columns else packed.bias,
+                               False)  # fmt: skip
+    linear.cuts = cuts
+    linear.localize(rank, world)
+    return linear
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_whole_awq_layer_is_gptqmodels_awq_torch_kernel_bit_for_bit(dtype):
+    packed = awq_quantized()
+    x = inputs(dtype)
+    with torch.no_grad():
+        expected = packed(x)
+    got = awq_layer(packed)(x)
+    assert got.dtype == expected.dtype == dtype
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_awq_column_pieces_concatenate_to_the_whole_layer(world):
+    """Whole words of 8 output features (their order inside the word undone), the scales and zero points with
+    them."""
+    packed = awq_quantized()
+    x = inputs()
+    expected = awq_layer(packed)(x)
+    pieces = [awq_layer(packed, Split(1, heads=OUT // 8), rank, world)(x) for rank in range(world)]
+    assert torch.equal(torch.cat(pieces, dim=-1), expected)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_awq_row_parallel_ranks_sum_to_the_whole_layer(world):
+    """Input features in runs of 8 (48, 32 or 24: a cut inside a group at 2 and 4 ranks), each row's group found
+    from its index; float32 partial sums, rounded once."""
+    packed = awq_quantized()
+    x = inputs()
+    expected = awq_layer(packed)(x)
+    group = ThreadGroup(world)
+
+    def rank_output(rank: int) -> torch.Tensor:
+        ours = awq_layer(packed, Split(0, heads=IN // 8), rank, world)
+        ours.__class__, ours.tp_group = RowParallelAWQLinear, group
+        return ours(Split(-1, heads=IN // 8).shard(x, rank, world))
+
+    for got in run_ranks(group, rank_output):
+        torch.testing.assert_close(got, expected, rtol=1e-3, atol=2e-3)
+
+
+def test_awq_layouts_that_are_no_whole_words_or_groups_are_refused():
+    with pytest.raises(ValueError, match="44 output features are not whole words of 8"):
+        AWQLinear.hold_awq(nn.Linear(96, 44, device="meta"), 32, torch.float16)
+    with pytest.raises(ValueError, match="80 input features are not whole groups of 32"):
+        AWQLinear.hold_awq(nn.Linear(80, 8, device="meta"), 32, torch.float16)

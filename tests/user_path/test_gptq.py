@@ -1,9 +1,9 @@
-"""GPTQ checkpoints on the user's path: 4-bit integers packed by GPTQModel's own packer (v1 symmetric, v2 asymmetric
-with act-order ``g_idx``), split by ``tpcore.parallelize(dir)``, by ``parallelize(model)`` of the object transformers
-loads through optimum and GPTQModel, and by the SPMD engine, give transformers' own outputs (GPTQModel's torch
-kernel) at an even and an uneven world size, each rank holding its packed words. The tiny Llama's MLP is 5 groups
-of 32: at 2 ranks a cut falls inside a group, where vLLM requires whole groups a rank. What tpcore does not split is
-refused by name before any rank starts."""
+"""GPTQ and AWQ checkpoints on the user's path: 4-bit integers packed by GPTQModel's own packers (GPTQ v1 symmetric,
+v2 asymmetric with act-order ``g_idx``; AWQ's GEMM layout), split by ``tpcore.parallelize(dir)``, by
+``parallelize(model)`` of the object transformers loads through optimum and GPTQModel, and by the SPMD engine, give
+transformers' own outputs (GPTQModel's torch kernels) at an even and an uneven world size, each rank holding its
+packed words. The tiny Llama's MLP is 5 groups of 32: at 2 ranks a cut falls inside a group, where vLLM requires
+whole groups a rank. What tpcore does not split is refused by name before any rank starts."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 
 import tpcore
 from tpcore import ShardingError
-from tpcore.testing.quantized_checkpoints import save_gptq
+from tpcore.testing.quantized_checkpoints import save_awq, save_gptq
 from tpcore.tools.cli import main
 
 pytest.importorskip("gptqmodel", reason="GPTQModel packs the checkpoints and computes transformers' reference")
@@ -170,3 +170,65 @@ def test_a_gptq_object_repacked_by_a_forward_is_refused(gptq_dirs, no_process_st
         reference(input_ids=torch.tensor([[1, 2, 3]]))
     with pytest.raises(ShardingError, match=r"'model.layers.0.self_attn.\w_proj' holds GPTQModel's CPU-repacked"):
         tpcore.parallelize(reference, num_gpus=2)
+
+
+# -- AWQ ------------------------------------------------------------------------------------------------------
+
+
+def awq_torch_kernel() -> dict:
+    """``from_pretrained`` options for GPTQModel's AWQ torch kernel in float16 (its default CPU kernel computes in
+    bfloat16)."""
+    return {"dtype": torch.float16, "quantization_config": transformers.AwqConfig(bits=4, backend="torch_awq")}
+
+
+@pytest.fixture(scope="module")
+def awq_dir(tmp_path_factory):
+    return save_awq(quantizable_llama(), tmp_path_factory.mktemp("awq") / "model")
+
+
+def check_awq_split(model, expected, tokens, world_size):
+    check_split_layers(
+        model, expected, tokens, world_size, "qweight", "torch.int32", "RowParallelAWQLinear", HALF_RTOL[torch.float16]
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_an_awq_directory_splits_and_gives_transformers_outputs(awq_dir, world_size):
+    expected, tokens = transformers_outputs(awq_dir, **awq_torch_kernel())
+    with split(str(awq_dir), world_size, dtype=torch.float16) as model:
+        check_awq_split(model, expected, tokens, world_size)
+
+
+@pytest.mark.slow
+def test_the_awq_object_splits_with_its_packed_words(awq_dir):
+    reference = transformers.AutoModelForCausalLM.from_pretrained(awq_dir, **awq_torch_kernel()).eval()
+    assert type(reference.model.layers[0].mlp.up_proj).__name__ == "AwqTorchLinear"
+    expected, tokens = greedy_outputs(reference)
+    with split(reference, 3) as model:
+        check_awq_split(model, expected, tokens, 3)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda q: q.update(version="gemv"), "AWQ in the 'gemv' layout"),
+        (lambda q: q.update(bits=8), "AWQ 8-bit"),
+        (lambda q: q.update(zero_point=False), "AWQ without zero points"),
+    ],
+)
+def test_an_awq_variant_tpcore_does_not_split_is_refused_before_any_rank_starts(
+    awq_dir, tmp_path, change, message, no_process_starts
+):
+    directory = with_quantization_changed(awq_dir, tmp_path / "model", change)
+    with pytest.raises(ShardingError, match=message):
+        tpcore.parallelize(str(directory), num_gpus=2)
+
+
+def test_an_awq_layer_stored_otherwise_is_refused_naming_its_tensor(awq_dir, tmp_path, no_process_starts):
+    directory = with_quantization_changed(awq_dir, tmp_path / "model", lambda q: None)
+    tensors = load_file(directory / "model.safetensors")
+    tensors["model.layers.0.mlp.down_proj.qzeros"] = tensors["model.layers.0.mlp.down_proj.qzeros"][:, :-1].clone()
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ShardingError, match=r"'model.layers.0.mlp.down_proj.qzeros' is stored as \(\[5, 11\]"):
+        tpcore.parallelize(str(directory), num_gpus=2)

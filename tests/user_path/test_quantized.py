@@ -180,7 +180,7 @@ def with_quantization(source, directory, quantization):
 @pytest.mark.parametrize(
     ("quantization", "message"),
     [
-        ({"quant_method": "awq", "bits": 4, "group_size": 128}, "quantized as 'awq', which tpcore does not split"),
+        ({"quant_method": "hqq", "nbits": 4}, "quantized as 'hqq', which tpcore does not split"),
         ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "FP8 without 'weight_block_size'"),
         (
             {"quant_method": "fp8", "weight_block_size": [32, 32], "activation_scheme": "static"},

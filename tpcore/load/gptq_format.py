@@ -1,11 +1,14 @@
-"""GPTQ checkpoints (GPTQModel's and AutoGPTQ's layout, ``quant_method: gptq``): a linear stored as ``qweight``,
-``qzeros``, ``scales`` and ``g_idx`` becomes a :class:`~tpcore.parallel.gptq_linear.GPTQLinear`, from a directory
-(:meth:`GPTQ.hold`) or from the object transformers loads through optimum and GPTQModel (:meth:`GPTQ.adopt`, before
-any forward: GPTQModel's CPU kernel repacks its tensors on the first). Act-order (``desc_act``) splits; 3-bit values
-and kernel-repacked formats (Marlin, BitBLAS) are refused by name."""
+"""GPTQ and AWQ checkpoints. GPTQ (GPTQModel's and AutoGPTQ's layout, ``quant_method: gptq``): a linear stored as
+``qweight``, ``qzeros``, ``scales`` and ``g_idx`` becomes a :class:`~tpcore.parallel.gptq_linear.GPTQLinear`, from a
+directory (:meth:`GPTQ.hold`) or from the object transformers loads through optimum and GPTQModel (:meth:`GPTQ.adopt`,
+before any forward: GPTQModel's CPU kernel repacks its tensors on the first). Act-order (``desc_act``) splits; 3-bit
+values and kernel-repacked formats (Marlin, BitBLAS) are refused by name. AWQ (AutoAWQ's GEMM layout,
+``quant_method: awq``): ``qweight``, ``qzeros`` and ``scales`` become an
+:class:`~tpcore.parallel.gptq_linear.AWQLinear` the same ways; its GEMV layouts and other bit widths are refused."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -13,9 +16,9 @@ from torch import nn
 
 from tpcore.authoring.quantized_format import QuantizedFormat, refuse_untaken
 from tpcore.errors import ShardingError
-from tpcore.parallel.gptq_linear import GPTQ_BIT_WIDTHS, GPTQLinear
+from tpcore.parallel.gptq_linear import GPTQ_BIT_WIDTHS, AWQLinear, GPTQLinear
 
-__all__ = ["GPTQ"]
+__all__ = ["AWQ", "GPTQ"]
 
 #: GPTQ's checkpoint formats tpcore reads, and what each stores of a zero point ``z`` (v1: ``z - 1``)
 _ZERO_OFFSETS = {"gptq": 1, "gptq_v2": 0}
@@ -43,33 +46,12 @@ class GPTQ(QuantizedFormat):
     def hold(self, model: nn.Module, checkpoint: Any, quantization: dict[str, Any]) -> int:
         bits, group_size = int(quantization["bits"]), int(quantization.get("group_size", -1))
         zero_offset = _zero_offset(quantization, "the checkpoint")
-        keys = checkpoint.stored_keys(model)
-        packed_keys = {key for key in checkpoint.files if key.endswith(".qweight")}
-        held = 0
-        for path, module in list(model.named_modules()):
-            key = keys.get(f"{path}.weight" if path else "weight", f"{path}.weight")
-            packed_key = key.removesuffix("weight") + "qweight"
-            if not isinstance(module, nn.Linear) or packed_key not in packed_keys:
-                continue
-            stem = packed_key.removesuffix("qweight")
-            missing = [stem + name for name in _STORED if stem + name not in checkpoint.files]
-            if missing:
-                raise ShardingError(f"{packed_key!r} is stored without {missing[0]!r}")
-            try:
-                layer = GPTQLinear.hold(
-                    module,
-                    bits,
-                    group_size if group_size > 0 else module.in_features,
-                    checkpoint.stored_dtype(stem + "scales"),
-                    zero_offset,
-                )
-            except ValueError as error:
-                raise ShardingError(f"{packed_key!r}: {error}") from None
-            _check_stored(layer, checkpoint, stem)
-            packed_keys.discard(packed_key)
-            held += 1
-        refuse_untaken(packed_keys, "packs", "GPTQ")
-        return held
+
+        def make(module: nn.Linear, scale_dtype: torch.dtype) -> GPTQLinear:
+            group = group_size if group_size > 0 else module.in_features
+            return GPTQLinear.hold(module, bits, group, scale_dtype, zero_offset)
+
+        return _hold_packed(model, checkpoint, _STORED, "GPTQ", make)
 
     def adopt(self, model: nn.Module, quantization: dict[str, Any]) -> int:
         """Each of GPTQModel's quantized linears (its tensors still as GPTQ stores them) becomes a
@@ -79,11 +61,7 @@ class GPTQ(QuantizedFormat):
             if not all(isinstance(getattr(module, name, None), torch.Tensor) for name in ("qweight", *_STORED)):
                 continue
             where = f"{type(model).__name__}'s {path!r}"
-            if getattr(module, "linear_mode", None) == "inference" or module.qweight.dim() != 2:
-                raise ShardingError(
-                    f"{where} holds GPTQModel's CPU-repacked tensors (made by a forward): parallelize the model as "
-                    "transformers loads it, before any forward, or its saved directory"
-                )
+            _refuse_repacked(module, where)
             # GPTQModel's kernels that require v2 zero points (its CPU ones) hold them so whatever the checkpoint's
             stored_offset = 0 if getattr(module, "REQUIRES_FORMAT_V2", False) else _zero_offset(quantization, where)
             bias = getattr(module, "bias", None)
@@ -98,14 +76,42 @@ class GPTQ(QuantizedFormat):
                 )
             except ValueError as error:
                 raise ShardingError(f"{where}: {error}") from None
-            for name in ("qweight", *_STORED):
-                setattr(layer, name, nn.Parameter(getattr(module, name).data, requires_grad=False))
-            layer.weight = layer.qweight
-            layer.bias = None if bias is None else nn.Parameter(bias.data, requires_grad=False)  # type: ignore[assignment]
-            parent, _, child = path.rpartition(".")
-            setattr(model.get_submodule(parent), child, layer)
+            _take_tensors(model, path, layer, module, ("qweight", *_STORED))
             adopted += 1
         return adopted
+
+
+def _hold_packed(
+    model: nn.Module,
+    checkpoint: Any,
+    stored: tuple[str, ...],
+    form: str,
+    make: Callable[[nn.Linear, torch.dtype], GPTQLinear],
+) -> int:
+    """Each linear of the meta ``model`` whose ``qweight`` ``checkpoint`` stores (with the tensors ``stored`` beside
+    it) becomes the layer ``make(linear, scale dtype)`` makes, its stored shapes checked; the number made. A packed
+    tensor no linear takes, or a layer stored otherwise, is refused naming the tensor."""
+    keys = checkpoint.stored_keys(model)
+    packed_keys = {key for key in checkpoint.files if key.endswith(".qweight")}
+    held = 0
+    for path, module in list(model.named_modules()):
+        key = keys.get(f"{path}.weight" if path else "weight", f"{path}.weight")
+        packed_key = key.removesuffix("weight") + "qweight"
+        if not isinstance(module, nn.Linear) or packed_key not in packed_keys:
+            continue
+        stem = packed_key.removesuffix("qweight")
+        missing = [stem + name for name in stored if stem + name not in checkpoint.files]
+        if missing:
+            raise ShardingError(f"{packed_key!r} is stored without {missing[0]!r}")
+        try:
+            layer = make(module, checkpoint.stored_dtype(stem + "scales"))
+        except ValueError as error:
+            raise ShardingError(f"{packed_key!r}: {error}") from None
+        _check_stored(layer, checkpoint, stem, ("qweight", *stored))
+        packed_keys.discard(packed_key)
+        held += 1
+    refuse_untaken(packed_keys, "packs", form)
+    return held
 
 
 def _zero_offset(quantization: dict[str, Any], where: str) -> int:
@@ -118,9 +124,10 @@ def _zero_offset(quantization: dict[str, Any], where: str) -> int:
     return _ZERO_OFFSETS[layout]
 
 
-def _check_stored(layer: GPTQLinear, checkpoint: Any, stem: str) -> None:
-    """Each of the layer's tensors is stored in its shape and integer dtype, or :class:`ShardingError` names it."""
-    for name in ("qweight", *_STORED):
+def _check_stored(layer: GPTQLinear, checkpoint: Any, stem: str, names: tuple[str, ...]) -> None:
+    """Each of the layer's tensors ``names`` is stored in its shape and integer dtype, or :class:`ShardingError` names
+    it."""
+    for name in names:
         tensor, key = getattr(layer, name), stem + name
         stored = (checkpoint.stored_shape(key), checkpoint.stored_dtype(key))
         if stored[0] != list(tensor.shape) or (tensor.dtype == torch.int32 and stored[1] != torch.int32):
@@ -129,3 +136,71 @@ def _check_stored(layer: GPTQLinear, checkpoint: Any, stem: str) -> None:
                 f"{layer.bits}-bit values in groups of {layer.group_size} stores "
                 f"({list(tensor.shape)}, {tensor.dtype})"
             )
+
+
+class AWQ(QuantizedFormat):
+    """AWQ's GEMM layout (:class:`AWQLinear`): 4-bit values with zero points, groups in order."""
+
+    quant_method = "awq"
+    description = "AWQ 4-bit integers (AutoAWQ's GEMM layout, zero points)"
+
+    def check(self, quantization: dict[str, Any], where: str) -> None:
+        layout = str(quantization.get("version") or quantization.get("format") or "gemm").lower()
+        if layout != "gemm":
+            raise ShardingError(f"{where} is AWQ in the {layout!r} layout: tpcore splits AutoAWQ's 'gemm' layout")
+        if quantization.get("bits", 4) != 4:
+            raise ShardingError(f"{where} is AWQ {quantization.get('bits')}-bit: tpcore splits 4-bit values")
+        if quantization.get("zero_point") is False:
+            raise ShardingError(f"{where} is AWQ without zero points: tpcore splits AWQ with zero points")
+
+    def hold(self, model: nn.Module, checkpoint: Any, quantization: dict[str, Any]) -> int:
+        group_size = int(quantization.get("group_size", 128))
+
+        def make(module: nn.Linear, scale_dtype: torch.dtype) -> GPTQLinear:
+            return AWQLinear.hold_awq(module, group_size if group_size > 0 else module.in_features, scale_dtype)
+
+        return _hold_packed(model, checkpoint, _AWQ_STORED, "AWQ", make)
+
+    def adopt(self, model: nn.Module, quantization: dict[str, Any]) -> int:
+        """Each of GPTQModel's AWQ linears (its tensors still as AWQ stores them) becomes an :class:`AWQLinear`."""
+        adopted = 0
+        for path, module in list(model.named_modules()):
+            if not all(isinstance(getattr(module, name, None), torch.Tensor) for name in ("qweight", *_AWQ_STORED)):
+                continue
+            where = f"{type(model).__name__}'s {path!r}"
+            _refuse_repacked(module, where)
+            bias = getattr(module, "bias", None)
+            linear = nn.Linear(module.in_features, module.out_features, bias=bias is not None, device="meta")
+            group = int(module.group_size) if int(module.group_size) > 0 else module.in_features
+            try:
+                layer = AWQLinear.hold_awq(linear, group, module.scales.dtype)
+            except ValueError as error:
+                raise ShardingError(f"{where}: {error}") from None
+            _take_tensors(model, path, layer, module, ("qweight", *_AWQ_STORED))
+            adopted += 1
+        return adopted
+
+
+#: the tensors an AWQ linear stores beside ``qweight``
+_AWQ_STORED = ("qzeros", "scales")
+
+
+def _refuse_repacked(module: nn.Module, where: str) -> None:
+    """:class:`ShardingError` for one of GPTQModel's layers whose CPU kernel has repacked its tensors (a forward)."""
+    words: torch.Tensor = getattr(module, "qweight")  # noqa: B009  # a buffer mypy reads as a module
+    if getattr(module, "linear_mode", None) == "inference" or words.dim() != 2:
+        raise ShardingError(
+            f"{where} holds GPTQModel's CPU-repacked tensors (made by a forward): parallelize the model as "
+            "transformers loads it, before any forward, or its saved directory"
+        )
+
+
+def _take_tensors(model: nn.Module, path: str, layer: GPTQLinear, module: nn.Module, names: tuple[str, ...]) -> None:
+    """``layer`` takes ``module``'s tensors ``names`` and bias, and its place in ``model`` at ``path``."""
+    for name in names:
+        setattr(layer, name, nn.Parameter(getattr(module, name).data, requires_grad=False))
+    layer.weight = layer.qweight
+    bias = getattr(module, "bias", None)
+    layer.bias = None if bias is None else nn.Parameter(bias.data, requires_grad=False)  # type: ignore[assignment]
+    parent, _, child = path.rpartition(".")
+    setattr(model.get_submodule(parent), child, layer)

@@ -1,7 +1,7 @@
 """Quantized checkpoints: the format a checkpoint's ``quantization_config`` declares, split as stored where a
 :class:`~tpcore.QuantizedFormat` knows it, refused by name before any rank starts where none does.
 
-The built-in formats (:data:`BUILT_IN_FORMATS`: block FP8, compressed-tensors, torchao, bitsandbytes, GPTQ, each in
+The built-in formats (:data:`BUILT_IN_FORMATS`: block FP8, compressed-tensors, torchao, bitsandbytes, GPTQ, AWQ, each in
 a module of its own) make the meta skeleton's linears quantized layers holding what the files store before it is
 planned, so the plan counts a rank's bytes as stored and each rank reads only its part of the values. Plugins add
 formats (``tpcore_register_quantized_formats``; the callers above pass them in).
@@ -26,7 +26,7 @@ from tpcore.load.bitsandbytes_format import BitsAndBytes
 from tpcore.load.block_fp8_format import BlockFP8
 from tpcore.load.checkpoint import Checkpoint
 from tpcore.load.compressed_tensors_format import CompressedTensors
-from tpcore.load.gptq_format import GPTQ
+from tpcore.load.gptq_format import AWQ, GPTQ
 from tpcore.load.skeleton import empty_model
 from tpcore.load.torchao_format import TorchAO
 from tpcore.parallel.quantized_linear import QuantizedLayer
@@ -44,7 +44,14 @@ _STORAGE = {torch.int8, torch.uint8, torch.int32, torch.float8_e4m3fn, torch.flo
 
 
 #: the formats tpcore itself splits; plugins add more (``tpcore_register_quantized_formats``)
-BUILT_IN_FORMATS: tuple[QuantizedFormat, ...] = (BlockFP8(), CompressedTensors(), TorchAO(), BitsAndBytes(), GPTQ())
+BUILT_IN_FORMATS: tuple[QuantizedFormat, ...] = (
+    BlockFP8(),
+    CompressedTensors(),
+    TorchAO(),
+    BitsAndBytes(),
+    GPTQ(),
+    AWQ(),
+)
 
 
 def quantization_of(config: Any) -> dict[str, Any] | None:

@@ -1,4 +1,5 @@
-"""A linear layer stored as GPTQ stores it (GPTQModel's and AutoGPTQ's layout), computed on a rank's words.
+"""Linear layers stored as GPTQ and AWQ store them (GPTQModel's, AutoGPTQ's and AutoAWQ's layouts), computed on a
+rank's words.
 
 :class:`GPTQLinear` holds ``b``-bit integers packed ``p = 32 / b`` to an int32 word along the input features, with a
 scale and a zero point per group of input features and output feature::
@@ -16,7 +17,14 @@ its own group. Where a cut leaves them whole (the other dimension's cut, or outp
 zero points), :meth:`GPTQLinear.localize` picks the rank's own: they cost ``1 / (2 g)`` and ``4 / out`` of a weight's
 bytes. GPTQ v1 checkpoints (``checkpoint_format: gptq``) store ``z - 1``, v2 ``z``.
 
-Each forward computes ``W_r`` as GPTQModel's torch kernel does (``q - z`` in int8 or int16, times the scale in the
+:class:`AWQLinear` holds AWQ's GEMM layout: the same formula with ``g(i) = i // g`` (no ``g_idx``), 4-bit values packed
+along the output features, each word's 8 values in the order :data:`AWQ_ORDER`::
+
+    qweight  int32  (in_r, out_r / 8)     this rank's words (stored ``(in, out)``: ``transposed``)
+    scales   S      (groups, out_r)       cut with the output features; whole where the input features are cut
+    qzeros   int32  (groups, out_r / 8)   packed as ``qweight``, cut with its columns
+
+Each forward computes ``W_r`` as GPTQModel's torch kernels do (``q - z`` in int8 or int16, times the scale in the
 scales' dtype, then the input's dtype) and ``x @ W_r.T``, the bias added after the product, so a rank keeps ``b / 8``
 bytes a weight and never the whole model dequantized.
 """
@@ -32,7 +40,7 @@ from tpcore.parallel.comm import all_reduce
 from tpcore.parallel.packed_int_linear import unpack_words
 from tpcore.parallel.quantized_linear import QuantizedLinear, RowParallelQuantized
 
-__all__ = ["GPTQ_BIT_WIDTHS", "GPTQLinear", "RowParallelGPTQLinear"]
+__all__ = ["AWQ_ORDER", "AWQLinear", "GPTQ_BIT_WIDTHS", "GPTQLinear", "RowParallelAWQLinear", "RowParallelGPTQLinear"]
 
 #: the bit widths whose values fill whole int32 words (GPTQ's 3 bits straddle them)
 GPTQ_BIT_WIDTHS = (2, 4, 8)
@@ -177,3 +185,77 @@ class RowParallelGPTQLinear(RowParallelQuantized, GPTQLinear):
 
 
 GPTQLinear.row_parallel_class = RowParallelGPTQLinear
+
+
+#: the output feature (within its word's 8) each 4-bit field of an AWQ word holds, field ``k`` at bit ``4 k``
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+#: the field holding each output feature of a word: ``AWQ_ORDER[_AWQ_FIELD[c]] == c``
+_AWQ_FIELD = tuple(AWQ_ORDER.index(feature) for feature in range(8))
+
+
+class AWQLinear(GPTQLinear):
+    """``nn.Linear`` whose weight is AWQ's GEMM layout (module docstring): GPTQ's formula, groups in order, 4-bit values
+    packed along the output features in :data:`AWQ_ORDER`."""
+
+    @classmethod
+    def hold_awq(cls, linear: nn.Linear, group_size: int, scale_dtype: torch.dtype) -> AWQLinear:
+        """Make the meta ``linear`` hold AWQ's tensors in place for 4-bit values, a scale and zero point per
+        ``group_size`` input features in ``scale_dtype``."""
+        out_features, in_features = linear.out_features, linear.in_features
+        if out_features % 8:
+            raise ValueError(f"{out_features} output features are not whole words of 8 values")
+        if in_features % group_size:
+            raise ValueError(f"{in_features} input features are not whole groups of {group_size}")
+        bias = linear._parameters.get("bias")
+        linear.__class__ = cls
+        assert isinstance(linear, AWQLinear)
+        for name in ("weight", "bias"):
+            linear._parameters.pop(name, None)
+        groups = in_features // group_size
+
+        def meta(*shape: int, dtype: torch.dtype = torch.int32) -> nn.Parameter:
+            return nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"), requires_grad=False)
+
+        linear.qweight = meta(in_features, out_features // 8)
+        linear.qzeros = meta(groups, out_features // 8)
+        linear.scales = meta(groups, out_features, dtype=scale_dtype)
+        linear.weight = linear.qweight
+        linear.bias = bias  # type: ignore[assignment]  # after the stored tensors, as the files list them
+        linear.bits, linear.group_size, linear.zero_offset = 4, group_size, 0
+        linear.packing = (1, 8)
+        linear.whole_shape = (out_features, in_features)
+        return linear
+
+    def follower_cuts(self, split: Split) -> dict[str, Split]:
+        """The scales and the zero points' words follow the output features (the plan deals whole words); a cut of
+        the input features leaves them whole."""
+        return {"scales": split, "qzeros": split} if split.dim == 1 else {}
+
+    def localize(self, rank: int, world_size: int) -> None:
+        """Find the group of each of this rank's input features and unpack its zero points (non-persistent
+        buffers)."""
+        cut = self.cuts.get("qweight")
+        if cut is not None and cut.pad:
+            raise ValueError("packed values cut with padding: a padding word would read as nonzero values")
+        in_features = self.whole_shape[1]
+        rows = cut if cut is not None and cut.dim == 0 else None
+        row_groups = block_index(rows, in_features, self.group_size, rank, world_size)
+        self.register_buffer("zero_points", self.in_feature_order(self.qzeros), persistent=False)
+        self.register_buffer("row_groups", row_groups.to(self.qweight.device), persistent=False)
+
+    def in_feature_order(self, words: torch.Tensor) -> torch.Tensor:
+        """``(rows, 8 n)`` int8: the 4-bit fields of int32 ``words (rows, n)``, each word's put back in the order
+        of its output features."""
+        fields = unpack_words(words, 4).to(torch.int8)
+        order = torch.tensor(_AWQ_FIELD, device=words.device)
+        return fields.view(words.shape[0], -1, 8).index_select(2, order).view(words.shape[0], -1)
+
+    def unpacked(self) -> torch.Tensor:
+        return self.in_feature_order(self.qweight)
+
+
+class RowParallelAWQLinear(RowParallelGPTQLinear, AWQLinear):
+    """:class:`AWQLinear` holding a shard of the input features; output all-reduced, bias added once."""
+
+
+AWQLinear.row_parallel_class = RowParallelAWQLinear

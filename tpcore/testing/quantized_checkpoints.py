@@ -36,6 +36,7 @@ __all__ = [
     "dequantizing",
     "save_block_fp8",
     "save_float8_weight_only",
+    "save_awq",
     "save_four_bit",
     "save_gptq",
     "save_fp8_dynamic",
@@ -207,6 +208,68 @@ def save_gptq(
     stored zero points ``z - 1``) symmetric, as AutoGPTQ's releases are, ``"gptq_v2"`` asymmetric (min-max). Needs
     the ``gptqmodel`` package. Returns the directory."""
     from gptqmodel.nn_modules.qlinear.torch import TorchLinear
+
+    symmetric = checkpoint_format == "gptq"
+    generator = torch.Generator().manual_seed(0)
+
+    def pack(module: nn.Linear) -> dict[str, torch.Tensor]:
+        features = module.in_features
+        order = torch.randperm(features, generator=generator) if act_order else torch.arange(features)
+        g_idx = torch.empty(features, dtype=torch.int32)
+        g_idx[order] = torch.arange(features, dtype=torch.int32) // group_size
+        scales, zeros = _round_to_nearest(module.weight.detach().float(), g_idx, bits, symmetric)
+        packer = TorchLinear(bits, group_size, symmetric, act_order, features, module.out_features)
+        packer.pack_original(module, scales.to(torch.float16), zeros - (1 if symmetric else 0), g_idx)
+        return {name: getattr(packer, name) for name in ("qweight", "qzeros", "scales", "g_idx")}
+
+    quantization = {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": act_order,
+                    "sym": symmetric, "checkpoint_format": checkpoint_format}  # fmt: skip
+    return _save_packed(model, directory, pack, quantization, keep)
+
+
+def save_awq(
+    model: nn.Module, directory: str | Path, group_size: int = 32, keep: tuple[str, ...] = ("lm_head",)
+) -> Path:
+    """Save ``model`` in ``directory`` in float16 as an AWQ checkpoint (AutoAWQ's GEMM layout) packed by GPTQModel's
+    AWQ packer: every ``nn.Linear`` but those named in ``keep`` in 4-bit integers with zero points, a min-max group
+    of ``group_size`` input features (round to nearest; no activation-aware scaling, which changes the weights and
+    not the layout). Needs the ``gptqmodel`` package. Returns the directory."""
+    from gptqmodel.nn_modules.qlinear.torch_awq import AwqTorchLinear
+
+    def pack(module: nn.Linear) -> dict[str, torch.Tensor]:
+        groups = torch.arange(module.in_features) // group_size
+        scales, zeros = _round_to_nearest(module.weight.detach().float(), groups, 4, symmetric=False)
+        packer = AwqTorchLinear(bits=4, group_size=group_size, sym=False, desc_act=False,
+                                in_features=module.in_features, out_features=module.out_features)  # fmt: skip
+        packer.pack(module, scales.to(torch.float16), zeros)
+        return {name: getattr(packer, name) for name in ("qweight", "qzeros", "scales")}
+
+    quantization = {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True,
+                    "version": "gemm", "modules_to_not_convert": list(keep)}  # fmt: skip
+    return _save_packed(model, directory, pack, quantization, keep)
+
+
+def _round_to_nearest(
+    weight: torch.Tensor, groups: torch.Tensor, bits: int, symmetric: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round-to-nearest ``(scales, zeros)`` ``(out, groups)`` of a float ``weight (out, in)`` whose input feature
+    ``i`` is in group ``groups[i]``: symmetric (zero point ``2^(b-1)``) from each group's absolute maximum, else from
+    its minimum and maximum (zero inside the range)."""
+    top = 2**bits - 1
+    members = [weight[:, groups == group] for group in range(int(groups.max()) + 1)]
+    if symmetric:
+        scales = torch.stack([group.abs().amax(1) for group in members], 1).clamp(min=1e-8) * 2 / top
+        return scales, torch.full(scales.shape, (top + 1) // 2, dtype=torch.int32)
+    low = torch.stack([group.amin(1).clamp(max=0) for group in members], 1)
+    high = torch.stack([group.amax(1).clamp(min=0) for group in members], 1)
+    scales = ((high - low) / top).clamp(min=1e-8)
+    return scales, (-low / scales).round().clamp(0, top).to(torch.int32)
+
+
+def _save_packed(model: nn.Module, directory: str | Path, pack, quantization: dict, keep: tuple[str, ...]) -> Path:
+    """``model`` saved in float16 in ``directory`` with each ``nn.Linear`` but those named in ``keep`` stored as the
+    tensors ``pack(linear)`` returns (``{name: tensor}``, under the linear's path) and ``quantization`` as its
+    config's ``quantization_config``."""
     from safetensors.torch import load_file, save_file
 
     directory = Path(directory)
@@ -214,44 +277,14 @@ def save_gptq(
     model.save_pretrained(directory)  # type: ignore[operator]  # a transformers model
     (file,) = sorted(directory.glob("*.safetensors"))
     tensors = load_file(file)
-    symmetric, top = checkpoint_format == "gptq", 2**bits - 1
-    generator = torch.Generator().manual_seed(0)
     for path, module in model.named_modules():
-        if not isinstance(module, nn.Linear) or f"{path}.weight" not in tensors or path.endswith(keep):
-            continue
-        weight = module.weight.detach().float()
-        order = (
-            torch.randperm(module.in_features, generator=generator) if act_order else torch.arange(module.in_features)
-        )
-        g_idx = torch.empty(module.in_features, dtype=torch.int32)
-        g_idx[order] = torch.arange(module.in_features, dtype=torch.int32) // group_size
-        groups = [weight[:, g_idx == group] for group in range(int(g_idx.max()) + 1)]
-        if symmetric:
-            scales = torch.stack([group.abs().amax(1) for group in groups], 1) * 2 / top
-            zeros = torch.full_like(scales, (top + 1) // 2)
-        else:
-            low = torch.stack([group.amin(1).clamp(max=0) for group in groups], 1)
-            high = torch.stack([group.amax(1).clamp(min=0) for group in groups], 1)
-            scales = (high - low) / top
-            zeros = (-low / scales.clamp(min=1e-8)).round().clamp(0, top)
-        scales = scales.clamp(min=1e-8)
-        packer = TorchLinear(bits, group_size, symmetric, act_order, module.in_features, module.out_features)
-        stored_zeros = zeros.to(torch.int32) - (1 if symmetric else 0)
-        packer.pack_original(module, scales.to(torch.float16), stored_zeros, g_idx)
-        del tensors[f"{path}.weight"]
-        for name in ("qweight", "qzeros", "scales", "g_idx"):
-            tensors[f"{path}.{name}"] = getattr(packer, name).contiguous()
+        if isinstance(module, nn.Linear) and f"{path}.weight" in tensors and not path.endswith(keep):
+            del tensors[f"{path}.weight"]
+            tensors.update({f"{path}.{name}": tensor.contiguous() for name, tensor in pack(module).items()})
     save_file(tensors, file, metadata={"format": "pt"})
     config_path = directory / "config.json"
     config = json.loads(config_path.read_text())
-    config["quantization_config"] = {
-        "quant_method": "gptq",
-        "bits": bits,
-        "group_size": group_size,
-        "desc_act": act_order,
-        "sym": symmetric,
-        "checkpoint_format": checkpoint_format,
-    }
+    config["quantization_config"] = quantization
     config_path.write_text(json.dumps(config, indent=2))
     return directory
 
