@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tpcore.load.checkpoint import Checkpoint, is_checkpoint_path
-from tpcore.load.precision import cast_model, resolve_dtype
+from tpcore.load.precision import cast_dtypes, cast_model, resolve_dtype
 from tpcore.load.quantized_formats import adopt_quantized_model, checkpoint_skeleton
 from tpcore.parallel import shm
 from tpcore.parallel.comm import group_rank
@@ -123,6 +123,8 @@ class ParallelEngine:
         # Fail on bad input (and, from a checkpoint, on missing weights) before joining any process group.
         policies = choose_policies(model, self.custom_policies)
         plan = plan_for(model, policies, self.world_size, vocab_parallel=self.vocab_parallel)
+        if dtype is not None:  # the ranks hold their tensors cast: the plan counts them so
+            plan.dtypes.update(cast_dtypes(model, dtype))
         if checkpoint is not None:
             reads = checkpoint.reads(model, plan.splits)
         device = self.device

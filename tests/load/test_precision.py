@@ -114,6 +114,18 @@ def test_strict_fp32_modules_stay_fp32_in_bf16_too(monkeypatch):
     assert cast["model.layers.1.mlp.up_proj.weight"] == torch.bfloat16
 
 
+@pytest.mark.parametrize(("name", "dtype"), [("t5", torch.float16), ("llama", torch.bfloat16), ("gpt2", torch.float16)])
+def test_the_dtypes_the_cast_would_give_are_told_without_casting(name, dtype):
+    """``cast_dtypes`` (what a plan counts for ranks that cast) names each tensor the cast changes, by its first
+    name, with the dtype it gets; the model is left as it was."""
+    model = MODELS[name]()
+    told = precision.cast_dtypes(model, dtype)
+    assert set(dtypes(model).values()) == {torch.float32}
+    cast = dtypes(cast_model(model, dtype))
+    assert told == {key: value for key, value in cast.items() if key in told}
+    assert {key for key, value in cast.items() if value != torch.float32} <= set(told)
+
+
 @pytest.mark.parametrize(
     ("kept", "expected"),
     [

@@ -27,7 +27,7 @@ import re
 import torch
 from torch import nn
 
-__all__ = ["cast_model", "fast_cpu_half_dtype", "fp32_patterns", "resolve_dtype"]
+__all__ = ["cast_dtypes", "cast_model", "fast_cpu_half_dtype", "fp32_patterns", "resolve_dtype"]
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -98,10 +98,29 @@ def cast_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     names where it is a tuple of names) keep their dtype. Parameters keep their identity (``param.data`` is
     replaced), so tied weights stay tied.
     """
+    cast_buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (buffer, its cast), both kept alive
+    for module, name, tensor, target in _casts(model, dtype):
+        if isinstance(tensor, nn.Parameter):
+            tensor.data = tensor.data.to(target)
+            continue
+        if id(tensor) not in cast_buffers:  # a buffer shared by modules stays one tensor
+            cast_buffers[id(tensor)] = tensor, tensor.to(target)
+        module._buffers[name] = cast_buffers[id(tensor)][1]
+    return model
+
+
+def cast_dtypes(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """The dtype :func:`cast_model` would give each tensor it casts, by its first name (``named_tensors``'s), the
+    model left as it is (a meta skeleton's plan counts its bytes so)."""
+    first_name = {id(tensor): name for name, tensor in reversed([*model.named_parameters(), *model.named_buffers()])}
+    return {first_name[id(tensor)]: target for _, _, tensor, target in _casts(model, dtype) if id(tensor) in first_name}
+
+
+def _casts(model: nn.Module, dtype: torch.dtype):
+    """``(module, name, tensor, target dtype)`` of each tensor :func:`cast_model` casts, each parameter once."""
     patterns = fp32_patterns(model, dtype)
     keep_fp32 = re.compile("|".join(f"(?:{p.replace('*', '.*')})" for p in patterns)) if patterns else None
     seen: set[int] = set()
-    cast_buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (buffer, its cast), both kept alive
     for module_name, module in model.named_modules(remove_duplicate=False):
         kept = getattr(module, "keeps_stored_dtypes", False)  # quantized values and their scales
         if kept is True:
@@ -112,16 +131,12 @@ def cast_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
             if id(param) in seen or not param.is_floating_point() or name in kept:
                 continue
             seen.add(id(param))
-            param.data = param.data.to(_target(prefix + name, dtype, keep_fp32))
+            yield module, name, param, _target(prefix + name, dtype, keep_fp32)
         for name, buffer in list(module._buffers.items()):
             if buffer is None or not buffer.is_floating_point() or name in module._non_persistent_buffers_set:
                 continue
-            if name in kept:
-                continue
-            if id(buffer) not in cast_buffers:  # a buffer shared by modules stays one tensor
-                cast_buffers[id(buffer)] = buffer, buffer.to(_target(prefix + name, dtype, keep_fp32))
-            module._buffers[name] = cast_buffers[id(buffer)][1]
-    return model
+            if name not in kept:
+                yield module, name, buffer, _target(prefix + name, dtype, keep_fp32)
 
 
 def _target(name: str, dtype: torch.dtype, keep_fp32: re.Pattern | None) -> torch.dtype:

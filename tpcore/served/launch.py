@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from torch import nn
 
 from tpcore.errors import WorkerError
 from tpcore.load.checkpoint import Checkpoint
-from tpcore.load.precision import resolve_dtype
+from tpcore.load.precision import cast_dtypes, resolve_dtype
 from tpcore.load.quantized_formats import check_quantization, checkpoint_skeleton
 from tpcore.load.skeleton import drop_output_capturing_hooks, named_tensors, portable, weightless_copy
 from tpcore.plan import ShardPlan, apply_plan, log_plan
@@ -106,7 +107,9 @@ class ModelSource:
 
             pool.scatter(load_shard, arguments, shares, timeout=timeout)
 
-        return Shards(sum(plan.bytes_per_rank(rank) for rank in range(plan.world_size)), send)
+        sent = sum(math.prod(plan.shard_shape(name, rank)) * tensor.element_size()
+                   for rank in range(plan.world_size) for name, tensor in tensors.items())  # fmt: skip
+        return Shards(sent, send)
 
 
 class CheckpointSource:
@@ -196,6 +199,8 @@ class Launch:
         """Start the ranks (if not yet) and give each its shard; returns their pool."""
         options = self.options
         shards = self.source.shards(plan, options.dtype)  # every check in this process first
+        if options.dtype is not None:  # the ranks hold their tensors cast: the plan counts them so
+            plan.dtypes.update(cast_dtypes(self.source.model, options.dtype))
         log_plan(plan)
         self.pool = self.pool or options.start()
         ranks = options.world_size
