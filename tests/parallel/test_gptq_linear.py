@@ -175,13 +175,15 @@ def awq_layer(packed, split: Split | None = None, rank: int = 0, world: int = 1)
     return linear
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_the_whole_awq_layer_is_gptqmodels_awq_torch_kernel_bit_for_bit(dtype):
     packed = awq_quantized()
+    ours = awq_layer(packed)  # first: GPTQModel's forward rounds its own scales to the input's dtype in place
     x = inputs(dtype)
     with torch.no_grad():
         expected = packed(x)
-    got = awq_layer(packed)(x)
+    assert packed.scales.dtype == (torch.float16 if dtype == torch.float32 else dtype)
+    got = ours(x)
     assert got.dtype == expected.dtype == dtype
     assert torch.equal(got, expected)
 

@@ -24,8 +24,9 @@ along the output features, each word's 8 values in the order :data:`AWQ_ORDER`::
     scales   S      (groups, out_r)       cut with the output features; whole where the input features are cut
     qzeros   int32  (groups, out_r / 8)   packed as ``qweight``, cut with its columns
 
-Each forward computes ``W_r`` as GPTQModel's torch kernels do (``q - z`` in int8 or int16, times the scale in the
-scales' dtype, then the input's dtype) and ``x @ W_r.T``, the bias added after the product, so a rank keeps ``b / 8``
+Each forward computes ``W_r`` as GPTQModel's torch kernels do (``q - z`` in int8 or int16, times the scale: GPTQ's in
+the scales' dtype, then rounded to the input's; AWQ's with the scales rounded to the input's half dtype first, a
+float32 input computed in float16) and ``x @ W_r.T``, the bias added after the product, so a rank keeps ``b / 8``
 bytes a weight and never the whole model dequantized.
 """
 
@@ -154,18 +155,25 @@ class GPTQLinear(QuantizedLinear):
         fields = words.unsqueeze(1).bitwise_right_shift(shifts).bitwise_and_((1 << self.bits) - 1)
         return fields.to(self.codes_dtype).view(-1, words.shape[1])
 
-    def dequantized_columns(self) -> torch.Tensor:
-        """``W_r.T`` ``(in_r, out_r)`` in the scales' dtype (module docstring)."""
+    def compute_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype the product of an input of ``dtype`` is computed in: the input's."""
+        return dtype
+
+    def dequantized_columns(self, dtype: torch.dtype) -> torch.Tensor:
+        """``W_r.T`` ``(in_r, out_r)`` in ``dtype``: computed in the scales' dtype, then rounded (GPTQModel's torch
+        kernel)."""
         groups = self.row_groups
-        return self.scales.index_select(0, groups) * (self.unpacked() - self.zero_points.index_select(0, groups))
+        scales = self.scales.index_select(0, groups)
+        return (scales * (self.unpacked() - self.zero_points.index_select(0, groups))).to(dtype)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """``W_r`` ``(out_r, in_r)`` in ``dtype``: a transposed view."""
-        return self.dequantized_columns().to(dtype).T
+        return self.dequantized_columns(dtype).T
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.matmul(x.reshape(-1, x.shape[-1]), self.dequantized_columns().to(x.dtype))
-        return self.biased(out.view(*x.shape[:-1], out.shape[-1]))
+        compute = self.compute_dtype(x.dtype)
+        out = torch.matmul(x.reshape(-1, x.shape[-1]).to(compute), self.dequantized_columns(compute))
+        return self.biased(out).to(x.dtype).view(*x.shape[:-1], out.shape[-1])
 
     def biased(self, out: torch.Tensor) -> torch.Tensor:
         """``out + b``, the bias rounded to ``out``'s dtype first (as GPTQModel adds it)."""
@@ -178,10 +186,12 @@ class RowParallelGPTQLinear(RowParallelQuantized, GPTQLinear):
     float32 sum once."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.dequantized_columns().to(x.dtype)
-        wide = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
-        partial = torch.matmul(x.reshape(-1, x.shape[-1]).to(wide), weight.to(wide))
-        return self.biased(all_reduce(partial, self.tp_group).to(x.dtype).view(*x.shape[:-1], partial.shape[-1]))
+        compute = self.compute_dtype(x.dtype)
+        wide = torch.float32 if compute in (torch.float16, torch.bfloat16) else compute
+        weight = self.dequantized_columns(compute).to(wide)
+        partial = torch.matmul(x.reshape(-1, x.shape[-1]).to(compute).to(wide), weight)
+        out = self.biased(all_reduce(partial, self.tp_group).to(compute))
+        return out.to(x.dtype).view(*x.shape[:-1], partial.shape[-1])
 
 
 GPTQLinear.row_parallel_class = RowParallelGPTQLinear
@@ -252,6 +262,16 @@ class AWQLinear(GPTQLinear):
 
     def unpacked(self) -> torch.Tensor:
         return self.in_feature_order(self.qweight)
+
+    def compute_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The input's half dtype, or float16 (GPTQModel's AWQ torch kernel computes a float32 input so)."""
+        return dtype if dtype in (torch.float16, torch.bfloat16) else torch.float16
+
+    def dequantized_columns(self, dtype: torch.dtype) -> torch.Tensor:
+        """``W_r.T`` ``(in_r, out_r)`` in ``dtype``, the scales rounded to it first (GPTQModel's AWQ torch kernel)."""
+        groups = self.row_groups
+        scales = self.scales.to(dtype).index_select(0, groups)
+        return scales * (self.unpacked() - self.zero_points.index_select(0, groups))
 
 
 class RowParallelAWQLinear(RowParallelGPTQLinear, AWQLinear):
