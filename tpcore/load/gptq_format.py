@@ -48,37 +48,21 @@ class GPTQ(QuantizedFormat):
         zero_offset = _zero_offset(quantization, "the checkpoint")
 
         def make(module: nn.Linear, scale_dtype: torch.dtype) -> GPTQLinear:
-            group = group_size if group_size > 0 else module.in_features
-            return GPTQLinear.hold(module, bits, group, scale_dtype, zero_offset)
+            return GPTQLinear.hold(module, bits, _group(group_size, module), scale_dtype, zero_offset)
 
         return _hold_packed(model, checkpoint, _STORED, "GPTQ", make)
 
     def adopt(self, model: nn.Module, quantization: dict[str, Any]) -> int:
         """Each of GPTQModel's quantized linears (its tensors still as GPTQ stores them) becomes a
         :class:`GPTQLinear` holding them."""
-        adopted = 0
-        for path, module in list(model.named_modules()):
-            if not all(isinstance(getattr(module, name, None), torch.Tensor) for name in ("qweight", *_STORED)):
-                continue
-            where = f"{type(model).__name__}'s {path!r}"
-            _refuse_repacked(module, where)
+
+        def make(module: Any, linear: nn.Linear, where: str) -> GPTQLinear:
             # GPTQModel's kernels that require v2 zero points (its CPU ones) hold them so whatever the checkpoint's
-            stored_offset = 0 if getattr(module, "REQUIRES_FORMAT_V2", False) else _zero_offset(quantization, where)
-            bias = getattr(module, "bias", None)
-            linear = nn.Linear(module.in_features, module.out_features, bias=bias is not None, device="meta")
-            try:
-                layer = GPTQLinear.hold(
-                    linear,
-                    int(module.bits),
-                    int(module.group_size) if int(module.group_size) > 0 else module.in_features,
-                    module.scales.dtype,
-                    stored_offset,
-                )
-            except ValueError as error:
-                raise ShardingError(f"{where}: {error}") from None
-            _take_tensors(model, path, layer, module, ("qweight", *_STORED))
-            adopted += 1
-        return adopted
+            offset = 0 if getattr(module, "REQUIRES_FORMAT_V2", False) else _zero_offset(quantization, where)
+            group = _group(int(module.group_size), linear)
+            return GPTQLinear.hold(linear, int(module.bits), group, module.scales.dtype, offset)
+
+        return _adopt_packed(model, _STORED, make)
 
 
 def _hold_packed(
@@ -157,50 +141,55 @@ class AWQ(QuantizedFormat):
         group_size = int(quantization.get("group_size", 128))
 
         def make(module: nn.Linear, scale_dtype: torch.dtype) -> GPTQLinear:
-            return AWQLinear.hold_awq(module, group_size if group_size > 0 else module.in_features, scale_dtype)
+            return AWQLinear.hold_awq(module, _group(group_size, module), scale_dtype)
 
         return _hold_packed(model, checkpoint, _AWQ_STORED, "AWQ", make)
 
     def adopt(self, model: nn.Module, quantization: dict[str, Any]) -> int:
         """Each of GPTQModel's AWQ linears (its tensors still as AWQ stores them) becomes an :class:`AWQLinear`."""
-        adopted = 0
-        for path, module in list(model.named_modules()):
-            if not all(isinstance(getattr(module, name, None), torch.Tensor) for name in ("qweight", *_AWQ_STORED)):
-                continue
-            where = f"{type(model).__name__}'s {path!r}"
-            _refuse_repacked(module, where)
-            bias = getattr(module, "bias", None)
-            linear = nn.Linear(module.in_features, module.out_features, bias=bias is not None, device="meta")
-            group = int(module.group_size) if int(module.group_size) > 0 else module.in_features
-            try:
-                layer = AWQLinear.hold_awq(linear, group, module.scales.dtype)
-            except ValueError as error:
-                raise ShardingError(f"{where}: {error}") from None
-            _take_tensors(model, path, layer, module, ("qweight", *_AWQ_STORED))
-            adopted += 1
-        return adopted
+
+        def make(module: Any, linear: nn.Linear, where: str) -> GPTQLinear:
+            return AWQLinear.hold_awq(linear, _group(int(module.group_size), linear), module.scales.dtype)
+
+        return _adopt_packed(model, _AWQ_STORED, make)
 
 
 #: the tensors an AWQ linear stores beside ``qweight``
 _AWQ_STORED = ("qzeros", "scales")
 
 
-def _refuse_repacked(module: nn.Module, where: str) -> None:
-    """:class:`ShardingError` for one of GPTQModel's layers whose CPU kernel has repacked its tensors (a forward)."""
-    words: torch.Tensor = getattr(module, "qweight")  # noqa: B009  # a buffer mypy reads as a module
-    if getattr(module, "linear_mode", None) == "inference" or words.dim() != 2:
-        raise ShardingError(
-            f"{where} holds GPTQModel's CPU-repacked tensors (made by a forward): parallelize the model as "
-            "transformers loads it, before any forward, or its saved directory"
-        )
+def _group(size: int, linear: nn.Linear) -> int:
+    """The input features a scale covers: ``size``, or the whole row where a config says ``-1``."""
+    return size if size > 0 else linear.in_features
 
 
-def _take_tensors(model: nn.Module, path: str, layer: GPTQLinear, module: nn.Module, names: tuple[str, ...]) -> None:
-    """``layer`` takes ``module``'s tensors ``names`` and bias, and its place in ``model`` at ``path``."""
-    for name in names:
-        setattr(layer, name, nn.Parameter(getattr(module, name).data, requires_grad=False))
-    layer.weight = layer.qweight
-    bias = getattr(module, "bias", None)
-    layer.bias = None if bias is None else nn.Parameter(bias.data, requires_grad=False)  # type: ignore[assignment]
-    parent, _, child = path.rpartition(".")
-    setattr(model.get_submodule(parent), child, layer)
+def _adopt_packed(model: nn.Module, stored: tuple[str, ...], make: Callable[[Any, nn.Linear, str], GPTQLinear]) -> int:
+    """Each of GPTQModel's layers of ``model`` holding ``qweight`` and the tensors ``stored`` is replaced by the layer
+    ``make(module, meta linear, where)`` makes, holding those tensors and its bias; the number replaced. A layer whose
+    CPU kernel has repacked its tensors (a forward) is refused."""
+    adopted = 0
+    for path, module in list(model.named_modules()):
+        names = ("qweight", *stored)
+        if not all(isinstance(getattr(module, name, None), torch.Tensor) for name in names):
+            continue
+        where = f"{type(model).__name__}'s {path!r}"
+        words: torch.Tensor = getattr(module, "qweight")  # noqa: B009  # a buffer mypy reads as a module
+        if getattr(module, "linear_mode", None) == "inference" or words.dim() != 2:
+            raise ShardingError(
+                f"{where} holds GPTQModel's CPU-repacked tensors (made by a forward): parallelize the model as "
+                "transformers loads it, before any forward, or its saved directory"
+            )
+        bias = getattr(module, "bias", None)
+        linear = nn.Linear(module.in_features, module.out_features, bias=bias is not None, device="meta")
+        try:
+            layer = make(module, linear, where)
+        except ValueError as error:
+            raise ShardingError(f"{where}: {error}") from None
+        for name in names:
+            setattr(layer, name, nn.Parameter(getattr(module, name).data, requires_grad=False))
+        layer.weight = layer.qweight
+        layer.bias = None if bias is None else nn.Parameter(bias.data, requires_grad=False)  # type: ignore[assignment]
+        parent, _, child = path.rpartition(".")
+        setattr(model.get_submodule(parent), child, layer)
+        adopted += 1
+    return adopted
