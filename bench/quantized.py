@@ -31,7 +31,9 @@ Two ways, one after the other in this process, each loading the directory ``--ro
   GPTQ: GPTQModel's torch kernel, as the tests, and a further row with its default CPU kernel, ``TorchAtenLinear``:
   torch's int4 matrix product, scales rounded to bfloat16);
 - **tpcore**: ``tpcore.parallelize(dir, num_gpus=N)`` (gloo, the cores split between the ranks): each rank reads
-  its part of the quantized values (and the scales it needs), and dequantizes a layer at a time in each forward.
+  its part of the quantized values (and the scales it needs), and dequantizes a layer at a time in each forward;
+  GPTQ and AWQ as transformers computes them by default (torch's int4 product on the rank's words), so their tokens
+  are compared with that further row's.
 
 A third way splits the same model saved unquantized (fp32) over 2 ranks: what starting the ranks and a split
 decode cost without quantization. Figures: the bytes each way keeps (transformers: its parameters; tpcore: the
@@ -154,6 +156,10 @@ DEFAULT_KERNELS = {
 }
 
 
+#: the formats whose ranks compute as transformers' default kernel does: their tokens are compared with its
+SPLIT_AS_DEFAULT = ("gptq", "awq")
+
+
 def tensor_bytes(tensor: torch.Tensor) -> int:
     """The bytes ``tensor`` holds: a tensor subclass's (torchao's ``Int8Tensor``) inner tensors', else its own."""
     if type(tensor) is not torch.Tensor and hasattr(tensor, "__tensor_flatten__"):
@@ -221,6 +227,8 @@ def main(argv: list[str] | None = None) -> None:
             rows.append([f"transformers ({kernel})", "1", "-", "-", "-", "-", f"{fused_speed:.1f}",
                          str(torch.equal(fused_tokens, expected))])  # fmt: skip
             del fused
+            if args.format in SPLIT_AS_DEFAULT:
+                expected = fused_tokens
         plain = Path(scratch) / "fp32"
         smollm2_spec(args.layers).build().save_pretrained(plain)  # the same model unquantized: the split's own costs
         ways = [(f"tpcore N={n} ({name} on the ranks)", directory, n) for n in map(int, args.world_sizes.split(","))]

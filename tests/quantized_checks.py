@@ -118,6 +118,15 @@ def rank_layer_kinds(context, values: str) -> dict[str, str]:
     }
 
 
+def rank_kernels(context) -> dict[str, int]:
+    """On a rank: how many of its quantized layers compute with torch's CPU int4 product, and how many without."""
+    from tpcore.parallel.quantized_linear import QuantizedLayer
+
+    layers = [m for m in context.store["model"].modules() if isinstance(m, QuantizedLayer)]
+    with_int4 = sum(getattr(layer, "int4", None) is not None for layer in layers)
+    return {"int4": with_int4, "dequantizing": len(layers) - with_int4}
+
+
 def check_split_layers(
     model: Any,
     expected: Any,

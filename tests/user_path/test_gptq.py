@@ -1,9 +1,11 @@
 """GPTQ and AWQ checkpoints on the user's path: 4-bit integers packed by GPTQModel's own packers (GPTQ v1 symmetric,
 v2 asymmetric with act-order ``g_idx``; AWQ's GEMM layout), split by ``tpcore.parallelize(dir)``, by
 ``parallelize(model)`` of the object transformers loads through optimum and GPTQModel, and by the SPMD engine, give
-transformers' own outputs (GPTQModel's torch kernels) at an even and an uneven world size, each rank holding its
-packed words. The tiny Llama's MLP is 5 groups of 32: at 2 ranks a cut falls inside a group, where vLLM requires
-whole groups a rank. What tpcore does not split is refused by name before any rank starts."""
+transformers' own outputs at an even and an uneven world size, each rank holding its packed words. A rank computes
+as transformers would: with GPTQModel's default CPU kernel (torch's int4 product, bfloat16) for a directory whose
+config names no other backend and for an object of those kernels' layers, else with the torch kernels' dequantizing
+product. The tiny Llama's MLP is 5 groups of 32: at 2 ranks a cut falls inside a group, where vLLM requires whole
+groups a rank. What tpcore does not split is refused by name before any rank starts."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from quantized_checks import (
     check_split_layers,
     greedy_outputs,
     quantizable_llama,
+    rank_kernels,
     split,
     transformers_outputs,
     with_quantization_changed,
@@ -40,57 +43,92 @@ def torch_kernel() -> dict:
 
 @pytest.fixture(scope="module")
 def gptq_dirs(tmp_path_factory):
-    """v1 (symmetric, groups in order) and v2 (asymmetric, act-order), by name."""
+    """v1 (symmetric, groups in order) and v2 (asymmetric, act-order), by name; and v1 whose config names GPTQModel's
+    torch kernel (``backend: torch``, as ``GPTQConfig(backend="torch")`` saves it)."""
     root = tmp_path_factory.mktemp("gptq")
-    return {
+    dirs = {
         "v1": save_gptq(quantizable_llama(), root / "v1", checkpoint_format="gptq"),
         "v2-act-order": save_gptq(quantizable_llama(), root / "v2", checkpoint_format="gptq_v2", act_order=True),
     }
+    dirs["v1-torch"] = with_quantization_changed(dirs["v1"], root / "v1-torch", lambda q: q.update(backend="torch"))
+    return dirs
 
 
-def check_split(model, expected, tokens, world_size, dtype=torch.float16):
+def check_split(model, expected, tokens, world_size, dtype=torch.float16, int4=False):
     """Logits of a float16 (or bfloat16) run within :data:`HALF_RTOL`, greedy tokens identical; at 3 ranks the
     largest keeps at most 0.42 of the bytes: scales of groups of 32 weigh an eighth of the words here, and the
-    row-parallel layers keep them whole (groups of 128 in a release weigh 1/32)."""
+    row-parallel layers keep them whole (groups of 128 in a release weigh 1/32). ``int4``: every quantized layer
+    computes with torch's int4 product (bfloat16 inside, so bfloat16's tolerance), else none does."""
+    rtol = HALF_RTOL[torch.bfloat16 if int4 else dtype]
     check_split_layers(
-        model, expected, tokens, world_size, "qweight", "torch.int32", "RowParallelGPTQLinear", HALF_RTOL[dtype], 0.42
+        model, expected, tokens, world_size, "qweight", "torch.int32", "RowParallelGPTQLinear", rtol, 0.42
     )
+    check_kernels(model, int4)
+
+
+def check_kernels(model, int4: bool) -> None:
+    """Every rank's quantized layers (7 a decoder layer, 2 layers) compute with torch's int4 product, or none does."""
+    for kernels in model._tpcore_handle.pool.run(rank_kernels):
+        assert kernels == ({"int4": 14, "dequantizing": 0} if int4 else {"int4": 0, "dequantizing": 14})
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("kind", "world_size"), [("v1", 2), ("v2-act-order", 3)])
-def test_a_gptq_directory_splits_and_gives_transformers_outputs(gptq_dirs, kind, world_size):
-    expected, tokens = transformers_outputs(gptq_dirs[kind], **torch_kernel())
+def test_a_gptq_directory_splits_and_gives_transformers_outputs(gptq_dirs, kind, world_size, tmp_path):
+    """transformers computes with GPTQModel's default CPU kernel (``TorchAtenLinear``), and so do the ranks; the
+    rank's kernel copy replaces its words, which ``save_pretrained`` still gathers as the files store them."""
+    expected, tokens = transformers_outputs(gptq_dirs[kind], dtype=torch.float16)
     with split(str(gptq_dirs[kind]), world_size, dtype=torch.float16) as model:
-        check_split(model, expected, tokens, world_size)
+        check_split(model, expected, tokens, world_size, int4=True)
+        model.save_pretrained(tmp_path / "saved")
+    check_words_saved(gptq_dirs[kind], tmp_path / "saved")
+
+
+def check_words_saved(directory, saved) -> None:
+    """``saved`` holds every quantized tensor of ``directory``'s files, equal."""
+    stored, written = load_file(directory / "model.safetensors"), load_file(saved / "model.safetensors")
+    packed = [key for key in stored if key.endswith(("qweight", "qzeros", "scales", "g_idx"))]
+    assert len(packed) == 4 * 14 or len(packed) == 3 * 14
+    for key in packed:
+        assert torch.equal(written[key], stored[key]), key
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("kind", "world_size"), [("v1", 3), ("v2-act-order", 2)])
-def test_the_gptq_object_splits_with_its_packed_words(gptq_dirs, kind, world_size):
-    """The object transformers holds (GPTQModel's ``TorchLinear`` layers, v1 zero points made v2 at load) is split
-    as it is: its packed words go to the ranks."""
-    reference = transformers.AutoModelForCausalLM.from_pretrained(gptq_dirs[kind], **torch_kernel()).eval()
-    assert type(reference.model.layers[0].mlp.up_proj).__name__ == "TorchLinear"
-    expected, tokens = greedy_outputs(reference)
+def test_a_gptq_directory_naming_the_torch_kernel_splits_with_its_product(gptq_dirs):
+    """``backend: torch`` in the config: transformers computes with GPTQModel's dequantizing torch kernel, and so do
+    the ranks (float16 logits within float16's tolerance)."""
+    expected, tokens = transformers_outputs(gptq_dirs["v1-torch"], dtype=torch.float16)
+    with split(str(gptq_dirs["v1-torch"]), 3, dtype=torch.float16) as model:
+        check_split(model, expected, tokens, 3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("kind", "world_size", "backend"), [("v1", 3, "torch"), ("v2-act-order", 2, None)])
+def test_the_gptq_object_splits_with_its_packed_words(gptq_dirs, kind, world_size, backend):
+    """The object transformers holds (v1 zero points made v2 at load) is split as it is: its packed words go to the
+    ranks, which compute as its layers do (``TorchLinear``: dequantizing; ``TorchAtenLinear``: torch's int4 product)."""
+    load = torch_kernel() if backend else {"dtype": torch.float16}
+    reference = transformers.AutoModelForCausalLM.from_pretrained(gptq_dirs[kind], **load).eval()
+    assert type(reference.model.layers[0].mlp.up_proj).__name__ == ("TorchLinear" if backend else "TorchAtenLinear")
+    expected, tokens = transformers_outputs(gptq_dirs[kind], **load)  # another load: a forward repacks its layers
     with split(reference, world_size) as model:
-        check_split(model, expected, tokens, world_size)
+        check_split(model, expected, tokens, world_size, int4=backend is None)
 
 
 @pytest.mark.slow
 def test_a_bfloat16_split_rounds_its_partial_sums_once(gptq_dirs):
     """In bfloat16 the row-parallel layers sum their partial products in float32 and round once, as the unsplit
     product does (summed in bfloat16, this run's greedy tokens differ from transformers')."""
-    load = {**torch_kernel(), "dtype": torch.bfloat16}
-    expected, tokens = transformers_outputs(gptq_dirs["v1"], **load)
-    with split(str(gptq_dirs["v1"]), 2, dtype=torch.bfloat16) as model:
+    expected, tokens = transformers_outputs(gptq_dirs["v1-torch"], dtype=torch.bfloat16)
+    with split(str(gptq_dirs["v1-torch"]), 2, dtype=torch.bfloat16) as model:
         check_split(model, expected, tokens, 2, torch.bfloat16)
 
 
 @pytest.mark.slow
 def test_the_spmd_engine_reads_a_gptq_directory(gptq_dirs, rank_pools):
-    """The engine runs the checkpoint in float32 (no ``dtype=``): within float16's tolerance of transformers'."""
-    check_engine_reads(gptq_dirs["v2-act-order"], rank_pools, HALF_RTOL[torch.float16], **torch_kernel())
+    """The engine runs the checkpoint in float32 (no ``dtype=``), each layer through torch's int4 product as
+    transformers' float16 model does: within bfloat16's tolerance of transformers'."""
+    check_engine_reads(gptq_dirs["v2-act-order"], rank_pools, HALF_RTOL[torch.bfloat16], dtype=torch.float16)
 
 
 def test_the_plan_shown_for_a_gptq_directory_counts_its_packed_words(gptq_dirs, capsys, no_process_starts):
@@ -186,18 +224,22 @@ def awq_dir(tmp_path_factory):
     return save_awq(quantizable_llama(), tmp_path_factory.mktemp("awq") / "model")
 
 
-def check_awq_split(model, expected, tokens, world_size):
-    check_split_layers(
-        model, expected, tokens, world_size, "qweight", "torch.int32", "RowParallelAWQLinear", HALF_RTOL[torch.float16]
-    )
+def check_awq_split(model, expected, tokens, world_size, int4=False):
+    rtol = HALF_RTOL[torch.bfloat16 if int4 else torch.float16]
+    check_split_layers(model, expected, tokens, world_size, "qweight", "torch.int32", "RowParallelAWQLinear", rtol)
+    check_kernels(model, int4)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_an_awq_directory_splits_and_gives_transformers_outputs(awq_dir, world_size):
-    expected, tokens = transformers_outputs(awq_dir, **awq_torch_kernel())
+def test_an_awq_directory_splits_and_gives_transformers_outputs(awq_dir, world_size, tmp_path):
+    """transformers computes with GPTQModel's default CPU kernel for AWQ (``TorchAtenAwqLinear``), and so do the
+    ranks; ``save_pretrained`` gathers the words as stored."""
+    expected, tokens = transformers_outputs(awq_dir, dtype=torch.float16)
     with split(str(awq_dir), world_size, dtype=torch.float16) as model:
-        check_awq_split(model, expected, tokens, world_size)
+        check_awq_split(model, expected, tokens, world_size, int4=True)
+        model.save_pretrained(tmp_path / "saved")
+    check_words_saved(awq_dir, tmp_path / "saved")
 
 
 @pytest.mark.slow

@@ -48,7 +48,8 @@ class GPTQ(QuantizedFormat):
         zero_offset = _zero_offset(quantization, "the checkpoint")
 
         def make(module: nn.Linear, scale_dtype: torch.dtype) -> GPTQLinear:
-            return GPTQLinear.hold(module, bits, _group(group_size, module), scale_dtype, zero_offset)
+            layer = GPTQLinear.hold(module, bits, _group(group_size, module), scale_dtype, zero_offset)
+            return _kernel_by_backend(layer, quantization)
 
         return _hold_packed(model, checkpoint, _STORED, "GPTQ", make)
 
@@ -60,7 +61,8 @@ class GPTQ(QuantizedFormat):
             # GPTQModel's kernels that require v2 zero points (its CPU ones) hold them so whatever the checkpoint's
             offset = 0 if getattr(module, "REQUIRES_FORMAT_V2", False) else _zero_offset(quantization, where)
             group = _group(int(module.group_size), linear)
-            return GPTQLinear.hold(linear, int(module.bits), group, module.scales.dtype, offset)
+            layer = GPTQLinear.hold(linear, int(module.bits), group, module.scales.dtype, offset)
+            return _kernel_as(layer, module)
 
         return _adopt_packed(model, _STORED, make)
 
@@ -141,7 +143,7 @@ class AWQ(QuantizedFormat):
         group_size = int(quantization.get("group_size", 128))
 
         def make(module: nn.Linear, scale_dtype: torch.dtype) -> GPTQLinear:
-            return AWQLinear.hold_awq(module, _group(group_size, module), scale_dtype)
+            return _kernel_by_backend(AWQLinear.hold_awq(module, _group(group_size, module), scale_dtype), quantization)
 
         return _hold_packed(model, checkpoint, _AWQ_STORED, "AWQ", make)
 
@@ -149,13 +151,31 @@ class AWQ(QuantizedFormat):
         """Each of GPTQModel's AWQ linears (its tensors still as AWQ stores them) becomes an :class:`AWQLinear`."""
 
         def make(module: Any, linear: nn.Linear, where: str) -> GPTQLinear:
-            return AWQLinear.hold_awq(linear, _group(int(module.group_size), linear), module.scales.dtype)
+            return _kernel_as(
+                AWQLinear.hold_awq(linear, _group(int(module.group_size), linear), module.scales.dtype), module
+            )
 
         return _adopt_packed(model, _AWQ_STORED, make)
 
 
 #: the tensors an AWQ linear stores beside ``qweight``
 _AWQ_STORED = ("qzeros", "scales")
+
+
+def _kernel_by_backend(layer: GPTQLinear, quantization: dict[str, Any]) -> GPTQLinear:
+    """``layer`` computing as transformers would load the checkpoint: GPTQModel's default CPU kernel (torch's int4
+    product) unless the config's ``backend`` names another, whose product is then the torch kernels' dequantizing
+    one."""
+    backend = str(quantization.get("backend") or "auto").lower()
+    layer.int4_kernel = backend == "auto" or "aten" in backend
+    return layer
+
+
+def _kernel_as(layer: GPTQLinear, module: Any) -> GPTQLinear:
+    """``layer`` computing as GPTQModel's ``module`` does: torch's int4 product where it is GPTQModel's CPU int4
+    kernel (``TorchAtenLinear``, ``TorchAtenAwqLinear``), else the dequantizing product."""
+    layer.int4_kernel = "Aten" in type(module).__name__
+    return layer
 
 
 def _group(size: int, linear: nn.Linear) -> int:

@@ -24,10 +24,13 @@ along the output features, each word's 8 values in the order :data:`AWQ_ORDER`::
     scales   S      (groups, out_r)       cut with the output features; whole where the input features are cut
     qzeros   int32  (groups, out_r / 8)   packed as ``qweight``, cut with its columns
 
-Each forward computes ``W_r`` as GPTQModel's torch kernels do (``q - z`` in int8 or int16, times the scale: GPTQ's in
-the scales' dtype, then rounded to the input's; AWQ's with the scales rounded to the input's half dtype first, a
-float32 input computed in float16) and ``x @ W_r.T``, the bias added after the product, so a rank keeps ``b / 8``
-bytes a weight and never the whole model dequantized.
+A rank computes as transformers would unsplit. Where :attr:`GPTQLinear.int4_kernel` asks (GPTQModel's default CPU
+kernels) and the layer is 4-bit in groups torch's CPU int4 product takes, :meth:`GPTQLinear.localize` lays the rank's
+codes out for that product (:class:`~tpcore.parallel.int4pack.Int4Packed`, in place of ``qweight``: the same bytes)
+and each forward is that product in bfloat16. Otherwise each forward computes ``W_r`` as GPTQModel's torch kernels do
+(``q - z`` in int8 or int16, times the scale: GPTQ's in the scales' dtype, then rounded to the input's; AWQ's with the
+scales rounded to the input's half dtype first, a float32 input computed in float16) and ``x @ W_r.T``, the bias added
+after the product. Either way a rank keeps ``b / 8`` bytes a weight and never the whole model dequantized.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from torch import nn
 from tpcore.cut.scale_blocks import block_index
 from tpcore.cut.split import Split
 from tpcore.parallel.comm import all_reduce
+from tpcore.parallel.int4pack import Int4Packed, int4pack_available
 from tpcore.parallel.packed_int_linear import unpack_words
 from tpcore.parallel.quantized_linear import QuantizedLinear, RowParallelQuantized
 
@@ -66,6 +70,11 @@ class GPTQLinear(QuantizedLinear):
     #: this rank's zero points ``(groups, out_r)`` and the group of each of its input features (:meth:`localize`)
     zero_points: torch.Tensor
     row_groups: torch.Tensor
+    #: compute with torch's CPU int4 product where the rank can (:mod:`tpcore.parallel.int4pack`: 4-bit values, its
+    #: group sizes, a CPU), as GPTQModel's default CPU kernels do; else the torch kernels' dequantizing product
+    int4_kernel = False
+    #: the rank's layer as that product takes it (:meth:`localize`), ``None`` where it computes dequantizing
+    int4: Int4Packed | None = None
 
     @classmethod
     def hold(
@@ -141,6 +150,30 @@ class GPTQLinear(QuantizedLinear):
             row_groups = row_groups.index_select(0, rows.to(device))
         self.register_buffer("zero_points", zeros[:, : self.qweight.shape[1]].contiguous(), persistent=False)
         self.register_buffer("row_groups", row_groups, persistent=False)
+        self.pack_int4()
+
+    def pack_int4(self) -> None:
+        """Where :attr:`int4_kernel` asks and the rank can, lay its codes out for torch's CPU int4 product and keep
+        that copy in place of ``qweight`` (the same bytes; :meth:`as_stored` gives the words back)."""
+        if not (self.int4_kernel and self.bits == 4 and int4pack_available(self.qweight.device, self.group_size)):
+            return
+        self.int4 = Int4Packed(self.unpacked(), self.row_groups, self.scales, self.zero_points, self.group_size)
+        self.register_buffer("int4_weight", self.int4.packed, persistent=False)
+        self.register_buffer("int4_scales_and_zeros", self.int4.scales_and_zeros, persistent=False)
+        self.qweight.data = self.qweight.data.new_empty(0)
+
+    def as_stored(self, name: str) -> torch.Tensor:
+        """``qweight``'s words read back from the int4 product's copy where it holds them, else the tensor."""
+        if name != "qweight" or self.int4 is None:
+            return super().as_stored(name)
+        return self.words(self.int4.codes())
+
+    def words(self, codes: torch.Tensor) -> torch.Tensor:
+        """``(in_r / 8, out_r)`` int32: 4-bit ``codes (in_r, out_r)`` packed 8 to a word along the input features,
+        value ``i`` at bit ``4 (i % 8)`` of word ``i // 8`` (little-endian words: the low byte first)."""
+        pairs = codes.to(torch.uint8).view(-1, 4, 2, codes.shape[1])
+        data = pairs[:, :, 0].bitwise_or(pairs[:, :, 1].bitwise_left_shift(4))  # (in_r / 8, 4 bytes, out_r)
+        return data.permute(0, 2, 1).contiguous().view(torch.int32).view(-1, codes.shape[1])
 
     @property
     def codes_dtype(self) -> torch.dtype:
@@ -171,13 +204,21 @@ class GPTQLinear(QuantizedLinear):
         return self.dequantized_columns(dtype).T
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int4 is not None:  # GPTQModel's CPU kernel: the bfloat16 product in the input's dtype, then the bias
+            out = self.int4.matmul(x.reshape(-1, x.shape[-1])).to(x.dtype)
+            return self.biased_as_stored(out).view(*x.shape[:-1], out.shape[-1])
         compute = self.compute_dtype(x.dtype)
         out = torch.matmul(x.reshape(-1, x.shape[-1]).to(compute), self.dequantized_columns(compute))
         return self.biased(out).to(x.dtype).view(*x.shape[:-1], out.shape[-1])
 
     def biased(self, out: torch.Tensor) -> torch.Tensor:
-        """``out + b``, the bias rounded to ``out``'s dtype first (as GPTQModel adds it)."""
+        """``out + b``, the bias rounded to ``out``'s dtype first (as GPTQModel's torch kernels add it)."""
         return out if self.bias is None else out.add_(self.bias.to(out.dtype))
+
+    def biased_as_stored(self, out: torch.Tensor) -> torch.Tensor:
+        """``out + b`` computed in the dtypes' promotion (float32 for bfloat16 and float16), rounded once to
+        ``out``'s (as GPTQModel's CPU kernels add it)."""
+        return out if self.bias is None else out.add_(self.bias)
 
 
 class RowParallelGPTQLinear(RowParallelQuantized, GPTQLinear):
@@ -186,6 +227,10 @@ class RowParallelGPTQLinear(RowParallelQuantized, GPTQLinear):
     float32 sum once."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int4 is not None:  # bfloat16 partials summed in float32, rounded once to the kernel's bfloat16
+            partial = self.int4.matmul(x.reshape(-1, x.shape[-1])).float()
+            out = all_reduce(partial, self.tp_group).to(torch.bfloat16).to(x.dtype)
+            return self.biased_as_stored(out).view(*x.shape[:-1], partial.shape[-1])
         compute = self.compute_dtype(x.dtype)
         wide = torch.float32 if compute in (torch.float16, torch.bfloat16) else compute
         weight = self.dequantized_columns(compute).to(wide)
@@ -252,6 +297,7 @@ class AWQLinear(GPTQLinear):
         row_groups = block_index(rows, in_features, self.group_size, rank, world_size)
         self.register_buffer("zero_points", self.in_feature_order(self.qzeros), persistent=False)
         self.register_buffer("row_groups", row_groups.to(self.qweight.device), persistent=False)
+        self.pack_int4()
 
     def in_feature_order(self, words: torch.Tensor) -> torch.Tensor:
         """``(rows, 8 n)`` int8: the 4-bit fields of int32 ``words (rows, n)``, each word's put back in the order
@@ -262,6 +308,13 @@ class AWQLinear(GPTQLinear):
 
     def unpacked(self) -> torch.Tensor:
         return self.in_feature_order(self.qweight)
+
+    def words(self, codes: torch.Tensor) -> torch.Tensor:
+        """``(in_r, out_r / 8)`` int32: ``codes (in_r, out_r)`` packed 8 output features to a word in
+        :data:`AWQ_ORDER`, field ``k`` at bit ``4 k``."""
+        fields = codes.to(torch.uint8).view(codes.shape[0], -1, 8).index_select(2, torch.tensor(AWQ_ORDER))
+        data = fields[..., 0::2].bitwise_or(fields[..., 1::2].bitwise_left_shift(4))  # (in_r, out_r / 8, 4 bytes)
+        return data.contiguous().view(torch.int32).view(codes.shape[0], -1)
 
     def compute_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The input's half dtype, or float16 (GPTQModel's AWQ torch kernel computes a float32 input so)."""

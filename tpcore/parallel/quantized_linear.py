@@ -67,6 +67,11 @@ class QuantizedLayer(nn.Module):
     def localize(self, rank: int, world_size: int) -> None:
         """Prepare what this rank's forward needs from its shard (called on the rank, once loaded)."""
 
+    def as_stored(self, name: str) -> torch.Tensor:
+        """This rank's part of its tensor ``name`` as the files store it (gathered to save or to reassemble): the
+        tensor itself, unless :meth:`localize` laid it out otherwise for a kernel."""
+        return getattr(self, name)
+
 
 class QuantizedLinear(QuantizedLayer, nn.Linear):
     """``nn.Linear`` whose weight is stored quantized: :meth:`dequantized` makes the rank's ``W_r`` for each

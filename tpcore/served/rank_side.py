@@ -26,7 +26,7 @@ from tpcore.load.skeleton import install_tensors, named_tensors, register_output
 from tpcore.parallel import memfd
 from tpcore.parallel.cpu_layout import transpose_linear_weights
 from tpcore.parallel.layers import bind_group
-from tpcore.parallel.quantized_linear import localize_quantized
+from tpcore.parallel.quantized_linear import QuantizedLayer, localize_quantized
 from tpcore.plan import format_bytes
 from tpcore.progress import ByteCounter
 from tpcore.ranks.process import RankContext
@@ -144,9 +144,17 @@ def _every_head(attention: Any, group: Any) -> Any:
 
 
 def shard_tensors(context: RankContext, names: list[str]) -> dict[str, torch.Tensor]:
-    """On a rank: its parts of the tensors ``names`` (first names), on the CPU."""
-    tensors = named_tensors(context.store["model"])
-    return {name: tensors[name].detach().cpu() for name in names}
+    """On a rank: its parts of the tensors ``names`` (first names) as the files store them, on the CPU."""
+    model = context.store["model"]
+    tensors = named_tensors(model)
+    return {name: _as_stored(model, name, tensors[name]).detach().cpu() for name in names}
+
+
+def _as_stored(model: nn.Module, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (``name`` of ``model``) as stored: a quantized layer gives back what a kernel laid out otherwise."""
+    path, _, attribute = name.rpartition(".")
+    owner = model.get_submodule(path)
+    return owner.as_stored(attribute) if isinstance(owner, QuantizedLayer) else tensor
 
 
 def mutate_cache(context: RankContext, cache_id: int, part: str | None, method: str, args: tuple) -> CacheState | None:

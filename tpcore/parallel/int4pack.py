@@ -1,0 +1,137 @@
+"""torch's CPU int4 product (``aten._weight_int4pack_mm_for_cpu``) on a rank's 4-bit codes, the product GPTQModel's
+default CPU kernels compute (``TorchAtenLinear``, ``TorchAtenAwqLinear``).
+
+The kernel takes ``x (M, K)`` bfloat16, the codes ``q (N, K)`` packed by ``aten._convert_weight_to_int4pack_for_cpu``
+and ``scales_and_zeros (K / g, N, 2)`` bfloat16, and computes ``x @ W.T`` with::
+
+    W[n, k] = s[k // g, n] * (q[n, k] - 8) + t[k // g, n],    t = bf16(bf16(8 - z) * s),  s = bf16(scale)
+
+which is ``s (q - z)`` up to the rounding of ``t``, as GPTQModel builds it. It takes groups ``g`` of 32, 64, 128 or 256
+consecutive input features and ``N % 16 == 0``. A rank's rows need not be that: a cut may fall inside a group, and
+act-order rows (``g_idx``) come in any order. :class:`Int4Packed` lays a rank's rows out group by group, each group in
+``g`` slots (a slot no row fills reads a zero input), and pads the outputs to a multiple of 16 with zero weights, so
+the product over the rank's rows is the kernel's over its slots.
+
+The packed layout interleaves the codes (it is the kernel's, not a slice-friendly one): :func:`unpack_int4` reads the
+codes back through the positions :func:`_nibble_sources` finds by packing probes, so a rank keeps only the packed
+copy and still gives its words back (``save_pretrained``, ``deparallelize``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["INT4PACK_GROUP_SIZES", "Int4Packed", "int4pack_available", "unpack_int4"]
+
+#: the group sizes the CPU kernel takes
+INT4PACK_GROUP_SIZES = (32, 64, 128, 256)
+#: the kernel's output features come in multiples of this
+_OUT_MULTIPLE = 16
+#: the code the kernel centres on
+_CENTRE = 8
+
+
+def int4pack_available(device: torch.device, group_size: int) -> bool:
+    """Whether torch's CPU int4 product runs groups of ``group_size`` on ``device``."""
+    ops = torch.ops.aten
+    return (
+        device.type == "cpu"
+        and group_size in INT4PACK_GROUP_SIZES
+        and hasattr(ops, "_convert_weight_to_int4pack_for_cpu")
+        and hasattr(ops, "_weight_int4pack_mm_for_cpu")
+    )
+
+
+class Int4Packed:
+    """A rank's 4-bit linear as the CPU kernel takes it.
+
+    Args:
+        codes: ``(in_r, out_r)`` integers in ``[0, 16)``, the rank's rows in its order.
+        row_groups: ``(in_r,)`` the group of each row (indices into ``scales`` and ``zero_points``).
+        scales, zero_points: ``(groups, out_r)``, ``W.T[i, o] = scales[g(i), o] * (codes[i, o] - zero_points[g(i), o])``
+            with ``g = row_groups``.
+        group_size: the rows a group holds at most (the kernel's ``g``).
+    """
+
+    def __init__(
+        self,
+        codes: torch.Tensor,
+        row_groups: torch.Tensor,
+        scales: torch.Tensor,
+        zero_points: torch.Tensor,
+        group_size: int,
+    ) -> None:
+        in_r, out_r = codes.shape
+        present, group_of_row = torch.unique(row_groups, sorted=True, return_inverse=True)
+        order = torch.argsort(group_of_row, stable=True)
+        counts = torch.bincount(group_of_row, minlength=len(present))
+        if int(counts.max()) > group_size:
+            raise ValueError(f"a group holds {int(counts.max())} rows, more than its size {group_size}")
+        firsts = torch.cumsum(counts, 0) - counts
+        sorted_groups = group_of_row[order]
+        slot = torch.empty(in_r, dtype=torch.long)
+        slot[order] = sorted_groups * group_size + torch.arange(in_r) - firsts[sorted_groups]
+        slots = len(present) * group_size
+        padded_out = -(-out_r // _OUT_MULTIPLE) * _OUT_MULTIPLE
+        #: the input column each slot reads (``in_r``: a zero column), or ``None`` where slot ``k`` is row ``k``
+        self.source: torch.Tensor | None = None
+        if slots != in_r or not torch.equal(slot, torch.arange(in_r)):
+            source = torch.full((slots,), in_r, dtype=torch.long)
+            source[slot] = torch.arange(in_r)
+            self.source = source
+        self.slot, self.slots = slot, slots
+        self.in_features, self.out_features, self.group_size = in_r, out_r, group_size
+        grid = torch.full((padded_out, slots), _CENTRE, dtype=torch.int32)
+        grid[:out_r, slot] = codes.T.to(torch.int32)
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(grid, 1).contiguous()
+        scale = torch.zeros(len(present), padded_out, dtype=torch.bfloat16)
+        scale[:, :out_r] = scales.index_select(0, present).to(torch.bfloat16)
+        offset = torch.zeros_like(scale)
+        centred = (_CENTRE - zero_points.index_select(0, present).to(torch.bfloat16)) * scale[:, :out_r]
+        offset[:, :out_r] = centred
+        self.scales_and_zeros = torch.stack([scale, offset], dim=2).contiguous()
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes the kernel's tensors hold."""
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales_and_zeros))
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``(M, out_r)`` bfloat16: ``x (M, in_r)`` rounded to bfloat16, times the rank's ``W.T``."""
+        x = x.to(torch.bfloat16)
+        if self.source is not None:
+            x = torch.cat([x, x.new_zeros(x.shape[0], 1)], dim=1).index_select(1, self.source)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.contiguous(), self.packed, self.group_size, self.scales_and_zeros
+        )
+        return out[:, : self.out_features]
+
+    def codes(self) -> torch.Tensor:
+        """``(in_r, out_r)`` uint8: the codes it was made from, read back from the packed copy."""
+        grid = unpack_int4(self.packed, self.scales_and_zeros.shape[1], self.slots)
+        return grid[: self.out_features].index_select(1, self.slot).T.contiguous()
+
+
+def _nibble_sources(rows: int, columns: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For the packed copy of a ``(rows, columns)`` grid: the flat grid index whose code each byte holds in its low
+    and in its high 4 bits (``(rows * columns / 2,)`` each). Found by packing probes whose codes are the base-16
+    digits of each index, one probe a digit, so it holds for whatever layout this torch build packs."""
+    index = torch.arange(rows * columns, dtype=torch.int64)
+    low, high = torch.zeros(rows * columns // 2, dtype=torch.int64), torch.zeros(rows * columns // 2, dtype=torch.int64)
+    digits = max(1, -(-int(rows * columns - 1).bit_length() // 4))
+    for digit in range(digits):
+        probe = index.bitwise_right_shift(4 * digit).bitwise_and_(15).to(torch.int32).view(rows, columns)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(probe, 1).reshape(-1).to(torch.int64)
+        low |= packed.bitwise_and(15) << (4 * digit)
+        high |= packed.bitwise_right_shift(4) << (4 * digit)
+    return low, high
+
+
+def unpack_int4(packed: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
+    """``(rows, columns)`` uint8: the codes ``aten._convert_weight_to_int4pack_for_cpu`` packed into ``packed``."""
+    low, high = _nibble_sources(rows, columns)
+    data = packed.reshape(-1)
+    grid = torch.empty(rows * columns, dtype=torch.uint8)
+    grid[low] = data.bitwise_and(15)
+    grid[high] = data.bitwise_right_shift(4)
+    return grid.view(rows, columns)
