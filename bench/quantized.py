@@ -43,6 +43,7 @@ first one-token forward (where transformers decompresses pack-quantized layers),
 
     python bench/quantized.py                   # about 3 minutes on 2 CPU cores -> bench/results/quantized.md
     python bench/quantized.py --format w4a16    # -> bench/results/quantized_w4a16.md
+    python bench/quantized.py --format w4a16 --bfloat16  # -> bench/results/quantized_w4a16_bf16.md
     python bench/quantized.py --format int8     # -> bench/results/quantized_int8.md
     python bench/quantized.py --format float8   # -> bench/results/quantized_float8.md
     python bench/quantized.py --format fp8-dynamic  # -> bench/results/quantized_fp8-dynamic.md
@@ -137,8 +138,8 @@ FORMATS = {
 
 def reference_options(form: str) -> dict:
     """``from_pretrained`` options of the transformers way: GPTQ and AWQ through GPTQModel's torch kernels in
-    bfloat16 (the dequantizing products tpcore's ranks compute), every other format as transformers loads it by
-    default."""
+    bfloat16 (the dequantizing products; a further row decodes with the default kernel, whose product tpcore's ranks
+    compute), every other format as transformers loads it by default."""
     import transformers
 
     kernels = {
@@ -200,6 +201,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch threads of the transformers way")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument(
+        "--bfloat16", action="store_true", help="both ways in bfloat16 (w4a16: the ranks' int4 product)"
+    )
     args = parse(parser, argv, quick={"layers": 2, "rounds": 1, "new_tokens": 4, "world_sizes": "2"})
     torch.set_num_threads(args.threads)
     import transformers
@@ -210,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
         save, name, held_as = FORMATS[args.format]
         directory = save(smollm2_spec(args.layers).build(), Path(scratch) / args.format, args)
         stored = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
-        options = reference_options(args.format)
+        options = reference_options(args.format) | ({"dtype": torch.bfloat16} if args.bfloat16 else {})
         loads = [timed(lambda: ready(dequantizing(transformers.AutoModelForCausalLM.from_pretrained(
                  directory, **options).eval()), ids)) for _ in range(3)]  # fmt: skip
         reference = loads[-1][1]
@@ -275,10 +279,11 @@ def main(argv: list[str] | None = None) -> None:
         }.get(args.format, "a scale a row")
         + f", the LM head in fp32): {stored / 2**20:.0f} MiB of safetensors. Loads: median of "
         f"3 (transformers) and {args.rounds} (tpcore); decode: greedy, {args.new_tokens} new tokens after a 32-token "
-        f"prompt, batch 1; transformers on {args.threads} threads in this process.",
+        f"prompt, batch 1; transformers on {args.threads} threads in this process"
+        + ("; both ways run in bfloat16 (`dtype=`)." if args.bfloat16 else "."),
         printed(header, rows),
     ]
-    result = "quantized" if args.format == "fp8" else f"quantized_{args.format}"
+    result = ("quantized" if args.format == "fp8" else f"quantized_{args.format}") + ("_bf16" if args.bfloat16 else "")
     write_result(result, f"Quantized checkpoints split as stored: {name}", sections, "gloo", args.note, args.output)
 
 

@@ -127,6 +127,24 @@ def rank_kernels(context) -> dict[str, int]:
     return {"int4": with_int4, "dequantizing": len(layers) - with_int4}
 
 
+def check_kernels(model: Any, int4: bool, layers: int = 14) -> None:
+    """Every rank's ``layers`` quantized layers (7 a decoder layer of 2) compute with torch's int4 product, or none
+    does."""
+    expected = {"int4": layers, "dequantizing": 0} if int4 else {"int4": 0, "dequantizing": layers}
+    for kernels in model._tpcore_handle.pool.run(rank_kernels):
+        assert kernels == expected
+
+
+def check_saved_as_stored(directory: Path, saved: Path, suffixes: tuple[str, ...]) -> None:
+    """``saved`` (``save_pretrained`` of a split of ``directory``) holds each quantized tensor of ``directory``'s files
+    (the keys ending in one of ``suffixes``: 14 layers of each), equal."""
+    stored, written = load_file(directory / "model.safetensors"), load_file(saved / "model.safetensors")
+    quantized = [key for key in stored if key.endswith(suffixes)]
+    assert len(quantized) == 14 * len(suffixes)
+    for key in quantized:
+        assert torch.equal(written[key], stored[key]), key
+
+
 def check_split_layers(
     model: Any,
     expected: Any,

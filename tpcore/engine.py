@@ -14,7 +14,7 @@ from tpcore.load.quantized_formats import adopt_quantized_model, checkpoint_skel
 from tpcore.parallel import shm
 from tpcore.parallel.comm import group_rank
 from tpcore.parallel.cpu_layout import transpose_linear_weights
-from tpcore.parallel.quantized_linear import localize_quantized
+from tpcore.parallel.quantized_linear import localize_quantized, ready_quantized
 from tpcore.plan import apply_plan, log_plan, plan_for
 from tpcore.progress import LoadBar
 from tpcore.ranks.distributed import bind_device, check_placement, default_backend, device_for, tensor_parallel_group
@@ -143,6 +143,7 @@ class ParallelEngine:
         if dtype is not None:
             cast_model(model, dtype)
         model = model.to(device)  # module.to also moves non-persistent buffers
+        ready_quantized(model)
         transpose_linear_weights(model)  # CPU weights only
         return model
 

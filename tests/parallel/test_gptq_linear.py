@@ -12,6 +12,7 @@ from torch import nn
 
 from tpcore.cut.split import Split
 from tpcore.parallel.gptq_linear import AWQLinear, GPTQLinear, RowParallelAWQLinear, RowParallelGPTQLinear
+from tpcore.parallel.int4pack import int4pack_available
 from tpcore.parallel.packed_int_linear import unpack_words
 from tpcore.parallel.threads import ThreadGroup, run_ranks
 
@@ -73,6 +74,7 @@ def layer(
     linear.bias = nn.Parameter(Split(0, heads=out // 8).shard(bias, rank, world) if columns else bias, False)
     linear.cuts = cuts
     linear.localize(rank, world)
+    linear.ready()
     return linear
 
 
@@ -180,6 +182,7 @@ def awq_layer(
                                False)  # fmt: skip
     linear.cuts = cuts
     linear.localize(rank, world)
+    linear.ready()
     return linear
 
 
@@ -318,9 +321,8 @@ def test_a_rank_computing_with_the_int4_product_gives_back_its_words_as_stored(w
 
 
 def test_a_layer_the_int4_product_cannot_take_computes_dequantizing():
-    """Groups of the whole row (96 features), 8-bit values: the torch kernels' product."""
-    whole_rows = GPTQLinear.hold(nn.Linear(IN, OUT, device="meta"), 4, IN, torch.float16)
+    """8-bit values, and groups of 16 (no whole groups of the product's 32): the torch kernels' product."""
     eight_bit = layer(quantized(8, False), int4=True)
     assert eight_bit.int4 is None and eight_bit.qweight.numel() > 0
-    whole_rows.int4_kernel = True
-    assert whole_rows.group_size not in (32, 64, 128, 256)
+    assert not int4pack_available(torch.device("cpu"), 16)
+    assert int4pack_available(torch.device("cpu"), 96)  # a group of 3 of the product's

@@ -21,8 +21,8 @@ FAST = settings(max_examples=40, deadline=None)
 @st.composite
 def rank_rows(draw):
     """A rank's rows: ``(codes, row_groups, scales, zero_points, group_size)``, each group holding at most
-    ``group_size`` of them, the rows in any order."""
-    group_size = draw(st.sampled_from(INT4PACK_GROUP_SIZES[:2]))
+    ``group_size`` of them, the rows in any order; a group may be several of the kernel's."""
+    group_size = draw(st.sampled_from((*INT4PACK_GROUP_SIZES[:2], 96)))  # 96: 3 of the kernel's groups of 32
     groups = draw(st.integers(1, 4))
     counts = [draw(st.integers(0, group_size)) for _ in range(groups)]
     if sum(counts) % 2:  # the packed layout holds two codes a byte
@@ -54,6 +54,8 @@ def test_the_products_over_the_slots_are_those_over_the_rows(rows):
     got = packed.matmul(torch.eye(len(row_groups)))
     assert got.shape == codes.shape
     assert torch.equal(got, expected)
+    padding = packed.slots - len(row_groups)  # less than a kernel group a group the rank holds rows of
+    assert padding < packed.group_size * len(row_groups.unique())
 
 
 @FAST

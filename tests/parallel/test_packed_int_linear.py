@@ -14,7 +14,7 @@ from torch import nn
 
 from tpcore.cut.split import Split
 from tpcore.parallel.packed_int_linear import PackedIntLinear, unpack_words
-from tpcore.parallel.quantized_linear import localize_quantized
+from tpcore.parallel.quantized_linear import localize_quantized, ready_quantized
 
 FAST = settings(max_examples=60, deadline=None)
 
@@ -41,6 +41,7 @@ def layer(words: torch.Tensor, scales: torch.Tensor, bits: int, group: int, spli
     linear.weight_scale = nn.Parameter(own_scales, requires_grad=False)
     linear.cuts = {} if split is None else {"weight_packed": split.resolved(2)}
     localize_quantized(linear, rank, world)
+    ready_quantized(linear)
     return linear
 
 
@@ -134,3 +135,35 @@ def test_holding_refuses_what_does_not_pack(bits, in_features, scale_shape, mess
     linear = nn.Linear(in_features, 4, device="meta")
     with pytest.raises(ValueError, match=message):
         PackedIntLinear.hold(linear, bits, 32 if in_features > 12 else 12, scale_shape, torch.float32)
+
+
+@FAST
+@given(
+    split=st.sampled_from([None, Split(0, heads=3), Split(0, parts=(4, 2, 2)), Split(1), Split(1, heads=2)]),
+    world=st.integers(1, 3),
+    group=st.sampled_from([32, 64, 96]),
+    groups_per_row=st.integers(1, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_in_bfloat16_a_rank_computes_4_bit_words_with_the_int4_product(split, world, group, groups_per_row, seed):
+    """bfloat16 scales (a bfloat16 model): the rank's codes laid out for torch's CPU int4 product in place of its words
+    (cut inside a group or not), its product ``x @ (q s).T`` with ``q s`` exact, rounded once to bfloat16; and the
+    words read back as stored."""
+    world = 1 if split is None else world
+    in_features = group * groups_per_row * 2 * world
+    words, scales, whole = quantized(24 * world, in_features, 4, group, seed)
+    scales = scales.bfloat16()
+    whole = unpack_words(words, 4).float().sub(8) * scales.float().repeat_interleave(group, dim=1)
+    x = torch.randn(3, in_features, generator=torch.Generator().manual_seed(seed)).bfloat16()
+    for rank in range(world):
+        linear = layer(words, scales, 4, group, split, rank, world)
+        assert linear.int4 is not None and linear.weight_packed.numel() == 0
+        own_words = words if split is None else split.shard(words, rank, world)
+        assert torch.equal(linear.as_stored("weight_packed"), own_words)
+        value_split = (
+            split if split is None or split.dim == 0 else split._replace(heads=split.heads or in_features // 8)
+        )
+        own = whole if value_split is None else value_split.shard(whole, rank, world)
+        columns = x if split is None or split.dim == 0 else value_split._replace(dim=-1).shard(x, rank, world)
+        expected = columns.float() @ own.T
+        torch.testing.assert_close(linear(columns).float(), expected, rtol=2**-8, atol=1e-3 * expected.abs().max())

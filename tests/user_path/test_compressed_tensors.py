@@ -14,9 +14,12 @@ import pytest
 import torch
 import transformers
 from quantized_checks import (
+    HALF_RTOL,
     IDS,
     check_engine_reads,
+    check_kernels,
     check_real_minilm_split,
+    check_saved_as_stored,
     check_split_outputs,
     greedy_outputs,
     quantizable_llama,
@@ -75,15 +78,20 @@ def test_a_pack_quantized_directory_splits_and_gives_transformers_outputs(tmp_pa
 
 
 @pytest.mark.slow
-def test_a_half_precision_load_casts_the_scales_as_transformers_does(w4_dir):
-    """``dtype=bfloat16``: transformers casts the scales and decompresses in bfloat16; so does each rank."""
-    _, tokens = transformers_outputs(w4_dir, dtype=torch.bfloat16)
-    with split(str(w4_dir), 2, dtype=torch.bfloat16) as model:
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_bfloat16_load_computes_4_bit_words_with_the_int4_product(w4_dir, world_size, tmp_path):
+    """``dtype=bfloat16``: transformers casts the scales and decompresses in bfloat16 (``q s`` rounded); each rank
+    casts its scales alike and computes its words with torch's CPU int4 product (``q s`` exact, a row-parallel rank's
+    partial products summed in float32): logits within bfloat16's tolerance, the same greedy tokens. The kernel's copy
+    replaces the rank's words, and ``save_pretrained`` gathers them as stored."""
+    expected, tokens = transformers_outputs(w4_dir, dtype=torch.bfloat16)
+    with split(str(w4_dir), world_size, dtype=torch.bfloat16) as model:
         on_rank = model._tpcore_handle.pool.run(weight_layout)[0]
         assert (on_rank["weight_packed"], on_rank["weight_scale"]) == ("torch.int32", "torch.bfloat16")
-        generated = greedy_outputs(model)[1]
-        assert generated.shape == tokens.shape
-        assert (generated == tokens).float().mean() >= 0.9  # bf16 partial sums may round a close pair otherwise
+        check_split_outputs(model, expected, tokens, world_size, HALF_RTOL[torch.bfloat16])
+        check_kernels(model, int4=True)
+        model.save_pretrained(tmp_path / "saved")
+    check_saved_as_stored(w4_dir, tmp_path / "saved", ("weight_packed",))  # the scales saved as cast
 
 
 @pytest.mark.slow

@@ -15,11 +15,12 @@ import transformers
 from quantized_checks import (
     HALF_RTOL,
     check_engine_reads,
+    check_kernels,
     check_plan_shown,
+    check_saved_as_stored,
     check_split_layers,
     greedy_outputs,
     quantizable_llama,
-    rank_kernels,
     split,
     transformers_outputs,
     with_quantization_changed,
@@ -66,12 +67,6 @@ def check_split(model, expected, tokens, world_size, dtype=torch.float16, int4=F
     check_kernels(model, int4)
 
 
-def check_kernels(model, int4: bool) -> None:
-    """Every rank's quantized layers (7 a decoder layer, 2 layers) compute with torch's int4 product, or none does."""
-    for kernels in model._tpcore_handle.pool.run(rank_kernels):
-        assert kernels == ({"int4": 14, "dequantizing": 0} if int4 else {"int4": 0, "dequantizing": 14})
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(("kind", "world_size"), [("v1", 2), ("v2-act-order", 3)])
 def test_a_gptq_directory_splits_and_gives_transformers_outputs(gptq_dirs, kind, world_size, tmp_path):
@@ -81,16 +76,7 @@ def test_a_gptq_directory_splits_and_gives_transformers_outputs(gptq_dirs, kind,
     with split(str(gptq_dirs[kind]), world_size, dtype=torch.float16) as model:
         check_split(model, expected, tokens, world_size, int4=True)
         model.save_pretrained(tmp_path / "saved")
-    check_words_saved(gptq_dirs[kind], tmp_path / "saved")
-
-
-def check_words_saved(directory, saved) -> None:
-    """``saved`` holds every quantized tensor of ``directory``'s files, equal."""
-    stored, written = load_file(directory / "model.safetensors"), load_file(saved / "model.safetensors")
-    packed = [key for key in stored if key.endswith(("qweight", "qzeros", "scales", "g_idx"))]
-    assert len(packed) == 4 * 14 or len(packed) == 3 * 14
-    for key in packed:
-        assert torch.equal(written[key], stored[key]), key
+    check_saved_as_stored(gptq_dirs[kind], tmp_path / "saved", ("qweight", "qzeros", "scales", "g_idx"))
 
 
 @pytest.mark.slow
@@ -239,7 +225,7 @@ def test_an_awq_directory_splits_and_gives_transformers_outputs(awq_dir, world_s
     with split(str(awq_dir), world_size, dtype=torch.float16) as model:
         check_awq_split(model, expected, tokens, world_size, int4=True)
         model.save_pretrained(tmp_path / "saved")
-    check_words_saved(awq_dir, tmp_path / "saved")
+    check_saved_as_stored(awq_dir, tmp_path / "saved", ("qweight", "qzeros", "scales"))
 
 
 @pytest.mark.slow

@@ -23,6 +23,10 @@ __all__ = ["AWQ", "GPTQ"]
 #: GPTQ's checkpoint formats tpcore reads, and what each stores of a zero point ``z`` (v1: ``z - 1``)
 _ZERO_OFFSETS = {"gptq": 1, "gptq_v2": 0}
 
+#: the groups GPTQModel's default CPU kernels take (its ``SUPPORTS_GROUP_SIZE``; tpcore computes groups of 16
+#: dequantizing, since torch's int4 product does not take them); for others GPTQModel picks a dequantizing kernel
+_INT4_KERNEL_GROUPS = (16, 32, 64, 128)
+
 #: the tensors a GPTQ linear stores beside ``qweight``
 _STORED = ("qzeros", "scales", "g_idx")
 
@@ -167,7 +171,7 @@ def _kernel_by_backend(layer: GPTQLinear, quantization: dict[str, Any]) -> GPTQL
     product) unless the config's ``backend`` names another, whose product is then the torch kernels' dequantizing
     one."""
     backend = str(quantization.get("backend") or "auto").lower()
-    layer.int4_kernel = backend == "auto" or "aten" in backend
+    layer.int4_kernel = (backend == "auto" or "aten" in backend) and layer.group_size in _INT4_KERNEL_GROUPS
     return layer
 
 

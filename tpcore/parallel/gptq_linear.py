@@ -25,7 +25,7 @@ along the output features, each word's 8 values in the order :data:`AWQ_ORDER`::
     qzeros   int32  (groups, out_r / 8)   packed as ``qweight``, cut with its columns
 
 A rank computes as transformers would unsplit. Where :attr:`GPTQLinear.int4_kernel` asks (GPTQModel's default CPU
-kernels) and the layer is 4-bit in groups torch's CPU int4 product takes, :meth:`GPTQLinear.localize` lays the rank's
+kernels) and the layer is 4-bit in groups torch's CPU int4 product takes, the rank's :meth:`GPTQLinear.ready` lays its
 codes out for that product (:class:`~tpcore.parallel.int4pack.Int4Packed`, in place of ``qweight``: the same bytes)
 and each forward is that product in bfloat16. Otherwise each forward computes ``W_r`` as GPTQModel's torch kernels do
 (``q - z`` in int8 or int16, times the scale: GPTQ's in the scales' dtype, then rounded to the input's; AWQ's with the
@@ -42,7 +42,7 @@ from tpcore.cut.scale_blocks import block_index
 from tpcore.cut.split import Split
 from tpcore.parallel.comm import all_reduce
 from tpcore.parallel.int4pack import Int4Packed, int4pack_available
-from tpcore.parallel.packed_int_linear import unpack_words
+from tpcore.parallel.packed_int_linear import pack_words, unpack_words
 from tpcore.parallel.quantized_linear import QuantizedLinear, RowParallelQuantized
 
 __all__ = ["AWQ_ORDER", "AWQLinear", "GPTQ_BIT_WIDTHS", "GPTQLinear", "RowParallelAWQLinear", "RowParallelGPTQLinear"]
@@ -73,7 +73,7 @@ class GPTQLinear(QuantizedLinear):
     #: compute with torch's CPU int4 product where the rank can (:mod:`tpcore.parallel.int4pack`: 4-bit values, its
     #: group sizes, a CPU), as GPTQModel's default CPU kernels do; else the torch kernels' dequantizing product
     int4_kernel = False
-    #: the rank's layer as that product takes it (:meth:`localize`), ``None`` where it computes dequantizing
+    #: the rank's layer as that product takes it (:meth:`ready`), ``None`` where it computes dequantizing
     int4: Int4Packed | None = None
 
     @classmethod
@@ -150,17 +150,14 @@ class GPTQLinear(QuantizedLinear):
             row_groups = row_groups.index_select(0, rows.to(device))
         self.register_buffer("zero_points", zeros[:, : self.qweight.shape[1]].contiguous(), persistent=False)
         self.register_buffer("row_groups", row_groups, persistent=False)
-        self.pack_int4()
 
-    def pack_int4(self) -> None:
+    def ready(self) -> None:
         """Where :attr:`int4_kernel` asks and the rank can, lay its codes out for torch's CPU int4 product and keep
         that copy in place of ``qweight`` (the same bytes; :meth:`as_stored` gives the words back)."""
         if not (self.int4_kernel and self.bits == 4 and int4pack_available(self.qweight.device, self.group_size)):
             return
-        self.int4 = Int4Packed(self.unpacked(), self.row_groups, self.scales, self.zero_points, self.group_size)
-        self.register_buffer("int4_weight", self.int4.packed, persistent=False)
-        self.register_buffer("int4_scales_and_zeros", self.int4.scales_and_zeros, persistent=False)
-        self.qweight.data = self.qweight.data.new_empty(0)
+        int4 = Int4Packed(self.unpacked(), self.row_groups, self.scales, self.zero_points, self.group_size)
+        int4.take_place_of(self, "qweight")
 
     def as_stored(self, name: str) -> torch.Tensor:
         """``qweight``'s words read back from the int4 product's copy where it holds them, else the tensor."""
@@ -169,11 +166,8 @@ class GPTQLinear(QuantizedLinear):
         return self.words(self.int4.codes())
 
     def words(self, codes: torch.Tensor) -> torch.Tensor:
-        """``(in_r / 8, out_r)`` int32: 4-bit ``codes (in_r, out_r)`` packed 8 to a word along the input features,
-        value ``i`` at bit ``4 (i % 8)`` of word ``i // 8`` (little-endian words: the low byte first)."""
-        pairs = codes.to(torch.uint8).view(-1, 4, 2, codes.shape[1])
-        data = pairs[:, :, 0].bitwise_or(pairs[:, :, 1].bitwise_left_shift(4))  # (in_r / 8, 4 bytes, out_r)
-        return data.permute(0, 2, 1).contiguous().view(torch.int32).view(-1, codes.shape[1])
+        """``(in_r / 8, out_r)`` int32: 4-bit ``codes (in_r, out_r)`` packed 8 to a word along the input features."""
+        return pack_words(codes.T, 4).T.contiguous()
 
     @property
     def codes_dtype(self) -> torch.dtype:
@@ -297,7 +291,6 @@ class AWQLinear(GPTQLinear):
         row_groups = block_index(rows, in_features, self.group_size, rank, world_size)
         self.register_buffer("zero_points", self.in_feature_order(self.qzeros), persistent=False)
         self.register_buffer("row_groups", row_groups.to(self.qweight.device), persistent=False)
-        self.pack_int4()
 
     def in_feature_order(self, words: torch.Tensor) -> torch.Tensor:
         """``(rows, 8 n)`` int8: the 4-bit fields of int32 ``words (rows, n)``, each word's put back in the order
@@ -312,9 +305,8 @@ class AWQLinear(GPTQLinear):
     def words(self, codes: torch.Tensor) -> torch.Tensor:
         """``(in_r, out_r / 8)`` int32: ``codes (in_r, out_r)`` packed 8 output features to a word in
         :data:`AWQ_ORDER`, field ``k`` at bit ``4 k``."""
-        fields = codes.to(torch.uint8).view(codes.shape[0], -1, 8).index_select(2, torch.tensor(AWQ_ORDER))
-        data = fields[..., 0::2].bitwise_or(fields[..., 1::2].bitwise_left_shift(4))  # (in_r, out_r / 8, 4 bytes)
-        return data.contiguous().view(torch.int32).view(codes.shape[0], -1)
+        fields = codes.view(codes.shape[0], -1, 8).index_select(2, torch.tensor(AWQ_ORDER))
+        return pack_words(fields.reshape(codes.shape[0], -1), 4)
 
     def compute_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The input's half dtype, or float16 (GPTQModel's AWQ torch kernel computes a float32 input so)."""

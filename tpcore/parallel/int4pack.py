@@ -6,11 +6,12 @@ and ``scales_and_zeros (K / g, N, 2)`` bfloat16, and computes ``x @ W.T`` with::
 
     W[n, k] = s[k // g, n] * (q[n, k] - 8) + t[k // g, n],    t = bf16(bf16(8 - z) * s),  s = bf16(scale)
 
-which is ``s (q - z)`` up to the rounding of ``t``, as GPTQModel builds it. It takes groups ``g`` of 32, 64, 128 or 256
-consecutive input features and ``N % 16 == 0``. A rank's rows need not be that: a cut may fall inside a group, and
-act-order rows (``g_idx``) come in any order. :class:`Int4Packed` lays a rank's rows out group by group, each group in
-``g`` slots (a slot no row fills reads a zero input), and pads the outputs to a multiple of 16 with zero weights, so
-the product over the rank's rows is the kernel's over its slots.
+which is ``s (q - z)`` up to the rounding of ``t``, as GPTQModel builds it. It takes groups of 32, 64, 128 or 256
+consecutive input features and ``N % 16 == 0``. A rank's rows need not be that: a cut may fall inside a group,
+act-order rows (``g_idx``) come in any order, and a format's group may be larger (a whole row). :class:`Int4Packed` lays
+a rank's rows out group by group, each group's rows in the fewest kernel groups of ``k`` (:func:`kernel_group`, which
+divides ``g``) that hold them, sharing its scale (a slot no row fills reads a zero input), and pads the outputs to a
+multiple of 16 with zero weights, so the product over the rank's rows is the kernel's over its slots.
 
 The packed layout interleaves the codes (it is the kernel's, not a slice-friendly one): :func:`unpack_int4` reads the
 codes back through the positions :func:`_nibble_sources` finds by packing probes, so a rank keeps only the packed
@@ -20,8 +21,9 @@ copy and still gives its words back (``save_pretrained``, ``deparallelize``).
 from __future__ import annotations
 
 import torch
+from torch import nn
 
-__all__ = ["INT4PACK_GROUP_SIZES", "Int4Packed", "int4pack_available", "unpack_int4"]
+__all__ = ["INT4PACK_GROUP_SIZES", "Int4Packed", "int4pack_available", "kernel_group", "unpack_int4"]
 
 #: the group sizes the CPU kernel takes
 INT4PACK_GROUP_SIZES = (32, 64, 128, 256)
@@ -31,12 +33,17 @@ _OUT_MULTIPLE = 16
 _CENTRE = 8
 
 
+def kernel_group(group_size: int) -> int | None:
+    """The largest group the kernel takes that divides ``group_size`` (its groups are whole kernel groups), if any."""
+    return next((size for size in reversed(INT4PACK_GROUP_SIZES) if group_size % size == 0), None)
+
+
 def int4pack_available(device: torch.device, group_size: int) -> bool:
     """Whether torch's CPU int4 product runs groups of ``group_size`` on ``device``."""
     ops = torch.ops.aten
     return (
         device.type == "cpu"
-        and group_size in INT4PACK_GROUP_SIZES
+        and kernel_group(group_size) is not None
         and hasattr(ops, "_convert_weight_to_int4pack_for_cpu")
         and hasattr(ops, "_weight_int4pack_mm_for_cpu")
     )
@@ -50,7 +57,7 @@ class Int4Packed:
         row_groups: ``(in_r,)`` the group of each row (indices into ``scales`` and ``zero_points``).
         scales, zero_points: ``(groups, out_r)``, ``W.T[i, o] = scales[g(i), o] * (codes[i, o] - zero_points[g(i), o])``
             with ``g = row_groups``.
-        group_size: the rows a group holds at most (the kernel's ``g``).
+        group_size: the rows a group holds at most: whole kernel groups (:func:`kernel_group`).
     """
 
     def __init__(
@@ -61,17 +68,22 @@ class Int4Packed:
         zero_points: torch.Tensor,
         group_size: int,
     ) -> None:
+        kernel_size = kernel_group(group_size)
+        if kernel_size is None:
+            raise ValueError(f"groups of {group_size} are no whole groups of {INT4PACK_GROUP_SIZES}")
         in_r, out_r = codes.shape
         present, group_of_row = torch.unique(row_groups, sorted=True, return_inverse=True)
-        order = torch.argsort(group_of_row, stable=True)
         counts = torch.bincount(group_of_row, minlength=len(present))
         if int(counts.max()) > group_size:
             raise ValueError(f"a group holds {int(counts.max())} rows, more than its size {group_size}")
+        chunks = -(-counts // kernel_size)  # the kernel groups that hold each group's rows (one scale for all)
+        starts = kernel_size * (torch.cumsum(chunks, 0) - chunks)
         firsts = torch.cumsum(counts, 0) - counts
+        order = torch.argsort(group_of_row, stable=True)
         sorted_groups = group_of_row[order]
         slot = torch.empty(in_r, dtype=torch.long)
-        slot[order] = sorted_groups * group_size + torch.arange(in_r) - firsts[sorted_groups]
-        slots = len(present) * group_size
+        slot[order] = starts[sorted_groups] + torch.arange(in_r) - firsts[sorted_groups]
+        slots = kernel_size * int(chunks.sum())
         padded_out = -(-out_r // _OUT_MULTIPLE) * _OUT_MULTIPLE
         #: the input column each slot reads (``in_r``: a zero column), or ``None`` where slot ``k`` is row ``k``
         self.source: torch.Tensor | None = None
@@ -79,22 +91,25 @@ class Int4Packed:
             source = torch.full((slots,), in_r, dtype=torch.long)
             source[slot] = torch.arange(in_r)
             self.source = source
-        self.slot, self.slots = slot, slots
-        self.in_features, self.out_features, self.group_size = in_r, out_r, group_size
+        self.slot, self.slots, self.group_size = slot, slots, kernel_size
+        self.in_features, self.out_features = in_r, out_r
         grid = torch.full((padded_out, slots), _CENTRE, dtype=torch.int32)
         grid[:out_r, slot] = codes.T.to(torch.int32)
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(grid, 1).contiguous()
         scale = torch.zeros(len(present), padded_out, dtype=torch.bfloat16)
         scale[:, :out_r] = scales.index_select(0, present).to(torch.bfloat16)
         offset = torch.zeros_like(scale)
-        centred = (_CENTRE - zero_points.index_select(0, present).to(torch.bfloat16)) * scale[:, :out_r]
-        offset[:, :out_r] = centred
-        self.scales_and_zeros = torch.stack([scale, offset], dim=2).contiguous()
+        offset[:, :out_r] = (_CENTRE - zero_points.index_select(0, present).to(torch.bfloat16)) * scale[:, :out_r]
+        self.scales_and_zeros = torch.stack([scale, offset], dim=2).repeat_interleave(chunks, dim=0).contiguous()
 
-    @property
-    def nbytes(self) -> int:
-        """The bytes the kernel's tensors hold."""
-        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales_and_zeros))
+    def take_place_of(self, module: nn.Module, name: str) -> None:
+        """Become ``module.int4``, its tensors ``module``'s non-persistent buffers (``int4_weight``,
+        ``int4_scales_and_zeros``), and empty ``module``'s tensor ``name``, whose codes this copy holds."""
+        module.__dict__["int4"] = self  # a plain attribute, not a parameter or submodule
+        module.register_buffer("int4_weight", self.packed, persistent=False)
+        module.register_buffer("int4_scales_and_zeros", self.scales_and_zeros, persistent=False)
+        replaced = getattr(module, name)
+        replaced.data = replaced.data.new_empty(0)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``(M, out_r)`` bfloat16: ``x (M, in_r)`` rounded to bfloat16, times the rank's ``W.T``."""

@@ -13,7 +13,9 @@ heads in values), so a rank holds whole words: ``p`` divides every piece. ``grou
 (:func:`~tpcore.cut.scale_blocks.block_index`) is the scale group of value ``j`` of the rank's piece; a cut inside
 a group leaves its scale to both ranks. Each forward unpacks the rank's words and multiplies in the scale's dtype,
 as compressed-tensors decompresses (``q.to(S) * scale``, then the input's dtype), so a rank keeps ``b / 8`` bytes
-a weight and never the whole model dequantized.
+a weight and never the whole model dequantized. In bfloat16 (the scales cast so), 4-bit values in groups of a multiple
+of 32 compute with torch's CPU int4 product instead (:mod:`tpcore.parallel.int4pack`, ``W = s (u - 8)`` exact in
+float32 where decompressing rounds ``q s`` to bfloat16), its copy in place of the rank's words.
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ from torch import nn
 
 from tpcore.cut.scale_blocks import block_index, first_whole_block
 from tpcore.cut.split import Split
+from tpcore.parallel.comm import all_reduce
+from tpcore.parallel.int4pack import Int4Packed, int4pack_available
 from tpcore.parallel.quantized_linear import QuantizedLinear, RowParallelQuantized
 
-__all__ = ["PackedIntLinear", "RowParallelPackedIntLinear", "unpack_words"]
+__all__ = ["PackedIntLinear", "RowParallelPackedIntLinear", "pack_words", "unpack_words"]
 
 #: the bit widths whose values never straddle a byte
 BIT_WIDTHS = (1, 2, 4, 8)
@@ -50,6 +54,8 @@ class PackedIntLinear(QuantizedLinear):
     #: whole groups from :attr:`first_group` on
     scale_cols: torch.Tensor | None = None
     first_group = 0
+    #: the rank's layer as torch's CPU int4 product takes it (:meth:`ready`), ``None`` where it decompresses
+    int4: Int4Packed | None = None
 
     @classmethod
     def hold(
@@ -91,21 +97,50 @@ class PackedIntLinear(QuantizedLinear):
     def localize(self, rank: int, world_size: int) -> None:
         """Find the scale group of each value of this rank's rows, where its columns are cut."""
         cut = self.cuts.get("weight_packed")
-        if cut is None or cut.dim == 0:
-            self.scale_cols, self.first_group = None, 0
-            return
-        if cut.pad:
-            raise ValueError("packed values cut with padding: a padding word would read as nonzero values")
-        whole_words = self.whole_shape[1] // self.packing[1]
-        groups = block_index(cut, whole_words, self.group_size, rank, world_size, self.packing[1])
-        first = first_whole_block(groups, self.group_size)
-        self.scale_cols = None if first is not None else groups.to(self.weight_packed.device)
-        self.first_group = first or 0
+        self.scale_cols, self.first_group = None, 0
+        if cut is not None and cut.dim == 1:
+            if cut.pad:
+                raise ValueError("packed values cut with padding: a padding word would read as nonzero values")
+            whole_words = self.whole_shape[1] // self.packing[1]
+            groups = block_index(cut, whole_words, self.group_size, rank, world_size, self.packing[1])
+            first = first_whole_block(groups, self.group_size)
+            self.scale_cols = None if first is not None else groups.to(self.weight_packed.device)
+            self.first_group = first or 0
+
+    def ready(self) -> None:
+        """In bfloat16 (the scales cast so), lay 4-bit values out for torch's CPU int4 product."""
+        scale = self.weight_scale
+        if self.bits == 4 and scale.dtype == torch.bfloat16 and int4pack_available(scale.device, self.group_size):
+            codes = unpack_words(self.weight_packed, 4).T  # (in_r, out_r): q + 8
+            zero_points = torch.full((scale.shape[1], scale.shape[0]), 8, dtype=torch.uint8)
+            int4 = Int4Packed(codes, self.column_groups(), scale.T, zero_points, self.group_size)
+            int4.take_place_of(self, "weight_packed")
+
+    def column_groups(self) -> torch.Tensor:
+        """``(in_r,)`` the scale group of each of this rank's input features."""
+        if self.scale_cols is not None:
+            return self.scale_cols
+        columns = self.weight_packed.shape[1] * self.packing[1]
+        return self.first_group + torch.arange(columns, device=self.weight_packed.device) // self.group_size
+
+    def as_stored(self, name: str) -> torch.Tensor:
+        """``weight_packed``'s words read back from the int4 product's copy where it holds them, else the tensor."""
+        if name != "weight_packed" or self.int4 is None:
+            return super().as_stored(name)
+        return pack_words(self.int4.codes().T, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int4 is None:
+            return super().forward(x)
+        out = self.int4.matmul(x.reshape(-1, x.shape[-1])).to(x.dtype)
+        out = out if self.bias is None else out + self.bias
+        return out.view(*x.shape[:-1], out.shape[-1])
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """``W_r`` (module docstring) in ``dtype``."""
         scale = self.weight_scale
-        values = unpack_words(self.weight_packed, self.bits).to(scale.dtype).sub_(2 ** (self.bits - 1))
+        words = self.as_stored("weight_packed")  # read back from the int4 product's copy where it holds them
+        values = unpack_words(words, self.bits).to(scale.dtype).sub_(2 ** (self.bits - 1))
         rows, columns = values.shape
         if self.scale_cols is not None:
             return values.mul_(scale.index_select(1, self.scale_cols)).to(dtype)
@@ -115,7 +150,16 @@ class PackedIntLinear(QuantizedLinear):
 
 
 class RowParallelPackedIntLinear(RowParallelQuantized, PackedIntLinear):
-    """:class:`PackedIntLinear` holding a shard of the input features; output all-reduced, bias added once."""
+    """:class:`PackedIntLinear` holding a shard of the input features; output all-reduced, bias added once. With the
+    int4 product, its bfloat16 partial products are summed in float32 and rounded once."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int4 is None:
+            return super().forward(x)
+        partial = self.int4.matmul(x.reshape(-1, x.shape[-1])).float()
+        out = all_reduce(partial, self.tp_group).to(x.dtype)
+        out = out if self.bias is None else out + self.bias
+        return out.view(*x.shape[:-1], partial.shape[-1])
 
 
 PackedIntLinear.row_parallel_class = RowParallelPackedIntLinear
@@ -132,3 +176,16 @@ def unpack_words(words: torch.Tensor, bits: int) -> torch.Tensor:
     shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=words.device)
     fields = data.unsqueeze(-1).bitwise_right_shift(shifts).bitwise_and_((1 << bits) - 1)
     return fields.view(words.shape[0], -1)
+
+
+def pack_words(fields: torch.Tensor, bits: int) -> torch.Tensor:
+    """``(rows, n)`` int32: unsigned ``bits``-bit ``fields (rows, n * 32 / bits)`` packed as :func:`unpack_words`
+    reads them."""
+    if sys.byteorder != "little":
+        raise RuntimeError("packed int32 words are packed on little-endian hosts only")
+    per_byte = 8 // bits
+    grouped = fields.to(torch.uint8).view(fields.shape[0], -1, per_byte)
+    data = grouped[..., 0].clone()
+    for field in range(1, per_byte):
+        data.bitwise_or_(grouped[..., field].bitwise_left_shift(field * bits))
+    return data.contiguous().view(torch.int32)

@@ -36,6 +36,7 @@ __all__ = [
     "RowParallelBlockFP8Linear",
     "e4m3_as_scaled_float32",
     "localize_quantized",
+    "ready_quantized",
 ]
 
 
@@ -66,6 +67,10 @@ class QuantizedLayer(nn.Module):
 
     def localize(self, rank: int, world_size: int) -> None:
         """Prepare what this rank's forward needs from its shard (called on the rank, once loaded)."""
+
+    def ready(self) -> None:
+        """Lay this rank's tensors out for its device's kernels, once the model has its final dtype and device (called
+        on the rank after :meth:`localize`, the cast and the move)."""
 
     def as_stored(self, name: str) -> torch.Tensor:
         """This rank's part of its tensor ``name`` as the files store it (gathered to save or to reassemble): the
@@ -246,6 +251,13 @@ class RowParallelTokenFP8Linear(RowParallelQuantized, GatheredTokenMaxima, Token
 
 
 TokenFP8Linear.row_parallel_class = RowParallelTokenFP8Linear
+
+
+def ready_quantized(model: nn.Module) -> None:
+    """Let every quantized layer of ``model`` (a rank's, cast and on its device) lay its tensors out for its kernels."""
+    for module in model.modules():
+        if isinstance(module, QuantizedLayer):
+            module.ready()
 
 
 def localize_quantized(model: nn.Module, rank: int, world_size: int) -> int:

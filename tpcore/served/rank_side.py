@@ -26,7 +26,7 @@ from tpcore.load.skeleton import install_tensors, named_tensors, register_output
 from tpcore.parallel import memfd
 from tpcore.parallel.cpu_layout import transpose_linear_weights
 from tpcore.parallel.layers import bind_group
-from tpcore.parallel.quantized_linear import QuantizedLayer, localize_quantized
+from tpcore.parallel.quantized_linear import QuantizedLayer, localize_quantized, ready_quantized
 from tpcore.plan import format_bytes
 from tpcore.progress import ByteCounter
 from tpcore.ranks.process import RankContext
@@ -81,6 +81,7 @@ def keep(context: RankContext, skeleton: nn.Module, dtype) -> int:
     if dtype is not None:
         cast_model(skeleton, dtype)
     model = skeleton.to(context.device)
+    ready_quantized(model)
     transpose_linear_weights(model)  # CPU weights only
     register_output_recording(model)
     context.store["model"] = model
