@@ -20,9 +20,10 @@ from tpcore.serve import scheduler as scheduler_module
 from tpcore.serve.requests import Delta, Failed, Finished, Request
 from tpcore.serve.sampling import SamplingParams
 from tpcore.serve.scheduler import Generation, Scheduler, prefill_groups
-from tpcore.serve.server import load_model
+from tpcore.serve.server import NotServable, load_model, refuse_unbatchable_cache
 from tpcore.served.compiled import compiled_calls, compiled_graphs
 from tpcore.testing import tiny_bert, tiny_llama, word_tokenizer
+from tpcore.tools.cli import main
 
 #: (prompt, max_tokens): lengths 2 to 9; one request ends at its first token, inside its group
 PROMPTS = [([5, 9], 6), ([7, 3, 8], 1), ([40, 41, 42, 43], 7), ([11] * 5, 5), ([12, 13, 14, 15, 16, 17], 8),
@@ -135,6 +136,42 @@ def test_compile_is_refused_for_a_whole_model_and_an_encoder(tmp_path):
         load_model(str(tmp_path / "llama"), 0, compile=True)
     with pytest.raises(ValueError, match="--num-gpus 2, not a decoder"):
         load_model(str(tmp_path / "bert"), 2, compile=True)
+
+
+@pytest.mark.parametrize(
+    ("config_class", "architecture", "layer"),
+    [
+        ("MambaConfig", "MambaForCausalLM", "LinearAttentionLayer, layer 0"),
+        ("JambaConfig", "JambaForCausalLM", "LinearAttentionLayer, layer 0"),
+        ("Qwen3NextConfig", "Qwen3NextForCausalLM", "LinearAttentionLayer, layer 0"),
+    ],
+)
+def test_a_model_whose_cache_keeps_a_recurrent_state_is_refused_at_start_in_one_line(
+    tmp_path, capsys, no_process_starts, config_class, architecture, layer
+):
+    """State-space and linear-attention layers keep a state the running batch cannot concatenate or trim: ``tpcore
+    serve`` says so in one line and exits 2 before any rank starts or any tokenizer is read (the directory has
+    none), where it used to start and answer every completion 500."""
+    import transformers
+
+    getattr(transformers, config_class)(num_hidden_layers=2, architectures=[architecture]).save_pretrained(tmp_path)
+    assert main(["serve", str(tmp_path), "--num-gpus", "2"]) == 2
+    refusal = capsys.readouterr().err
+    assert refusal.count("\n") == 1
+    assert refusal.startswith(f"tpcore serve: {architecture} keeps a recurrent state in its cache ({layer})")
+    with pytest.raises(NotServable, match="batches key/value caches only"):
+        load_model(str(tmp_path), 0)
+
+
+def test_sliding_window_and_full_attention_decoders_pass_the_start_check():
+    """Gemma2 mixes sliding-window layers in, Mistral's are all sliding: served as full layers, the window kept by
+    the attention mask."""
+    import transformers
+
+    for config_class, architecture in (("Gemma2Config", "Gemma2ForCausalLM"), ("MistralConfig", "MistralForCausalLM")):
+        config = getattr(transformers, config_class)(num_hidden_layers=4)
+        assert any(layer.is_sliding for layer in transformers.DynamicCache(config=config).layers)
+        refuse_unbatchable_cache(config, architecture)  # no NotServable
 
 
 @pytest.mark.slow  # ~40 s: two ranks compile two graphs each with inductor

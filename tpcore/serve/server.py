@@ -21,9 +21,13 @@ from typing import Any
 from tpcore.serve.app import create_app
 from tpcore.serve.service import Limits, Service
 
-__all__ = ["Server", "free_port", "load_model", "serve"]
+__all__ = ["NotServable", "Server", "free_port", "load_model", "serve"]
 
 logger = logging.getLogger("tpcore.serve")
+
+
+class NotServable(ValueError):
+    """A model or an option the server refuses at start, before any rank starts; its message is one line."""
 
 
 def load_model(directory: str, num_gpus: int, dtype: Any = None, compile: bool = False) -> tuple[Any, Any]:
@@ -36,13 +40,15 @@ def load_model(directory: str, num_gpus: int, dtype: Any = None, compile: bool =
     from tpcore.serve.batch import warm_ups
     from tpcore.served.compiled import compile_ranks
 
-    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
     config = transformers.AutoConfig.from_pretrained(directory)
     architectures = getattr(config, "architectures", None) or []
     generates = any(name.endswith(("ForCausalLM", "LMHeadModel")) for name in architectures)
+    if generates:
+        refuse_unbatchable_cache(config, architectures[0])
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
     auto = transformers.AutoModelForCausalLM if generates else transformers.AutoModel
     if compile and (num_gpus == 0 or not generates):
-        raise ValueError(
+        raise NotServable(
             "--compile compiles the ranks' decode step: it needs a model that generates text, split over 1 or more "
             f"ranks (--num-gpus {num_gpus}, {'a decoder' if generates else 'not a decoder'})"
         )
@@ -52,6 +58,23 @@ def load_model(directory: str, num_gpus: int, dtype: Any = None, compile: bool =
     if compile:
         compile_ranks(model, warm_ups=warm_ups())  # on failure the ranks stop before the error is raised
     return model, tokenizer
+
+
+def refuse_unbatchable_cache(config: Any, architecture: str) -> None:
+    """Raise :class:`NotServable` where a decoder's cache keeps other than keys and values (state-space and
+    linear-attention layers: Mamba, Mamba2, Falcon-Mamba, Jamba, Qwen3-Next), which the running batch cannot
+    concatenate and trim (:mod:`tpcore.served.cache_batches`); sliding-window layers are served as full ones, their
+    window kept by the attention mask."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    cache = DynamicCache(config=config.get_text_config())
+    for index, layer in enumerate(cache.layers):
+        if not isinstance(layer, DynamicLayer):
+            raise NotServable(
+                f"{architecture} keeps a recurrent state in its cache ({type(layer).__name__}, layer {index}): "
+                "tpcore serve batches key/value caches only; split it with tpcore.parallelize() and call generate()"
+            )
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -167,6 +167,7 @@ def _check(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from tpcore.serve import Limits, serve  # imports torch, transformers, FastAPI and uvicorn
+    from tpcore.serve.server import NotServable
 
     limits = Limits(
         max_batch=args.max_batch,
@@ -174,8 +175,12 @@ def _serve(args: argparse.Namespace) -> int:
         request_timeout=args.timeout,
         max_model_len=args.max_model_len,
     )
-    serve(args.model, args.num_gpus, args.host, args.port, api_key=args.api_key, name=args.name, limits=limits,
-          compile=args.compile)  # fmt: skip
+    try:
+        serve(args.model, args.num_gpus, args.host, args.port, api_key=args.api_key, name=args.name, limits=limits,
+              compile=args.compile)  # fmt: skip
+    except NotServable as refusal:
+        print(f"tpcore serve: {refusal}", file=sys.stderr)
+        return 2
     return 0
 
 
