@@ -131,14 +131,15 @@ def _nibble_sources(rows: int, columns: int) -> tuple[torch.Tensor, torch.Tensor
     """For the packed copy of a ``(rows, columns)`` grid: the flat grid index whose code each byte holds in its low
     and in its high 4 bits (``(rows * columns / 2,)`` each). Found by packing probes whose codes are the base-16
     digits of each index, one probe a digit, so it holds for whatever layout this torch build packs."""
-    index = torch.arange(rows * columns, dtype=torch.int64)
-    low, high = torch.zeros(rows * columns // 2, dtype=torch.int64), torch.zeros(rows * columns // 2, dtype=torch.int64)
-    digits = max(1, -(-int(rows * columns - 1).bit_length() // 4))
-    for digit in range(digits):
+    size = rows * columns
+    wide = torch.int32 if size < 2**31 else torch.int64
+    index = torch.arange(size, dtype=wide)
+    low, high = torch.zeros(size // 2, dtype=wide), torch.zeros(size // 2, dtype=wide)
+    for digit in range(max(1, -(-int(size - 1).bit_length() // 4))):
         probe = index.bitwise_right_shift(4 * digit).bitwise_and_(15).to(torch.int32).view(rows, columns)
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(probe, 1).reshape(-1).to(torch.int64)
-        low |= packed.bitwise_and(15) << (4 * digit)
-        high |= packed.bitwise_right_shift(4) << (4 * digit)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(probe, 1).reshape(-1).to(wide)
+        low.bitwise_or_(packed.bitwise_and(15).bitwise_left_shift_(4 * digit))
+        high.bitwise_or_(packed.bitwise_right_shift_(4).bitwise_left_shift_(4 * digit))
     return low, high
 
 
