@@ -160,6 +160,23 @@ def test_every_bad_request_is_answered_4xx_with_a_clear_message_and_the_server_s
         assert still.status_code == 200 and http.get("/health").json() == {"status": "ok"}
 
 
+def test_the_openapi_document_declares_the_errors_each_route_answers_and_a_405_says_allow(server):
+    """The statuses the test above sees (and 401, 500, 503) are declared with the error body's schema, FastAPI's 422
+    is not (an invalid body is 400); a route asked with the wrong method answers 405 with ``Allow``."""
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        document = http.get("/openapi.json").json()
+        error_schema = {"$ref": "#/components/schemas/ErrorResponse"}
+        for path in ("/v1/completions", "/v1/chat/completions", "/v1/embeddings"):
+            declared = document["paths"][path]["post"]["responses"]
+            assert set(declared) == {"200", "400", "401", "404", "413", "429", "500", "503", "504"}, path
+            assert all(declared[code]["content"]["application/json"]["schema"] == error_schema for code in declared
+                       if code != "200")  # fmt: skip
+        assert set(document["paths"]["/health"]["get"]["responses"]) == {"200", "503"}
+        wrong = http.get("/v1/completions")
+        assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
+        assert wrong.json()["error"]["code"] == 405
+
+
 def test_a_client_that_leaves_mid_stream_frees_its_row(server):
     body = {"model": "tiny-llama", "prompt": "w5 w7", "max_tokens": 50, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=server.url, timeout=30) as http, http.stream("POST", "/v1/completions", json=body) as r:

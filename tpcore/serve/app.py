@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import hmac
 import json
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -35,8 +36,46 @@ from tpcore.serve.service import Service
 __all__ = ["create_app"]
 
 
-def error_body(status: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status)
+def error_body(
+    status: int, message: str, kind: str, param: str | None = None, headers: Mapping[str, str] | None = None
+) -> JSONResponse:
+    return JSONResponse(
+        {"error": {"message": message, "type": kind, "param": param, "code": status}}, status, headers=headers
+    )
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    """The OpenAI API's error body, as every refusal and failure is answered."""
+
+    error: ErrorDetail
+
+
+def _declared(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """The OpenAPI ``responses`` of a route that answers ``statuses`` with :class:`ErrorResponse`."""
+    return {status: {"model": ErrorResponse, "description": _MEANING[status]} for status in statuses}
+
+
+#: what each error status of the API means
+_MEANING = {
+    400: "an invalid request (its body, a parameter, a prompt over the model's length)",
+    401: "a missing or wrong API key (when the server has one)",
+    404: "a model this server does not serve, or an endpoint it does not serve for this model",
+    413: "a request body over the server's limit",
+    429: "the queue is full: retry later",
+    500: "the generation failed",
+    503: "the model's engine is down (a rank died)",
+    504: "the request took longer than the server's timeout",
+}
+
+#: the errors a POST route may answer
+_POST_ERRORS = _declared(400, 401, 404, 413, 429, 500, 503, 504)
 
 
 class TooLarge(ServeError):
@@ -61,28 +100,28 @@ def create_app(service: Service, api_key: str | None = None, max_body_bytes: int
     _add_error_handlers(app)
     guarded = [Depends(authorized)]
 
-    @app.get("/health")
+    @app.get("/health", responses=_declared(503))
     async def health() -> JSONResponse:
         if not service.healthy:
             return error_body(503, "the model's engine is down (a rank died?): restart the server", "unavailable")
         return JSONResponse({"status": "ok"})
 
-    @app.get("/v1/models", dependencies=guarded)
+    @app.get("/v1/models", dependencies=guarded, responses=_declared(401))
     async def models() -> dict[str, Any]:
         card = {"id": service.name, "object": "model", "created": service.created, "owned_by": "tpcore"}
         return {"object": "list", "data": [card]}
 
-    @app.post("/v1/completions", dependencies=guarded)
+    @app.post("/v1/completions", dependencies=guarded, responses=_POST_ERRORS)
     async def completions(body: CompletionRequest) -> Any:
         service.check_model(body.model, generation=True)
         return await _generate(service, service.completion(body), body.stream, chat=False)
 
-    @app.post("/v1/chat/completions", dependencies=guarded)
+    @app.post("/v1/chat/completions", dependencies=guarded, responses=_POST_ERRORS)
     async def chat_completions(body: ChatRequest) -> Any:
         service.check_model(body.model, generation=True)
         return await _generate(service, service.chat(body), body.stream, chat=True)
 
-    @app.post("/v1/embeddings", dependencies=guarded)
+    @app.post("/v1/embeddings", dependencies=guarded, responses=_POST_ERRORS)
     async def embeddings(body: EmbeddingRequest) -> Any:
         service.check_model(body.model, generation=False)
         async for event in service.events(service.embedding_inputs(body.texts())):
@@ -92,7 +131,16 @@ def create_app(service: Service, api_key: str | None = None, max_body_bytes: int
                 )
         raise ServeError("no embeddings came back")
 
+    app.openapi = lambda: _without_unanswered(FastAPI.openapi(app))  # type: ignore[method-assign]
     return app
+
+
+def _without_unanswered(document: dict[str, Any]) -> dict[str, Any]:
+    """The OpenAPI ``document`` without FastAPI's 422 responses: an invalid body is answered 400 (OpenAI's)."""
+    for operations in document.get("paths", {}).values():
+        for operation in operations.values():
+            operation.get("responses", {}).pop("422", None)
+    return document
 
 
 async def _generate(service: Service, generation: Any, stream: bool, chat: bool) -> Any:
@@ -159,7 +207,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException) -> JSONResponse:
-        return error_body(error.status_code, str(error.detail), "invalid_request_error")
+        return error_body(error.status_code, str(error.detail), "invalid_request_error", headers=error.headers)
 
 
 class BodyLimit:
