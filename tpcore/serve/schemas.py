@@ -5,7 +5,7 @@ from __future__ import annotations
 import base64
 import struct
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -21,6 +21,13 @@ __all__ = [
     "completion_response",
     "embedding_response",
 ]
+
+
+#: a string or a list with at least one character or item, said in each branch of a union so that the OpenAPI
+#: document says it too (a ``min_length`` on the union is checked but lands in no branch's schema)
+_Text = Annotated[str, Field(min_length=1)]
+_Texts = Annotated[list[str], Field(min_length=1)]
+_TokenIds = Annotated[list[int], Field(min_length=1)]
 
 
 class _Sampled(BaseModel):
@@ -54,7 +61,7 @@ class _Sampled(BaseModel):
 
 
 class CompletionRequest(_Sampled):
-    prompt: str | list[int] | list[str] = Field(min_length=1)
+    prompt: _Text | _TokenIds | _Texts
 
 
 class ChatMessage(BaseModel):
@@ -81,7 +88,7 @@ class EmbeddingRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    input: str | list[str] = Field(min_length=1)
+    input: _Text | _Texts
     encoding_format: Literal["float", "base64"] = "float"
 
     def texts(self) -> list[str]:
