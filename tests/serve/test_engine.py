@@ -163,6 +163,24 @@ def test_a_model_whose_cache_keeps_a_recurrent_state_is_refused_at_start_in_one_
         load_model(str(tmp_path), 0)
 
 
+@pytest.mark.parametrize(
+    ("config_class", "architecture"),
+    [("T5Config", "T5ForConditionalGeneration"), ("BartConfig", "BartForConditionalGeneration"),
+     ("WhisperConfig", "WhisperForConditionalGeneration")],
+)  # fmt: skip
+def test_an_encoder_decoder_is_refused_at_start_in_one_line(tmp_path, capsys, no_process_starts, config_class,
+                                                           architecture):  # fmt: skip
+    """Translators, summarizers and speech models generate through an encoder and a decoder, which the server does not
+    batch yet: refused before any rank starts, where completions used to be answered "is an encoder"."""
+    import transformers
+
+    getattr(transformers, config_class)(architectures=[architecture]).save_pretrained(tmp_path)
+    assert main(["serve", str(tmp_path), "--num-gpus", "2"]) == 2
+    refusal = capsys.readouterr().err
+    assert refusal.count("\n") == 1
+    assert refusal.startswith(f"tpcore serve: {architecture} is an encoder-decoder: tpcore serve generates with")
+
+
 def test_sliding_window_and_full_attention_decoders_pass_the_start_check():
     """Gemma2 mixes sliding-window layers in, Mistral's are all sliding: served as full layers, the window kept by
     the attention mask."""

@@ -45,6 +45,11 @@ def load_model(directory: str, num_gpus: int, dtype: Any = None, compile: bool =
     generates = any(name.endswith(("ForCausalLM", "LMHeadModel")) for name in architectures)
     if generates:
         refuse_unbatchable_cache(config, architectures[0])
+    elif getattr(config, "is_encoder_decoder", False) and architectures:
+        raise NotServable(
+            f"{architectures[0]} is an encoder-decoder: tpcore serve generates with decoder-only models and embeds "
+            "with encoders so far; split it with tpcore.parallelize() and call generate()"
+        )
     tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
     auto = transformers.AutoModelForCausalLM if generates else transformers.AutoModel
     if compile and (num_gpus == 0 or not generates):
