@@ -294,31 +294,49 @@ def wait_healthy(url: str, process: subprocess.Popen, seconds: float = 240) -> N
     raise AssertionError("the server did not come up")
 
 
-def start_tpcore_serve(directory) -> tuple[subprocess.Popen, str]:
+def start_tpcore_serve(directory, *options: str) -> tuple[subprocess.Popen, str]:
     """``tpcore serve`` of a tiny Llama saved in ``directory``, over 2 ranks, in a process of its own."""
     llama().save_pretrained(directory)
     chat_tokenizer().save_pretrained(directory)
     port = free_port()
     command = [sys.executable, "-m", "tpcore", "serve", str(directory), "--num-gpus", "2", "--port", str(port)]
-    return subprocess.Popen(command, stderr=subprocess.PIPE, text=True), f"http://127.0.0.1:{port}"
+    return subprocess.Popen([*command, *options], stderr=subprocess.PIPE, text=True), f"http://127.0.0.1:{port}"
 
 
-@pytest.mark.slow  # a fresh interpreter and its ranks
-def test_tpcore_serve_stops_its_ranks_on_sigterm_and_a_dead_rank_gives_503(tmp_path):
-    process, url = start_tpcore_serve(tmp_path)
+def rank_pids(process: subprocess.Popen) -> list[int]:
+    return [pid for pid in children(process.pid) if "tpcore" in open(f"/proc/{pid}/cmdline").read()]
+
+
+@pytest.mark.slow  # a fresh interpreter and its ranks, twice
+@pytest.mark.parametrize("restart", [True, False], ids=["restarts", "no-restart"])
+def test_a_dead_rank_gives_503_then_the_ranks_start_again_and_sigterm_stops_them(tmp_path, restart):
+    """A rank killed: the request that meets it is answered 503. By default the server starts the ranks again from
+    the directory (503 meanwhile) and then answers as before; with ``--no-restart`` it answers 503 from then on,
+    ``/health`` included, for a supervisor. SIGTERM leaves no rank behind, old or new."""
+    process, url = start_tpcore_serve(tmp_path, *(() if restart else ("--no-restart",)))
     try:
         wait_healthy(url, process)
         body = {"model": tmp_path.name, "prompt": "w5 w7", "max_tokens": 3, "temperature": 0}
-        assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
-        ranks = [pid for pid in children(process.pid) if "tpcore" in open(f"/proc/{pid}/cmdline").read()]
+        first = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert first.status_code == 200
+        ranks = rank_pids(process)
         assert len(ranks) >= 2
         os.kill(ranks[-1], signal.SIGKILL)
         dead = httpx.post(url + "/v1/completions", json=body, timeout=120)
         assert dead.status_code == 503 and "rank" in dead.json()["error"]["message"]
-        assert httpx.get(url + "/health", timeout=10).status_code == 503
+        if restart:
+            wait_healthy(url, process)
+            again = httpx.post(url + "/v1/completions", json=body, timeout=60)
+            assert again.status_code == 200
+            assert again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
+            assert not set(rank_pids(process)) & set(ranks)
+        else:
+            assert httpx.get(url + "/health", timeout=10).status_code == 503
+            assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 503
+        started = set(ranks) | set(rank_pids(process))
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=60)
-        assert not [pid for pid in ranks if alive(pid)]
+        assert not [pid for pid in started if alive(pid)]
     finally:
         if process.poll() is None:
             process.kill()

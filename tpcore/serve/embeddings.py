@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,10 +49,24 @@ def pool(hidden: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
 class EmbeddingScheduler(Scheduler):
     """Batches embedding requests (payload: a list of texts) on an encoder ``model`` in one engine thread."""
 
-    def __init__(self, model: Any, tokenizer: Any, max_batch: int = 64, max_queue: int = 64, pooling: str = "mean"):
-        super().__init__(model, tokenizer, set(), max_batch=max_batch, max_queue=max_queue)
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        max_batch: int = 64,
+        max_queue: int = 64,
+        pooling: str = "mean",
+        reload: Callable[[], Any] | None = None,
+    ):
+        super().__init__(model, tokenizer, set(), max_batch=max_batch, max_queue=max_queue, reload=reload)
         self.model, self.pooling = model, pooling
         self.throughput = Throughput(logger, "inputs")
+
+    def serving_model(self) -> Any:
+        return self.model
+
+    def use_model(self, model: Any) -> None:
+        self.model = model
 
     def _run(self) -> None:
         with torch.inference_mode():
@@ -62,8 +77,8 @@ class EmbeddingScheduler(Scheduler):
                 try:
                     self._embed(requests)
                 except RANKS_LOST as error:
-                    self._die(f"a rank died or hangs: {error}", requests)
-                    return
+                    if not self._lost(f"a rank died or hangs: {error}", requests):
+                        return
                 except Exception as error:
                     logger.exception("an embedding step failed")
                     for request in requests:

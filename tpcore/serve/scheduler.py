@@ -4,8 +4,9 @@ One thread owns the model. Each turn of its loop admits the waiting requests (up
 in groups of similar prompt lengths, one forward a group (:func:`prefill_groups`), each first token chosen, then
 joined to the batch), runs one decode step for every row, hands each request its token and retires the rows that
 finished (end of sequence, a stop string, ``max_tokens``) or whose client left. Requests wait in a bounded queue
-(:class:`~tpcore.serve.requests.QueueFull` past ``max_queue``). A rank that dies turns every request in flight,
-and every later one, into :class:`~tpcore.serve.requests.Unavailable`.
+(:class:`~tpcore.serve.requests.QueueFull` past ``max_queue``). A rank that dies turns every request in flight into
+:class:`~tpcore.serve.requests.Unavailable`; with a ``reload`` (``tpcore serve`` of a directory) the engine starts
+the ranks again and serves on, answering 503 meanwhile, else it answers 503 from then on.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import collections
 import contextlib
 import logging
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,8 +66,18 @@ class _Row:
 class Scheduler:
     """Continuous batching of generation requests on ``model`` (local or split), in one engine thread."""
 
-    def __init__(self, model: Any, tokenizer: Any, eos_ids: set[int], max_batch: int = 16, max_queue: int = 64):
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        eos_ids: set[int],
+        max_batch: int = 16,
+        max_queue: int = 64,
+        reload: Callable[[], Any] | None = None,
+    ):
         self.batch = RunningBatch(model)
+        #: makes the model again (its ranks started anew) once they are lost; ``None``: 503 from then on
+        self.reload = reload
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.max_batch, self.max_queue = max_batch, max_queue
@@ -102,7 +114,22 @@ class Scheduler:
         if self.thread.is_alive():
             self.thread.join(timeout)
 
+    def serving_model(self) -> Any:
+        """The model the engine computes with now (another after a restart of the ranks)."""
+        return self.batch.model
+
+    def use_model(self, model: Any) -> None:
+        """Compute with ``model`` from now on (the ranks started again); nothing is in flight."""
+        self.batch = RunningBatch(model)
+
     def _run(self) -> None:
+        while self._serve_turns():
+            pass
+        self._fail_running(Unavailable("the server is shutting down"))
+
+    def _serve_turns(self) -> bool:
+        """Admit and step until stopping (``False``), or until the ranks are lost: then ``True`` once they are
+        started again, ``False`` where they are not."""
         # CPU ranks hold this host's cores: the engine's own work (sampling, stop strings) takes one thread
         handle = getattr(self.batch.model, "_tpcore_handle", None)
         one_thread = handle.one_thread() if handle is not None else contextlib.nullcontext()
@@ -110,19 +137,40 @@ class Scheduler:
             while True:
                 admitted = self._admissions()
                 if admitted is None:
-                    break
+                    return False
                 try:
                     for group in prefill_groups(admitted):
                         self._admit_group(group)
                     if len(self.batch):
                         self._step()
                 except RANKS_LOST as error:
-                    self._die(f"a rank died or hangs: {error}", admitted)
-                    return
+                    return self._lost(f"a rank died or hangs: {error}", admitted)
                 except Exception as error:  # a failed step fails the requests in it, not the server
                     logger.exception("a generation step failed")
                     self._fail_running(InternalError(f"generation failed: {error}"))
-        self._fail_running(Unavailable("the server is shutting down"))
+
+    def _lost(self, reason: str, admitted: Sequence[Request] = ()) -> bool:
+        """The ranks are lost: every request in flight (``admitted`` ones too) fails with 503; with :attr:`reload`
+        the ranks are started again (503 meanwhile) and the engine serves on (``True``)."""
+        self._die(reason, admitted)
+        if self.reload is None or self.stopping:
+            return False
+        started = time.monotonic()
+        handle = getattr(self.serving_model(), "_tpcore_handle", None)
+        if handle is not None:
+            handle.pool.close()  # whatever of the lost ranks is left
+        try:
+            model = self.reload()
+        except Exception as error:
+            logger.exception("starting the ranks again failed")
+            with self.wake:
+                self.dead = f"{reason}; starting the ranks again failed: {error}"
+            return False
+        self.use_model(model)
+        with self.wake:
+            self.dead = None
+        logger.warning("the ranks started again in %.1f s: serving again", time.monotonic() - started)
+        return True
 
     def _refuse_waiting(self) -> None:
         """Fail every request still waiting (the server is stopping); called holding ``wake``."""
@@ -226,9 +274,10 @@ class Scheduler:
 
     def _die(self, reason: str, admitted: Sequence[Request] = ()) -> None:
         """Fail every request in flight (``admitted`` ones too: a finished one ignores it) and every later one."""
-        logger.error("%s; answering 503 from now on (restart the server)", reason)
+        after = "starting the ranks again" if self.reload else "answering 503 from now on (restart the server)"
+        logger.error("%s; %s", reason, after)
         with self.wake:
-            self.dead = reason
+            self.dead = f"{reason}; {after}"
             waiting, self.waiting = list(self.waiting), collections.deque()
         self._fail_running(Unavailable(reason))
         for request in [*admitted, *waiting]:

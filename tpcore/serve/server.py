@@ -174,19 +174,29 @@ def serve(
     limits: Limits | None = None,
     dtype: Any = None,
     compile: bool = False,
+    restart: bool = True,
 ) -> None:
     """Load ``directory`` split over ``num_gpus`` ranks (0: whole, in this process) and serve it until Ctrl-C;
-    ``compile``: compile the ranks' decode step first (minutes; :func:`load_model`)."""
+    ``compile``: compile the ranks' decode step first (minutes; :func:`load_model`); ``restart``: a lost rank
+    (dead, or hung past the call timeout) starts the ranks again from ``directory`` (503 meanwhile), else the
+    server answers 503 from then on, ``/health`` included, for a supervisor to restart it."""
     _configure_logging()
     api_key = api_key or os.environ.get("TPCORE_API_KEY") or None
     model, tokenizer = load_model(directory, num_gpus, dtype, compile)
+
+    def reload() -> Any:
+        return load_model(directory, num_gpus, dtype, compile)[0]
+
+    service = None
     try:
-        service = Service(model, tokenizer, name or Path(directory).name, limits, directory=directory)
+        service = Service(model, tokenizer, name or Path(directory).name, limits, directory=directory,
+                          reload=reload if restart and num_gpus > 0 else None)  # fmt: skip
         Server(service, host, port, api_key).run()
     finally:
-        handle = getattr(model, "_tpcore_handle", None)
-        if handle is not None:
-            handle.pool.close()  # the ranks stop (not deparallelize(): it would gather a checkpoint's weights first)
+        for served in {id(each): each for each in (model, service and service.model)}.values():
+            handle = getattr(served, "_tpcore_handle", None)
+            if handle is not None:
+                handle.pool.close()  # the ranks stop (not deparallelize(): it would gather a checkpoint's weights)
         logger.info("stopped")
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,12 +39,19 @@ class Limits:
 
 
 class Service:
-    """``model`` (with ``tokenizer``) served under the name ``name``; ``directory`` is where it was loaded from."""
+    """``model`` (with ``tokenizer``) served under the name ``name``; ``directory`` is where it was loaded from;
+    ``reload`` makes the model again, its ranks started anew, once they are lost (else 503 from then on)."""
 
     def __init__(
-        self, model: Any, tokenizer: Any, name: str, limits: Limits | None = None, directory: str | None = None
+        self,
+        model: Any,
+        tokenizer: Any,
+        name: str,
+        limits: Limits | None = None,
+        directory: str | None = None,
+        reload: Callable[[], Any] | None = None,
     ):
-        self.model, self.tokenizer, self.name = model, tokenizer, name
+        self.tokenizer, self.name = tokenizer, name
         self.limits = limits or Limits()
         self.created = int(time.time())
         config = getattr(model, "config", None)
@@ -54,12 +61,17 @@ class Service:
         self.max_model_len = self.limits.max_model_len or getattr(config, "max_position_embeddings", None) or 2048
         if self.generates:
             self.scheduler: Scheduler = Scheduler(
-                model, tokenizer, _eos_ids(model, tokenizer), self.limits.max_batch, self.limits.max_queue
+                model, tokenizer, _eos_ids(model, tokenizer), self.limits.max_batch, self.limits.max_queue, reload
             )
         else:
             self.scheduler = EmbeddingScheduler(
-                model, tokenizer, max_queue=self.limits.max_queue, pooling=pooling_mode(directory)
+                model, tokenizer, max_queue=self.limits.max_queue, pooling=pooling_mode(directory), reload=reload
             )
+
+    @property
+    def model(self) -> Any:
+        """The model served now (the ranks started again after a loss are another model object)."""
+        return self.scheduler.serving_model()
 
     @property
     def healthy(self) -> bool:

@@ -177,7 +177,7 @@ def _serve(args: argparse.Namespace) -> int:
     )
     try:
         serve(args.model, args.num_gpus, args.host, args.port, api_key=args.api_key, name=args.name, limits=limits,
-              compile=args.compile)  # fmt: skip
+              compile=args.compile, restart=not args.no_restart)  # fmt: skip
     except NotServable as refusal:
         print(f"tpcore serve: {refusal}", file=sys.stderr)
         return 2
@@ -198,6 +198,12 @@ def _add_serve(commands: Any) -> None:
     serve.add_argument("--max-model-len", type=int, help="tokens of prompt and completion (default: the config's)")
     serve.add_argument(
         "--compile", action="store_true", help="compile the ranks' decode step at load (minutes; faster decode)"
+    )
+    serve.add_argument(
+        "--no-restart",
+        action="store_true",
+        help="a lost rank leaves the server answering 503 (/health too) for a supervisor to restart it, instead of "
+        "starting the ranks again",
     )
     serve.set_defaults(run=_serve)
 
