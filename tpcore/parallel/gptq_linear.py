@@ -199,8 +199,7 @@ class GPTQLinear(QuantizedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.int4 is not None:  # GPTQModel's CPU kernel: the bfloat16 product in the input's dtype, then the bias
-            out = self.int4.matmul(x.reshape(-1, x.shape[-1])).to(x.dtype)
-            return self.biased_as_stored(out).view(*x.shape[:-1], out.shape[-1])
+            return self.biased_as_stored(self.int4.linear(x))
         compute = self.compute_dtype(x.dtype)
         out = torch.matmul(x.reshape(-1, x.shape[-1]).to(compute), self.dequantized_columns(compute))
         return self.biased(out).to(x.dtype).view(*x.shape[:-1], out.shape[-1])
@@ -222,9 +221,7 @@ class RowParallelGPTQLinear(RowParallelQuantized, GPTQLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.int4 is not None:  # bfloat16 partials summed in float32, rounded once to the kernel's bfloat16
-            partial = self.int4.matmul(x.reshape(-1, x.shape[-1])).float()
-            out = all_reduce(partial, self.tp_group).to(torch.bfloat16).to(x.dtype)
-            return self.biased_as_stored(out).view(*x.shape[:-1], partial.shape[-1])
+            return self.biased_as_stored(self.int4.linear(x, self.tp_group))
         compute = self.compute_dtype(x.dtype)
         wide = torch.float32 if compute in (torch.float16, torch.bfloat16) else compute
         weight = self.dequantized_columns(compute).to(wide)

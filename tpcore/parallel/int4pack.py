@@ -20,8 +20,12 @@ copy and still gives its words back (``save_pretrained``, ``deparallelize``).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
+
+from tpcore.parallel.comm import all_reduce
 
 __all__ = ["INT4PACK_GROUP_SIZES", "Int4Packed", "int4pack_available", "kernel_group", "unpack_int4"]
 
@@ -120,6 +124,15 @@ class Int4Packed:
             x.contiguous(), self.packed, self.group_size, self.scales_and_zeros
         )
         return out[:, : self.out_features]
+
+    def linear(self, x: torch.Tensor, group: Any = None) -> torch.Tensor:
+        """``(..., out_r)`` in ``x``'s dtype: ``x (..., in_r)`` times the rank's ``W.T`` (:meth:`matmul`); with a
+        tensor-parallel ``group``, this rank's partial product summed over the group in float32 and rounded once to
+        bfloat16, as the unsplit product rounds its sum."""
+        out = self.matmul(x.reshape(-1, x.shape[-1]))
+        if group is not None:
+            out = all_reduce(out.float(), group).to(torch.bfloat16)
+        return out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
 
     def codes(self) -> torch.Tensor:
         """``(in_r, out_r)`` uint8: the codes it was made from, read back from the packed copy."""

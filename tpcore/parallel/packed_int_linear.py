@@ -27,7 +27,6 @@ from torch import nn
 
 from tpcore.cut.scale_blocks import block_index, first_whole_block
 from tpcore.cut.split import Split
-from tpcore.parallel.comm import all_reduce
 from tpcore.parallel.int4pack import Int4Packed, int4pack_available
 from tpcore.parallel.quantized_linear import QuantizedLinear, RowParallelQuantized
 
@@ -132,9 +131,8 @@ class PackedIntLinear(QuantizedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.int4 is None:
             return super().forward(x)
-        out = self.int4.matmul(x.reshape(-1, x.shape[-1])).to(x.dtype)
-        out = out if self.bias is None else out + self.bias
-        return out.view(*x.shape[:-1], out.shape[-1])
+        out = self.int4.linear(x)
+        return out if self.bias is None else out + self.bias
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """``W_r`` (module docstring) in ``dtype``."""
@@ -156,10 +154,8 @@ class RowParallelPackedIntLinear(RowParallelQuantized, PackedIntLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.int4 is None:
             return super().forward(x)
-        partial = self.int4.matmul(x.reshape(-1, x.shape[-1])).float()
-        out = all_reduce(partial, self.tp_group).to(x.dtype)
-        out = out if self.bias is None else out + self.bias
-        return out.view(*x.shape[:-1], partial.shape[-1])
+        out = self.int4.linear(x, self.tp_group)
+        return out if self.bias is None else out + self.bias
 
 
 PackedIntLinear.row_parallel_class = RowParallelPackedIntLinear
