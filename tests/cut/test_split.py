@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from tpcore import Layer, ShardingError
 from tpcore.compat.parallelformers import COLUMN, ROW, TensorSlicer, check_divisible, shard, shard_ranges, split_dims
 from tpcore.cut.split import Split
+from tpcore.plan.shard_plan import ShardPlan
 
 FAST = settings(max_examples=40, deadline=None)
 
@@ -332,6 +333,26 @@ def test_a_padded_split_refuses_fused_tensors_and_heads():
         shard(torch.zeros(6, 2), 0, 0, 2, n_fused=3, pad=True)
     with pytest.raises(ValueError, match="padded"):
         shard_ranges(6, 0, 2, heads=2, pad=True)
+
+
+@FAST
+@given(world=worlds, shape=st.lists(small, min_size=1, max_size=3), dim=st.integers(0, 2), seed=seeds)
+def test_a_summand_is_whole_on_rank_0_and_zeros_elsewhere_so_the_shards_sum_to_it(world, shape, dim, seed):
+    tensor, split = randn(*shape, seed=seed), Split(dim % len(shape), summand=True)
+    shards = [split.shard(tensor, rank, world) for rank in range(world)]
+    assert torch.equal(shards[0], tensor) and not any(piece.any() for piece in shards[1:])
+    assert torch.equal(sum(shards), tensor)  # what an all-reduce of a sum holding it adds: the tensor, once
+    size = tensor.shape[split.dim]
+    assert [split.shard_size(size, world, rank) for rank in range(world)] == [size] * world
+    assert split.even(size, world) and not split.replicated(size, world)
+    plan = ShardPlan("M", world, shapes={"b": tuple(shape)}, dtypes={"b": tensor.dtype}, splits={"b": split})
+    assert torch.equal(plan.assemble("b", shards), tensor)  # save_pretrained's gather: rank 0's values
+
+
+def test_a_summand_takes_no_other_layout_words():
+    for words in ({"n_fused": 2}, {"heads": 2}, {"pad": True}, {"parts": (2, 1)}):
+        with pytest.raises(ValueError, match="summand"):
+            Split(0, summand=True, **words).ranges(4, 0, 2)
 
 
 # -- Split: check, ranges, shard_size for every layout ------------------------------------------

@@ -30,7 +30,9 @@ from transformers import (
     OlmoeForCausalLM,
 )
 
+import tpcore
 from tpcore.compat.parallelformers import shard
+from tpcore.cut.split import Split
 from tpcore.errors import ShardingError
 from tpcore.load.skeleton import weightless_copy
 from tpcore.parallel.layers import (
@@ -44,6 +46,7 @@ from tpcore.parallel.layers import (
     row_parallel_class,
     vocab_parallel_class,
 )
+from tpcore.plan import plan_for
 from tpcore.testing import seeded_model
 
 VOCAB, HIDDEN = 50, 32
@@ -304,13 +307,30 @@ def test_bias_free_experts_get_a_row_parallel_subclass(model):
     assert row_parallel_class(bias_free).__mro__[2] is type(bias_free)
 
 
-def test_modules_holding_a_bias_are_refused_as_row_parallel():
+def test_a_bias_a_row_parallel_module_adds_inside_is_held_by_rank_0_or_refused():
+    """GPT-OSS's experts add ``down_proj_bias`` per expert before the all-reduce: named as the row Layer's bias it
+    is a summand (rank 0 whole, zeros elsewhere); a bias no Layer names would be added by every rank."""
     config = GptOssConfig(hidden_size=HIDDEN, intermediate_size=32, head_dim=8, num_local_experts=4, **ATTENTION)
-    experts = seeded_model(GptOssForCausalLM, config).model.layers[0].mlp.experts
-    with pytest.raises(ShardingError, match="GptOssExperts: it holds 'gate_up_proj_bias', which every rank would add"):
-        row_parallel_class(experts)
-    with pytest.raises(ShardingError, match="MyLinear: it holds 'bias'"):
-        row_parallel_class(type("MyLinear", (nn.Linear,), {})(4, 4))
+    model = seeded_model(GptOssForCausalLM, config)
+    experts = model.model.layers[0].mlp.experts
+    assert row_parallel_class(experts).__mro__[2] is type(experts)  # a bias no longer blocks the class
+    plan = plan_for(model, tpcore.AutoPolicy().get_policy(model), 2)
+    assert plan.splits["model.layers.0.mlp.experts.down_proj_bias"] == Split(0, summand=True)
+    assert plan.splits["model.layers.0.mlp.experts.gate_up_proj_bias"].dim == 1  # cut with the features
+
+    class UnnamedBias(tpcore.Policy):
+        layer_class = type(experts)
+
+        @staticmethod
+        def mlp_in():
+            return [tpcore.Layer(weight="gate_up_proj", bias="gate_up_proj_bias", dim=-1, bias_dim=-1, n_fused=2)]
+
+        @staticmethod
+        def mlp_out():
+            return [tpcore.Layer(weight="down_proj", dim=1)]
+
+    with pytest.raises(ShardingError, match="down_proj_bias.*adds it inside its row-parallel forward"):
+        plan_for(model, [UnnamedBias], 2, trial=False)
 
 
 def split_experts(experts, rank, world_size):

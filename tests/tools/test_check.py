@@ -65,8 +65,8 @@ def test_check_a_saved_model_directory_names_the_plugin(rank_pools, tmp_path, ca
 
 
 def test_check_an_uncovered_model_explains_and_fails(spawned, capsys):
-    """GPT-OSS: its tp plan splits no block; a model with a tp plan gets no structural policy in its place."""
-    assert main(["check", "GptOssForCausalLM", "--world-sizes", "2", "4"]) == 2  # the command line, no rank started
+    """DiffLlama: its tp plan splits no block; a model with a tp plan gets no structural policy in its place."""
+    assert main(["check", "DiffLlamaForCausalLM", "--world-sizes", "2", "4"]) == 2  # the command line, no rank started
     assert spawned == []
     assert "its tp plan splits no block" in capsys.readouterr().out
 
@@ -187,7 +187,7 @@ def test_plugins_command_shows_which_policy_applies_to_a_model(capsys, monkeypat
     assert "LlamaForCausalLM over 3 ranks, shares by rank:" in capsys.readouterr().out
     assert main(["plugins", "--model", "LlamaForCausalLM", "--world-size", "5"]) == 2  # 4 heads, 5 ranks
     assert "cannot split LlamaForCausalLM over 5 ranks" in capsys.readouterr().out
-    assert main(["plugins", "--model", "GptOssForCausalLM"]) == 2
+    assert main(["plugins", "--model", "DiffLlamaForCausalLM"]) == 2
 
 
 # --- tpcore check for every modality: small configs, inputs, rank exceptions -----------------------

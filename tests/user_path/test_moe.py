@@ -1,7 +1,9 @@
 """Mixture-of-experts decoders split with their experts tensor-parallel and their routers whole.
 
-Mixtral and Qwen3-MoE follow their tp plans; Qwen2-MoE (its shared expert split too) and
-DeepSeek-V3 (multi-head latent attention split by heads) use tp-gpt's policies. Six query heads
+Mixtral and Qwen3-MoE follow their tp plans; Qwen2-MoE (its shared expert split too), DeepSeek-V3
+(multi-head latent attention split by heads) and GPT-OSS (attention sinks cut with their heads; experts
+with biases, the down projection's held by rank 0 alone) use tp-gpt's policies. GPT-OSS starts its
+biases at zero, so its models draw them at random (``ModelSpec.bias_std``). Six query heads
 are not divided by 4 ranks, nor an expert intermediate size of 20 by 3 (nor into the 8 features per
 rank that make grouped-mm rows of a multiple of 16 bytes), so the matrix covers uneven deals of both: a rank
 whose share breaks those rows runs transformers' eager experts (the same sums).
@@ -59,7 +61,13 @@ CONFIGS = {
             **EXPERTS,
         ),
     ),
+    "gpt_oss": (
+        "GptOssForCausalLM",
+        dict(num_key_value_heads=3, head_dim=8, intermediate_size=20, num_local_experts=4, num_experts_per_tok=2),
+    ),
 }
+#: models whose experts keep their size in ``intermediate_size`` and cut ``down_proj (E, I, H)`` along dim 1
+STORED_IN_BY_OUT = {"gpt_oss"}
 #: model -> (tensors every rank holds whole, tensors split over the ranks), in the sparse layer 1
 WHOLE_AND_SPLIT = {
     "mixtral": (["mlp.gate.weight"], ["mlp.experts.gate_up_proj", "mlp.experts.down_proj", "self_attn.q_proj.weight"]),
@@ -72,6 +80,10 @@ WHOLE_AND_SPLIT = {
         ["mlp.gate.weight", "self_attn.q_a_proj.weight", "self_attn.kv_a_proj_with_mqa.weight"],
         ["self_attn.q_b_proj.weight", "self_attn.kv_b_proj.weight", "self_attn.o_proj.weight", "mlp.experts.down_proj"],
     ),
+    "gpt_oss": (
+        ["mlp.router.weight", "mlp.router.bias", "self_attn.o_proj.bias"],
+        ["mlp.experts.gate_up_proj", "mlp.experts.gate_up_proj_bias", "mlp.experts.down_proj", "self_attn.sinks"],
+    ),
 }
 
 
@@ -80,8 +92,9 @@ def config_of(name: str, **changes):
     return getattr(transformers, model_class).config_class(**{**SIZES, **sizes, **changes})
 
 
-def spec(name: str, seed: int = 1) -> ModelSpec:
-    return ModelSpec(getattr(transformers, CONFIGS[name][0]), config_of(name), seed)
+def spec(name: str, seed: int = 1, **changes) -> ModelSpec:
+    bias_std = 0.5 if name in STORED_IN_BY_OUT else 0.0  # GPT-OSS starts its biases at zero
+    return ModelSpec(getattr(transformers, CONFIGS[name][0]), config_of(name, **changes), seed, bias_std)
 
 
 def batch(seed: int = 2) -> dict:
@@ -99,9 +112,11 @@ def test_the_experts_are_cut_along_their_intermediate_size_and_the_router_stays_
     assert not [path for path in whole if f"model.layers.1.{path}" in plan.splits]
     assert [path for path in split if f"model.layers.1.{path}" in plan.splits] == split
     down = "model.layers.1.mlp.experts.down_proj"
-    features = [plan.shard_shape(down, rank)[2] for rank in range(3)]
+    in_by_out = name in STORED_IN_BY_OUT
+    features = [plan.shard_shape(down, rank)[1 if in_by_out else 2] for rank in range(3)]
     assert features == [7, 7, 6]  # dealt near-equally
-    assert plan.attributes["model.layers.1.mlp.experts.intermediate_dim"] == tpcore.PerRank(tuple(features))
+    size = "intermediate_size" if in_by_out else "intermediate_dim"
+    assert plan.attributes[f"model.layers.1.mlp.experts.{size}"] == tpcore.PerRank(tuple(features))
     # rows of 7 features are not the 16-byte multiples grouped-mm kernels need: the ranks run the eager experts
     assert plan.attributes["model.layers.1.mlp.experts.config"]._experts_implementation == "eager"
     assert model.config._experts_implementation == "grouped_mm"
@@ -131,6 +146,7 @@ EXPERT_FIELDS = {
     "qwen2_moe": ("num_experts", "moe_intermediate_size"),
     "qwen3_moe": ("num_experts", "moe_intermediate_size"),
     "deepseek_v3": ("n_routed_experts", "moe_intermediate_size"),
+    "gpt_oss": ("num_local_experts", "intermediate_size"),
 }
 
 
@@ -155,7 +171,7 @@ def moe_cases(draw):
         # 16-byte rows for the unsplit model's grouped-mm kernels (4 fp32 features); the shares need not be
         size_field: 4 * draw(st.integers(max(1, world_size // 2), 2 * world_size)),
     }
-    if name == "qwen3_moe":
+    if name in ("qwen3_moe", "gpt_oss"):
         changes["head_dim"] = 8
     return name, world_size, changes, draw(st.integers(0, 2**16))
 
@@ -165,8 +181,7 @@ def moe_cases(draw):
 @given(case=moe_cases())
 def test_random_moe_configs_match_unsplit(rank_pools, case):
     name, world_size, changes, seed = case
-    model_spec = ModelSpec(getattr(transformers, CONFIGS[name][0]), config_of(name, **changes), seed)
-    report = check_equivalence(model_spec, batch(seed), world_sizes=(world_size,), pools=rank_pools)
+    report = check_equivalence(spec(name, seed, **changes), batch(seed), world_sizes=(world_size,), pools=rank_pools)
     assert report[world_size]
 
 
@@ -189,8 +204,7 @@ def test_greedy_beam_and_seeded_sampling_give_the_unsplit_models_32_tokens(rank_
 
 
 def saved(tmp_path, name: str):
-    torch.manual_seed(0)
-    getattr(transformers, CONFIGS[name][0])(config_of(name)).save_pretrained(tmp_path)
+    spec(name, seed=0).build().save_pretrained(tmp_path)
     return tmp_path
 
 
@@ -239,9 +253,10 @@ def test_a_rank_reads_from_the_per_expert_checkpoint_only_the_bytes_it_holds(tmp
 
 
 @pytest.mark.slow  # its own 3-rank world: the point is parallelize() on a saved directory
-def test_parallelize_a_saved_checkpoint_generates_the_from_pretrained_models_tokens(tmp_path):
-    directory = saved(tmp_path, "deepseek_v3")
-    reference = transformers.DeepseekV3ForCausalLM.from_pretrained(directory).eval()
+@pytest.mark.parametrize("name", ["deepseek_v3", "gpt_oss"])
+def test_parallelize_a_saved_checkpoint_generates_the_from_pretrained_models_tokens(tmp_path, name):
+    directory = saved(tmp_path, name)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
     inputs = {**batch(), "max_new_tokens": 32, "min_new_tokens": 32, "do_sample": False}
     with torch.inference_mode():
         want = reference.generate(**inputs)

@@ -9,7 +9,8 @@ style            the tensor is cut along                     the module on a ran
 ``COLUMN``       ``out`` (weight dim 0, bias dim 0)          computes its slice of the output
                                                              features; nothing is exchanged
 ``ROW``          ``in`` (weight dim 1); the bias stays whole computes a partial sum, all-reduced,
-                                                             the bias added once after
+                 (rank 0 alone holds it where the module     the bias added once after (or inside,
+                 adds it inside its forward)                 by rank 0 alone)
 ``PER_HEAD``     its heads (dim 0 unless ``dim=``): a table  unchanged: it reads its heads' rows
                  or parameter with one slice per head        (relative position biases, per-head
                                                              norms and biases)

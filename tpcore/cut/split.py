@@ -43,6 +43,10 @@ A vocabulary (embedding rows, LM-head rows) rarely divides by the world size (GP
 tokens), so it is ``pad``-ded instead: every rank holds ``ceil(V / N)`` rows, rank ``r`` the rows
 ``[r * ceil(V / N), (r + 1) * ceil(V / N))`` of the table, and the last ranks fill the rows past
 ``V`` with zeros. Equal shapes keep the all-gather of logits a single fixed-size collective.
+
+A ``summand`` is a term that a module adds inside a sum the ranks then all-reduce (the bias of each
+fused expert's down projection, added before the routing weight scales it): rank 0 holds it whole and
+every other rank zeros of its shape, so the reduced sum counts it once.
 """
 
 from __future__ import annotations
@@ -76,6 +80,7 @@ class Split(NamedTuple):
         widths: with ``parts``, the width of one unit of each part, where the parts are measured in
             different units (Mamba2's ``[z | x | B | C | dt]``: head_dim, head_dim, state, state, 1); the
             parts' sizes ``parts[i] * widths[i]`` must add up to the dimension.
+        summand: rank 0 holds the whole tensor, the other ranks zeros (a term of an all-reduced sum).
     """
 
     dim: int
@@ -86,6 +91,7 @@ class Split(NamedTuple):
     interleaved: bool = False
     groups: int | None = None
     widths: tuple[int, ...] | None = None
+    summand: bool = False
 
     def ranges(self, size: int, rank: int, world_size: int) -> tuple[list[tuple[int, int]], int]:
         """Which part of a dimension of ``size`` rank ``rank`` holds: the ``[start, stop)`` ranges to
@@ -98,6 +104,9 @@ class Split(NamedTuple):
             start = min(rank * piece, size)
             stop = min(start + piece, size)
             return [(start, stop)], piece - (stop - start)
+        if self.summand:
+            self._validate(world_size)
+            return ([(0, size)], 0) if rank == 0 else ([(0, 0)], size)
         if self.parts is not None and self.interleaved:
             return self._group_ranges(size, rank, world_size), 0
         ranges = []
@@ -110,14 +119,14 @@ class Split(NamedTuple):
     def check(self, size: int, world_size: int) -> None:
         """Raise :class:`ShardingError` (naming ``size``) unless a dimension of ``size`` cuts into whole
         units on every rank over ``world_size`` ranks; :class:`ValueError` if the split itself is malformed."""
-        if self.pad:
+        if self.pad or self.summand:
             self._validate(world_size)
         else:
             self._segments(size, world_size)
 
     def even(self, size: int, world_size: int) -> bool:
         """Whether every rank holds the same share (equal pieces, or each unit replicated equally often)."""
-        if self.pad:
+        if self.pad or self.summand:
             return True
         for _, _, units, groups in self._segments(size, world_size):
             dealt = _runs(units, world_size, groups)
@@ -127,7 +136,7 @@ class Split(NamedTuple):
 
     def replicated(self, size: int, world_size: int) -> bool:
         """Whether some rank holds units that another rank holds too (heads fewer than the ranks)."""
-        if self.pad:
+        if self.pad or self.summand:
             return False
         return any(
             len(set(_runs(units, world_size, groups))) < world_size
@@ -179,6 +188,9 @@ class Split(NamedTuple):
             raise ValueError("groups group heads: a split with groups needs heads or parts")
         if self.pad and (self.n_fused != 1 or self.heads is not None or self.parts or self.interleaved):
             raise ValueError("a padded split packs one tensor and no heads")
+        layout = (self.n_fused != 1, self.heads, self.parts, self.interleaved, self.groups, self.widths, self.pad)
+        if self.summand and any(layout):
+            raise ValueError("a summand is held whole by rank 0: it takes no other layout words")
 
     def _validate_widths(self) -> None:
         if self.widths is None:

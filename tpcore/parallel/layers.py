@@ -21,9 +21,9 @@ Vocab-parallel modules hold ``V_r = ceil(V / N)`` rows of a ``(V, H)`` table, ra
 The layers:
 
 - :class:`RowParallelLinear`, :class:`RowParallelConv1D`: input-feature shards, output all-reduced,
-  bias added once. :func:`row_parallel_class` also gives any other module type that holds no bias
-  (fused MoE experts: every rank holds ``1 / N`` of every expert's intermediate size) a subclass
-  whose output is all-reduced.
+  bias added once. :func:`row_parallel_class` also gives any other module type (fused MoE experts:
+  every rank holds ``1 / N`` of every expert's intermediate size) a subclass whose output is
+  all-reduced; a bias it adds inside its forward is held by rank 0 alone.
 - :class:`VocabParallelEmbedding`, :class:`VocabParallelLMHead`: rows of the vocabulary.
   :func:`vocab_parallel_class` also splits ``nn.Embedding`` subclasses whose forward is the lookup
   times a scale (Gemma's, the BART family's scaled word embeddings), keeping their own forward.
@@ -57,6 +57,7 @@ __all__ = [
     "make_vocab_parallel",
     "reduce_partial_sums",
     "row_parallel_class",
+    "sums_inside",
     "set_layer_size",
     "vocab_parallel_class",
 ]
@@ -293,14 +294,15 @@ def row_parallel_class(module: nn.Module) -> type[nn.Module]:
     """The row-parallel class for ``module``: :class:`RowParallelLinear` for an exact ``nn.Linear``,
     :class:`RowParallelConv1D` for an exact ``Conv1D``, the class a module's class names as its
     ``row_parallel_class`` (the block FP8 linear of :mod:`tpcore.parallel.quantized_linear`), and for any other
-    module type that holds no bias, a subclass of its own class whose forward all-reduces what the original
-    forward returns.
+    module type a subclass of its own class whose forward all-reduces what the original forward returns
+    (:func:`sums_inside` tells it apart).
 
     The latter suits a module whose output is the sum of what its shards compute, such as fused MoE
     experts (``gate_up_proj (E, 2I, H)`` split along dim 1 in its two halves, ``down_proj (E, H, I)``
     along dim 2): each rank runs every routed token through its ``I / N`` columns of every expert, and
-    ``sum_r down_r(act(gate_r) * up_r) = down(act(gate) * up)``. A bias (any parameter named ``*bias*``)
-    would be added once per rank, so a module holding one is refused.
+    ``sum_r down_r(act(gate_r) * up_r) = down(act(gate) * up)``. A bias such a module adds inside its
+    forward is added before the all-reduce, so the plan gives it to rank 0 alone (a ``summand`` cut) or
+    refuses the module.
     """
     if type(module) is nn.Linear:
         return RowParallelLinear
@@ -309,13 +311,13 @@ def row_parallel_class(module: nn.Module) -> type[nn.Module]:
     own = getattr(type(module), "row_parallel_class", None)
     if isinstance(own, type):
         return own
-    biases = [name for name, _ in module.named_parameters() if "bias" in name.rpartition(".")[2]]
-    if biases:
-        raise ShardingError(
-            f"no row-parallel layer for a {type(module).__qualname__}: it holds {biases[0]!r}, which every rank "
-            "would add to the all-reduced output; give the policy's Layer a replace= class"
-        )
     return _row_parallel_subclass(type(module))
+
+
+def sums_inside(row_parallel: type[nn.Module]) -> bool:
+    """Whether ``row_parallel`` (a :func:`row_parallel_class`) all-reduces its module's own output, so that a
+    bias the module adds inside its forward is summed over the ranks (rather than added once after the sum)."""
+    return issubclass(row_parallel, _ReducedOutput)
 
 
 class _ReducedOutput(nn.Module):

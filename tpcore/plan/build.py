@@ -2,7 +2,8 @@
 
 :func:`plan_for` finds each policy's layer instances (each with the config of its own sub-model),
 resolves every tensor its :class:`~tpcore.Layer` s name, checks every cut (sizes that cut into whole
-units, row cuts that would count a replicated head twice, one tensor cut two ways), evaluates the
+units, row cuts that would count a replicated head twice, one tensor cut two ways, a bias that a
+row-parallel module would add on every rank), evaluates the
 per-rank attributes, adds the vocabulary cuts, checks that every attention keeps whole heads, and
 records why each tensor it does not cut stays whole. An error names the model, the world size, the
 layer and the tensor; an exception a policy's own code raises keeps its type and gains a note.
@@ -25,6 +26,7 @@ from tpcore.configs import module_configs
 from tpcore.cut.split import Split
 from tpcore.errors import ShardingError
 from tpcore.load.skeleton import named_tensors
+from tpcore.parallel.layers import sums_inside
 from tpcore.parallel.quantized_linear import QuantizedLayer
 from tpcore.plan.apply import class_for
 from tpcore.plan.paths import MISSING, get_path, join
@@ -63,6 +65,7 @@ def plan_for(
     targets = builder.targets()
     for target in targets:
         builder.add_layer(target, rewrites)
+    builder.check_row_biases()
     vocabulary = vocabulary_choices(model)
     if vocab_parallel:
         builder.add_vocabulary(vocabulary)
@@ -203,6 +206,8 @@ class _Builder:
             weight_split, bias_split = spec.splits(target.config)
         owner_path = join(target.name, spec.module_path)
         owner = get_path(target.layer, spec.module_path)
+        if spec.style is ROW and spec.replace is None and resolved[1] is not None and self.sums_inside(owner):
+            bias_split = Split(0, summand=True)  # added before the all-reduce: rank 0 alone holds it
         packing = owner.packing if isinstance(owner, QuantizedLayer) else None
         if isinstance(owner, QuantizedLayer) and owner.transposed and weight_split is not None:
             weight_split = weight_split.resolved(2)._replace(dim=1 - weight_split.resolved(2).dim)
@@ -216,15 +221,42 @@ class _Builder:
                 self.add_cut(join(owner_path, name), getattr(owner, name), split, spec)
         if owner_path not in self.plan.resized:
             self.plan.resized.append(owner_path)
+        self.add_module_class(owner, owner_path, spec)
+
+    def add_module_class(self, owner: Any, owner_path: str, spec: Layer) -> None:
+        """Record the class a :class:`~tpcore.Layer`'s module becomes (its ``replace=``, or its style's), checked."""
         rule: Replacement | None = spec.replace if spec.replace is not None else None
         if rule is None and spec.style in (ROW, NORM):
             rule = spec.style
         if rule is not None:
             try:  # validated here, chosen again where the plan is applied
-                class_for(get_path(target.layer, spec.module_path), rule)
+                class_for(owner, rule)
             except ShardingError as error:
                 raise self.plan.error(owner_path, str(error)) from None
             self.plan.replacements[owner_path] = rule
+
+    def sums_inside(self, module: Any) -> bool:
+        """Whether ``module``'s row-parallel class all-reduces what its own forward returns, biases included."""
+        try:
+            return isinstance(module, nn.Module) and sums_inside(class_for(module, ROW))  # type: ignore[arg-type]
+        except ShardingError:
+            return False  # refused where the replacement is recorded
+
+    def check_row_biases(self) -> None:
+        """A module whose row-parallel forward all-reduces its own output adds each bias it holds on every rank:
+        each is cut with its features or held by rank 0 alone (the row ``Layer``'s ``bias=``), else refused."""
+        for path, rule in self.plan.replacements.items():
+            module = self.model.get_submodule(path)
+            if rule is not ROW or not self.sums_inside(module):
+                continue
+            for name, tensor in module.named_parameters():
+                if "bias" in name.rpartition(".")[2] and self.first_name.get(id(tensor)) not in self.plan.splits:
+                    raise self.plan.error(
+                        join(path, name),
+                        f"a {type(module).__qualname__} adds it inside its row-parallel forward, so every rank would "
+                        "add it to the all-reduced output: name it as the row Layer's bias= (rank 0 alone then "
+                        "holds it), or give the Layer a replace= class",
+                    )
 
     def in_packed_runs(self, split: Split, tensor: Any, packing: int) -> Split:
         """``split``, dealing a plain dimension in runs of :attr:`packed_run` values where the model holds packed

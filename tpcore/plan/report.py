@@ -116,6 +116,8 @@ def describe(split: Split | None) -> str:
         return "replicated"
     if split.pad:
         return "vocabulary rows"
+    if split.summand:
+        return "whole on rank 0, zeros on the others (a term of the reduced sum)"
     words = [f"dim {split.dim}"]
     if split.n_fused > 1:
         words.append(f"{split.n_fused} packed")

@@ -106,15 +106,24 @@ class EquivalenceError(AssertionError):
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A model every process can rebuild identically: class, config and init seed."""
+    """A model every process can rebuild identically: class, config and init seed. ``bias_std``: every
+    parameter named ``*bias*`` drawn from ``N(0, bias_std^2)`` after the model's own init, where a model
+    starts its biases at zero (a zero bias would hide a split that adds it on every rank)."""
 
     model_class: type[nn.Module]
     config: Any
     seed: int = 0
+    bias_std: float = 0.0
 
     def build(self) -> nn.Module:
         torch.manual_seed(self.seed)
-        return self.model_class(self.config).eval()
+        model = self.model_class(self.config).eval()
+        if self.bias_std:
+            with torch.no_grad():
+                for name, parameter in model.named_parameters():
+                    if "bias" in name.rpartition(".")[2]:
+                        parameter.normal_(0.0, self.bias_std)
+        return model
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,13 @@ same weights.
   together (``qk_nope + qk_rope`` and ``qk_nope + v`` of them), ``o_proj`` by the same heads. The
   attention views by ``-1`` heads, so only ``num_heads`` is rewritten. Its tp plan has no attention
   rules, so the derived policy keeps attention whole.
+- GPT-OSS: attention as Llama's with biases, and one learned sink logit per query head (``sinks``,
+  cut with its heads). Its experts are stored ``(in, out)`` with biases: ``gate_up_proj (E, H, 2I)``
+  interleaves each intermediate feature's gate and up columns, so it is cut along its last dim in
+  whole (gate, up) pairs, the bias ``(E, 2I)`` with it; ``down_proj (E, I, H)`` is cut along dim 1 and
+  its bias ``(E, H)``, added inside each expert before the routing weight scales it, is held by rank 0
+  alone (zeros on the others), so the all-reduced sum adds it once. Its tp plan splits only the
+  embedding.
 
 The policies apply to the module classes (attention, experts, MLP) rather than the decoder layer,
 because a model mixes dense and sparse layers (``first_k_dense_replace``, ``mlp_only_layers``) and
@@ -25,7 +32,17 @@ uses one MLP class for its dense layers and its shared experts.
 from __future__ import annotations
 
 from tp_gpt.policies import GROUPED_QUERIES
-from tpcore import Attention, BlockPolicy, Layer, Policy, experts_arguments, linear, local_heads, transformers_class
+from tpcore import (
+    PER_HEAD,
+    Attention,
+    BlockPolicy,
+    Layer,
+    Policy,
+    experts_arguments,
+    linear,
+    local_heads,
+    transformers_class,
+)
 
 
 class _FusedExperts(Policy):
@@ -106,6 +123,36 @@ class DeepseekV3MLPPolicy(_GatedMLP):
     layer_class = transformers_class("deepseek_v3", "DeepseekV3MLP")
 
 
+class GptOssAttentionPolicy(Qwen2MoeAttentionPolicy):
+    """GPT-OSS attention: as Qwen2-MoE's (biases on q/k/v and o), and the per-head sink logits with their heads."""
+
+    layer_class = transformers_class("gpt_oss", "GptOssAttention")
+
+    @staticmethod
+    def attn_qkv():
+        return [*Qwen2MoeAttentionPolicy.attn_qkv(), Layer(weight="sinks", style=PER_HEAD, **GROUPED_QUERIES)]
+
+
+class GptOssExpertsPolicy(Policy):
+    """GPT-OSS experts: every rank holds ``1 / N`` of each expert's intermediate features (module docstring)."""
+
+    layer_class = transformers_class("gpt_oss", "GptOssExperts")
+
+    @staticmethod
+    def replace_arguments(config, world_size):
+        arguments = experts_arguments(config, config.intermediate_size, world_size)
+        return {"intermediate_size": arguments.pop("intermediate_dim"), **arguments}
+
+    @staticmethod
+    def mlp_in():
+        pairs = {"n_fused": 2, "interleaved": True, "heads": "intermediate_size"}  # [g0 u0 | g1 u1 | ...]
+        return [Layer(weight="gate_up_proj", bias="gate_up_proj_bias", dim=-1, bias_dim=-1, **pairs)]
+
+    @staticmethod
+    def mlp_out():
+        return [Layer(weight="down_proj", bias="down_proj_bias", dim=1)]
+
+
 POLICIES = (
     Qwen2MoeAttentionPolicy,
     Qwen2MoeExpertsPolicy,
@@ -113,4 +160,6 @@ POLICIES = (
     DeepseekV3AttentionPolicy,
     DeepseekV3ExpertsPolicy,
     DeepseekV3MLPPolicy,
+    GptOssAttentionPolicy,
+    GptOssExpertsPolicy,
 )
