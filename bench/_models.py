@@ -1,6 +1,6 @@
 """The random-init models several scripts build from a seeded config (no download): a Llama of SmolLM2-135M's
-widths, as a spec every process rebuilds alike or as a checkpoint folder with a tokenizer of its vocabulary, and a
-BERT of bert-base's widths with its size options."""
+widths, as a spec every process rebuilds alike or as a checkpoint folder with a tokenizer of its vocabulary, a
+gpt-oss and a Qwen3-MoE of the same widths, and a BERT of bert-base's widths with its size options."""
 
 from __future__ import annotations
 
@@ -22,6 +22,37 @@ def smollm2_spec(layers: int):
 
     config = LlamaConfig(**{**SMOLLM2_135M, "num_hidden_layers": layers}, pad_token_id=0, eos_token_id=1)
     return ModelSpec(LlamaForCausalLM, config, seed=0)
+
+
+def gpt_oss_spec(layers: int):
+    """A ``ModelSpec`` of a gpt-oss of SmolLM2-135M's widths (576 hidden features, 9 query and 3 key/value heads of 64)
+    with ``layers`` layers of 8 experts of 576 features, 2 a token (gpt-oss-20b: 32 of 2880, 4 a token), its biases
+    drawn (seed 0)."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    from tpcore.testing import ModelSpec
+
+    widths = {key: SMOLLM2_135M[key] for key in ("hidden_size", "num_attention_heads", "num_key_value_heads")}
+    config = GptOssConfig(
+        **widths, head_dim=64, intermediate_size=576, num_local_experts=8, num_experts_per_tok=2,
+        num_hidden_layers=layers, vocab_size=SMOLLM2_135M["vocab_size"], pad_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+    return ModelSpec(GptOssForCausalLM, config, seed=0, bias_std=0.02)
+
+
+def qwen3_moe_spec(layers: int):
+    """A ``ModelSpec`` of a Qwen3-MoE of SmolLM2-135M's widths with ``layers`` layers of 8 experts of 576 features,
+    2 a token (Qwen3-30B-A3B: 128 of 768, 8 a token) (seed 0)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from tpcore.testing import ModelSpec
+
+    widths = {key: SMOLLM2_135M[key] for key in ("hidden_size", "num_attention_heads", "num_key_value_heads")}
+    config = Qwen3MoeConfig(
+        **widths, head_dim=64, moe_intermediate_size=576, num_experts=8, num_experts_per_tok=2,
+        num_hidden_layers=layers, vocab_size=SMOLLM2_135M["vocab_size"], pad_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+    return ModelSpec(Qwen3MoeForCausalLM, config, seed=0)
 
 
 def smollm2_checkpoint(directory: Path, layers: int) -> None:

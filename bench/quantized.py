@@ -19,7 +19,11 @@ A random-init Llama of SmolLM2-135M's widths (``--layers``, 30 by default) saved
 - ``nf4``: bitsandbytes 4-bit NF4 with nested block scales (``bnb_4bit_use_double_quant``), the same way;
 - ``gptq``: GPTQ v1 4-bit, symmetric, groups of ``--group`` (``save_gptq``: packed by GPTQModel's own packer),
   loaded by transformers through optimum and GPTQModel, both ways in bfloat16; ``awq``: AWQ 4-bit (AutoAWQ's GEMM
-  layout, ``save_awq``), the same way.
+  layout, ``save_awq``), the same way;
+- ``mxfp4``: gpt-oss's MXFP4 experts (``save_mxfp4``), on a gpt-oss of the same widths (8 experts of 576 features,
+  2 a token; attention, router and embeddings plain), which transformers dequantizes at load on a CPU;
+- ``fp8-moe``: block FP8 (``save_block_fp8``, blocks of ``--block``) on a Qwen3-MoE of the same widths (8 experts of
+  576 features, 2 a token), every expert stored per expert as DeepSeek-V3's and Qwen3-MoE FP8's releases are.
 
 Two ways, one after the other in this process, each loading the directory ``--rounds`` times (median):
 
@@ -52,6 +56,8 @@ first one-token forward (where transformers decompresses pack-quantized layers),
     python bench/quantized.py --format nf4      # -> bench/results/quantized_nf4.md
     python bench/quantized.py --format gptq     # -> bench/results/quantized_gptq.md
     python bench/quantized.py --format awq      # -> bench/results/quantized_awq.md
+    python bench/quantized.py --format mxfp4    # -> bench/results/quantized_mxfp4.md
+    python bench/quantized.py --format fp8-moe  # -> bench/results/quantized_fp8-moe.md
     python bench/quantized.py --quick           # a smoke run
 """
 
@@ -64,7 +70,7 @@ from pathlib import Path
 
 import torch
 from _common import arguments, parse, printed, write_result
-from _models import smollm2_spec
+from _models import gpt_oss_spec, qwen3_moe_spec, smollm2_spec
 
 import tpcore
 from tpcore.testing.quantized_checkpoints import (
@@ -77,6 +83,7 @@ from tpcore.testing.quantized_checkpoints import (
     save_gptq,
     save_int8_weight_only,
     save_llm_int8,
+    save_mxfp4,
     save_pack_quantized,
     save_w8a8,
 )
@@ -133,6 +140,17 @@ FORMATS = {
         "AWQ 4-bit",
         "GPTQModel's AWQ torch kernel",
     ),
+    "mxfp4": (lambda model, directory, args: save_mxfp4(model, directory), "MXFP4 experts", "dequantized at load"),
+    "fp8-moe": (
+        lambda model, directory, args: save_block_fp8(model, directory, (args.block, args.block)),
+        "block FP8",
+        "dequantized at load",
+    ),
+}
+#: the model each format is saved from where it is not the Llama (``smollm2_spec``), and its name in the tables
+MODELS = {
+    "mxfp4": (gpt_oss_spec, "gpt-oss (8 experts of 576 features, 2 a token)"),
+    "fp8-moe": (qwen3_moe_spec, "Qwen3-MoE (8 experts of 576 features, 2 a token)"),
 }
 
 
@@ -212,7 +230,8 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         save, name, held_as = FORMATS[args.format]
-        directory = save(smollm2_spec(args.layers).build(), Path(scratch) / args.format, args)
+        spec, model_name = MODELS.get(args.format, (smollm2_spec, "Llama"))
+        directory = save(spec(args.layers).build(), Path(scratch) / args.format, args)
         stored = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
         options = reference_options(args.format) | ({"dtype": torch.bfloat16} if args.bfloat16 else {})
         loads = [timed(lambda: ready(dequantizing(transformers.AutoModelForCausalLM.from_pretrained(
@@ -234,7 +253,7 @@ def main(argv: list[str] | None = None) -> None:
             if args.format in SPLIT_AS_DEFAULT:
                 expected = fused_tokens
         plain = Path(scratch) / "fp32"
-        smollm2_spec(args.layers).build().save_pretrained(plain)  # the same model unquantized: the split's own costs
+        spec(args.layers).build().save_pretrained(plain)  # the same model unquantized: the split's own costs
         ways = [(f"tpcore N={n} ({name} on the ranks)", directory, n) for n in map(int, args.world_sizes.split(","))]
         ways.append(("tpcore N=2, the model saved unquantized (fp32)", plain, 2))
         for way, source, world_size in ways:
@@ -269,13 +288,15 @@ def main(argv: list[str] | None = None) -> None:
         "same tokens",
     ]
     sections = [
-        f"Llama of SmolLM2-135M's widths, {args.layers} layers, random init, saved in {name} ("
+        f"{model_name} of SmolLM2-135M's widths, {args.layers} layers, random init, saved in {name} ("
         + {
             "fp8": f"blocks of {args.block} x {args.block}",
+            "fp8-moe": f"blocks of {args.block} x {args.block}, the experts too",
             "w4a16": f"int4 in groups of {args.group}",
             "nf4": "blocks of 64, nested scales",
             "gptq": f"symmetric int4 in groups of {args.group}, bfloat16",
             "awq": f"int4 with zero points in groups of {args.group}, bfloat16",
+            "mxfp4": "the experts' weights; attention, router and embeddings in fp32",
         }.get(args.format, "a scale a row")
         + f", the LM head in fp32): {stored / 2**20:.0f} MiB of safetensors. Loads: median of "
         f"3 (transformers) and {args.rounds} (tpcore); decode: greedy, {args.new_tokens} new tokens after a 32-token "

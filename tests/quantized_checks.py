@@ -78,11 +78,13 @@ def split(source: Any, world_size: int, **options) -> Iterator[Any]:
         model.deparallelize()
 
 
-def check_engine_reads(directory: Path, rank_pools: Any, rtol: float = DEFAULT_RTOL, **load) -> None:
-    """The SPMD engine (``ParallelEngine.parallelize(dir)`` on each of 2 ranks) gives transformers' logits
-    (``from_pretrained(directory, **load)``) within ``rtol``."""
+def check_engine_reads(
+    directory: Path, rank_pools: Any, rtol: float = DEFAULT_RTOL, world_size: int = 2, **load
+) -> None:
+    """The SPMD engine (``ParallelEngine.parallelize(dir)`` on each of ``world_size`` ranks) gives transformers'
+    logits (``from_pretrained(directory, **load)``) within ``rtol``."""
     expected, _ = transformers_outputs(directory, **load)
-    logits, _, _ = rank_pools.get(2).run(rank_helpers.engine_from_checkpoint, str(directory), IDS)[0]
+    logits, _, _ = rank_pools.get(world_size).run(rank_helpers.engine_from_checkpoint, str(directory), IDS)[0]
     compare_outputs(expected.logits, logits, rtol)
 
 

@@ -416,7 +416,10 @@ def test_a_single_non_policy_custom_policies_value_gets_a_clear_error(bert, bad)
         TensorReplacer(model, None, False, num_gpus=2, custom_policies=bad, rank=0).replace_modules()
 
 
-def test_row_group_on_a_module_without_a_row_parallel_class_fails_before_any_change():
+def test_row_group_on_a_module_adding_a_bias_no_layer_names_fails_before_any_change():
+    """A ``Linear`` subclass gets a row-parallel subclass of its own class, which all-reduces its output: a bias it
+    adds inside its forward is then named as the Layer's bias (rank 0 alone holds it), else refused."""
+
     class MyLinear(nn.Linear):
         pass
 
@@ -440,7 +443,7 @@ def test_row_group_on_a_module_without_a_row_parallel_class_fails_before_any_cha
 
         @staticmethod
         def mlp_out():
-            return [Layer(weight="down.weight", bias="down.bias")]
+            return [Layer(weight="down.weight")]
 
     class ReplacingBlockPolicy(BlockPolicy):
         @staticmethod
@@ -451,7 +454,7 @@ def test_row_group_on_a_module_without_a_row_parallel_class_fails_before_any_cha
     model = Toy()
     state = {key: value.clone() for key, value in model.state_dict().items()}
     with pytest.raises(
-        ShardingError, match=r"Toy over 2 ranks: blocks\.0\.down: no row-parallel layer for a .*MyLinear"
+        ShardingError, match=r"Toy over 2 ranks: blocks\.0\.down\.bias: a .*MyLinear adds it inside its row-parallel"
     ):
         TensorReplacer(model, None, False, num_gpus=2, custom_policies=[BlockPolicy], rank=0).replace_modules()
     assert all(torch.equal(model.state_dict()[key], value) for key, value in state.items())
@@ -464,6 +467,16 @@ def test_row_group_on_a_module_without_a_row_parallel_class_fails_before_any_cha
         assert block.up.weight.shape == (4, 4) and block.up.out_features == 4
     assert torch.equal(model.blocks[1].down.weight, state["blocks.1.down.weight"][:, 4:])
     assert torch.equal(model.blocks[1].up.bias, state["blocks.1.up.bias"][4:])
+
+    class NamingBlockPolicy(BlockPolicy):
+        @staticmethod
+        def mlp_out():
+            return [Layer(weight="down.weight", bias="down.bias")]
+
+    named = Toy()
+    TensorReplacer(named, None, False, num_gpus=2, custom_policies=[NamingBlockPolicy], rank=1).replace_modules()
+    down = named.blocks[0].down
+    assert type(down).__name__ == "RowParallelMyLinear" and down.bias.shape == (4,) and not down.bias.any()
 
 
 @pytest.mark.parametrize(

@@ -23,7 +23,15 @@ from torch import nn
 
 from tpcore.authoring.layer import COLUMN, ROW, Layer, Style
 
-__all__ = ["IfHeld", "Policy"]
+__all__ = ["IfHeld", "Policy", "layer_class_name"]
+
+
+def layer_class_name(module: nn.Module) -> str:
+    """The dotted name of ``module``'s class, as a policy's ``layer_class`` names it: the plain class where a
+    quantized class made from it names it as its ``plain_class``."""
+    kind = type(module)
+    kind = getattr(kind, "plain_class", kind)
+    return f"{kind.__module__}.{kind.__qualname__}"
 
 
 class IfHeld(NamedTuple):
@@ -129,6 +137,6 @@ class Policy:
 
     @classmethod
     def matches(cls, module: nn.Module) -> bool:
-        """Whether ``module`` is an instance of exactly this policy's layer class."""
-        kind = type(module)
-        return f"{kind.__module__}.{kind.__qualname__}" == cls.layer_class_name()
+        """Whether ``module`` is an instance of exactly this policy's layer class (or of a quantized class made from
+        it, which names it as its ``plain_class``: MXFP4 experts)."""
+        return layer_class_name(module) == cls.layer_class_name()

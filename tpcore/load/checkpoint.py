@@ -341,13 +341,17 @@ class Checkpoint:
     def stored_keys(self, model: nn.Module) -> dict[str, str]:
         """The stored key of every model tensor (by each of its names) that one stored tensor makes, as
         ``from_pretrained`` renames keys (:func:`~tpcore.load.conversion.model_sources`)."""
-        _, by_name = _aliases(model)
-        found = model_sources(model, self.files, by_name)
         return {
             name: sources.keys[0][0]
-            for name, sources in found.items()
+            for name, sources in self.stored_sources(model).items()
             if sources.converted is None and len(sources.all_keys) == 1
         }
+
+    def stored_sources(self, model: nn.Module) -> dict[str, Sources]:
+        """The stored keys that make each model tensor (by each of its names), and how: one key, or the merged
+        per-expert keys of a fused experts tensor (:func:`~tpcore.load.conversion.model_sources`)."""
+        _, by_name = _aliases(model)
+        return model_sources(model, self.files, by_name)
 
     def _check_shapes(self, model: nn.Module, reads: list[Read]) -> None:
         """Raise ``ValueError`` where the stored tensors make a model tensor of another shape than the model's

@@ -19,6 +19,7 @@ operation is run by transformers' own converter on the whole sources (see :class
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -85,6 +86,7 @@ def model_sources(model: nn.Module, stored: Iterable[str], aliases: Mapping[str,
     mapping = get_model_conversion_mapping(model)
     renamings = [entry for entry in mapping if not isinstance(entry, weight_converter)]
     converters = [entry for entry in mapping if isinstance(entry, weight_converter)]
+    converters += _companion_converters(converters, aliases)
     by_pattern = {pattern: converter for converter in converters for pattern in converter.source_patterns}
     prefix = getattr(model, "base_model_prefix", "") or ""
     plain: dict[str, str] = {}
@@ -117,6 +119,28 @@ def model_sources(model: nn.Module, stored: Iterable[str], aliases: Mapping[str,
             converted = Converted(copy.deepcopy(converter), tuple(patterns), first, target, model.config, shapes)
             sources.setdefault(target, Sources(keys, converted=converted))
     return sources
+
+
+#: the tensors a quantized weight is stored with that a model holding them merges as it merges the weight: block FP8's
+#: scales (``experts.*.gate_proj.weight_scale_inv`` into ``experts.gate_up_proj_scale_inv``)
+_COMPANIONS = ("_scale_inv",)
+
+
+def _companion_converters(converters: Sequence[Any], aliases: Mapping[str, Any]) -> list[Any]:
+    """A copy of each converter of weights for each companion (:data:`_COMPANIONS`) the model holds beside its target,
+    with the companion's suffix on its source and target patterns: the scales are merged as the weights are."""
+    names = "\n".join(aliases)
+    copies = []
+    for converter in converters:
+        sources = getattr(converter, "_original_source_patterns", converter.source_patterns)
+        targets = getattr(converter, "_original_target_patterns", converter.target_patterns)
+        if not hasattr(converter, "copy") or not all(source.endswith(".weight") for source in sources):
+            continue
+        for suffix in _COMPANIONS:
+            if re.search(f"{targets[0]}{suffix}$", names, re.MULTILINE):
+                patterns = ([source + suffix for source in sources], [target + suffix for target in targets])
+                copies.append(converter.copy(*patterns, operations=list(converter.operations)))
+    return copies
 
 
 def _lazy_layout(converter) -> tuple[int | None, int | None] | None:

@@ -1,10 +1,10 @@
 """Quantized checkpoints: the format a checkpoint's ``quantization_config`` declares, split as stored where a
 :class:`~tpcore.QuantizedFormat` knows it, refused by name before any rank starts where none does.
 
-The built-in formats (:data:`BUILT_IN_FORMATS`: block FP8, compressed-tensors, torchao, bitsandbytes, GPTQ, AWQ, each in
-a module of its own) make the meta skeleton's linears quantized layers holding what the files store before it is
-planned, so the plan counts a rank's bytes as stored and each rank reads only its part of the values. Plugins add
-formats (``tpcore_register_quantized_formats``; the callers above pass them in).
+The built-in formats (:data:`BUILT_IN_FORMATS`: block FP8, compressed-tensors, torchao, bitsandbytes, GPTQ, AWQ,
+MXFP4, each in a module of its own) make the meta skeleton's linears (MXFP4: fused experts) quantized layers holding
+what the files store before it is planned, so the plan counts a rank's bytes as stored and each rank reads only its
+part of the values. Plugins add formats (``tpcore_register_quantized_formats``; the callers above pass them in).
 
 A model object that transformers quantized (``model.hf_quantizer``) is split where its weights are plain again
 (FP8 dequantized at load on a device without FP8 kernels) or where its format adopts its layers (compressed-tensors',
@@ -27,6 +27,7 @@ from tpcore.load.block_fp8_format import BlockFP8
 from tpcore.load.checkpoint import Checkpoint
 from tpcore.load.compressed_tensors_format import CompressedTensors
 from tpcore.load.gptq_format import AWQ, GPTQ
+from tpcore.load.mxfp4_format import MXFP4
 from tpcore.load.skeleton import empty_model
 from tpcore.load.torchao_format import TorchAO
 from tpcore.parallel.quantized_linear import QuantizedLayer
@@ -51,6 +52,7 @@ BUILT_IN_FORMATS: tuple[QuantizedFormat, ...] = (
     BitsAndBytes(),
     GPTQ(),
     AWQ(),
+    MXFP4(),
 )
 
 

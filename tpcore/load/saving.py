@@ -11,7 +11,18 @@ from pathlib import Path
 import torch
 from torch import nn
 
-__all__ = ["save_gathered"]
+__all__ = ["save_gathered", "stored_keys"]
+
+
+def stored_keys(model: nn.Module) -> dict[str, str]:
+    """``{tensor name: stored key}`` of the tensors that ``model``'s quantized layers hold under other names than
+    their format's files use (their ``stored_as``: MXFP4 experts' codes in ``gate_up_proj``, stored as
+    ``gate_up_proj_blocks``), so that a saved directory names them as the format does."""
+    return {
+        f"{path}.{name}" if path else name: key
+        for path, module in model.named_modules()
+        for name, key in getattr(module, "stored_as", {}).items()
+    }
 
 
 def save_gathered(model: nn.Module, groups: Iterable[dict[str, torch.Tensor]], directory: str | os.PathLike) -> None:

@@ -99,7 +99,7 @@ class FourBitLinear(QuantizedLinear):
         linear.whole_shape = (out_features, in_features)
         return linear
 
-    def follower_cuts(self, split: Split) -> dict[str, Split]:
+    def follower_cuts(self, split: Split, weight: str = "weight") -> dict[str, Split]:
         """The block scales' rows follow the weight's rows; a cut of the columns leaves them whole."""
         return {"absmax": split} if split.dim == 0 else {}
 

@@ -116,7 +116,7 @@ class GPTQLinear(QuantizedLinear):
         linear.whole_shape = (out_features, in_features)
         return linear
 
-    def follower_cuts(self, split: Split) -> dict[str, Split]:
+    def follower_cuts(self, split: Split, weight: str = "weight") -> dict[str, Split]:
         """The scales' columns follow the output features, and the zero points' words where every unit the split
         deals is whole words of them; ``g_idx`` follows the input features (the plan deals packed layers' features
         in units of whole words, so the same units cut values and words alike). What does not follow stays whole."""
@@ -272,7 +272,7 @@ class AWQLinear(GPTQLinear):
         linear.whole_shape = (out_features, in_features)
         return linear
 
-    def follower_cuts(self, split: Split) -> dict[str, Split]:
+    def follower_cuts(self, split: Split, weight: str = "weight") -> dict[str, Split]:
         """The scales and the zero points' words follow the output features (the plan deals whole words); a cut of
         the input features leaves them whole."""
         return {"scales": split, "qzeros": split} if split.dim == 1 else {}

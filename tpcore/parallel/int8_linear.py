@@ -56,7 +56,7 @@ class Int8Linear(QuantizedLinear):
         linear._weight_zero_point = _frozen(torch.empty(out_features, 1, dtype=torch.int8, device="meta"))
         return linear
 
-    def follower_cuts(self, split: Split) -> dict[str, Split]:
+    def follower_cuts(self, split: Split, weight: str = "weight") -> dict[str, Split]:
         """The scales and zero points follow the weight's rows; a cut of the columns leaves them whole."""
         return {"_weight_scale": split, "_weight_zero_point": split} if split.dim == 0 else {}
 
@@ -106,7 +106,7 @@ class TokenInt8Linear(TokenRoundedInputs, QuantizedLinear):
         linear.weight_scale = _frozen(torch.empty(linear.out_features, 1, dtype=scale_dtype, device="meta"))
         return linear
 
-    def follower_cuts(self, split: Split) -> dict[str, Split]:
+    def follower_cuts(self, split: Split, weight: str = "weight") -> dict[str, Split]:
         """The scales follow the weight's rows; a cut of the columns leaves them whole."""
         return {"weight_scale": split} if split.dim == 0 else {}
 

@@ -57,7 +57,7 @@ class LLMInt8Linear(QuantizedLinear):
         linear.SCB = _frozen(torch.empty(linear.out_features, dtype=torch.float32, device="meta"))
         return linear
 
-    def follower_cuts(self, split: Split) -> dict[str, Split]:
+    def follower_cuts(self, split: Split, weight: str = "weight") -> dict[str, Split]:
         """``SCB`` follows the weight's rows; a cut of the columns leaves it whole."""
         return {"SCB": split} if split.dim == 0 else {}
 

@@ -60,9 +60,16 @@ class QuantizedLayer(nn.Module):
     #: format that holds it): the checkpoint reads it from there, a flat one as this tensor's shape
     stored_as: dict[str, str] = {}
 
-    def follower_cuts(self, split: Split) -> dict[str, Split]:
-        """The cuts of this module's other tensors that follow ``split``, its weight's cut (dims counted from 0):
-        ``{name: Split}``; a tensor not named stays whole on every rank."""
+    def stored_split(self, split: Split, weight: str = "weight") -> Split:
+        """A policy's cut of the tensor ``weight`` as the plain layer holds it (``(out, in)``), as a cut of the tensor
+        this layer stores in its place (``transposed``: dimension ``d`` is dimension ``1 - d``)."""
+        if not self.transposed:
+            return split
+        return split._replace(dim=1 - split.resolved(2).dim)
+
+    def follower_cuts(self, split: Split, weight: str = "weight") -> dict[str, Split]:
+        """The cuts of this module's other tensors that follow ``split``, the cut of its tensor ``weight`` (dims
+        counted from 0): ``{name: Split}``; a tensor not named stays whole on every rank."""
         return {}
 
     def localize(self, rank: int, world_size: int) -> None:

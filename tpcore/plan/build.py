@@ -208,16 +208,18 @@ class _Builder:
         owner = get_path(target.layer, spec.module_path)
         if spec.style is ROW and spec.replace is None and resolved[1] is not None and self.sums_inside(owner):
             bias_split = Split(0, summand=True)  # added before the all-reduce: rank 0 alone holds it
-        packing = owner.packing if isinstance(owner, QuantizedLayer) else None
-        if isinstance(owner, QuantizedLayer) and owner.transposed and weight_split is not None:
-            weight_split = weight_split.resolved(2)._replace(dim=1 - weight_split.resolved(2).dim)
+        quantized = isinstance(owner, QuantizedLayer)
+        weight_name = (spec.weight or "").rpartition(".")[2]
+        if quantized and weight_split is not None:  # a cut of the tensor it stores in the plain weight's place
+            weight_split = owner.stored_split(weight_split, weight_name)
         for path, tensor, split in ((spec.weight, resolved[0], weight_split), (spec.bias, resolved[1], bias_split)):
             if tensor is not None and split is not None:
-                values = packing[split.dim] if packing is not None and tensor is resolved[0] else 1
-                self.add_cut(join(target.name, path or ""), tensor, self.in_packed_runs(split, tensor, values), spec)
-        if isinstance(owner, QuantizedLayer) and weight_split is not None:  # its scales cut as its weight
-            weight_split = self.in_packed_runs(weight_split, resolved[0], owner.packing[weight_split.dim])
-            for name, split in owner.follower_cuts(weight_split.resolved(resolved[0].dim())).items():
+                values = owner.packing[split.dim] if quantized and tensor is resolved[0] else 1
+                split = self.in_packed_runs(split, tensor, values, quantized)
+                self.add_cut(join(target.name, path or ""), tensor, split, spec)
+        if quantized and weight_split is not None:  # its scales cut as its weight
+            weight_split = self.in_packed_runs(weight_split, resolved[0], owner.packing[weight_split.dim], quantized)
+            for name, split in owner.follower_cuts(weight_split.resolved(resolved[0].dim()), weight_name).items():
                 self.add_cut(join(owner_path, name), getattr(owner, name), split, spec)
         if owner_path not in self.plan.resized:
             self.plan.resized.append(owner_path)
@@ -258,15 +260,19 @@ class _Builder:
                         "holds it), or give the Layer a replace= class",
                     )
 
-    def in_packed_runs(self, split: Split, tensor: Any, packing: int) -> Split:
+    def in_packed_runs(self, split: Split, tensor: Any, packing: int, quantized: bool = False) -> Split:
         """``split``, dealing a plain dimension in runs of :attr:`packed_run` values where the model holds packed
         layers: a packed layer's words and the features it meets in another layer (an MLP's up and down
-        projections) are then cut at the same places. ``packing``: values one element of ``tensor`` holds."""
-        if self.packed_run == 1 or split.heads is not None or split.parts is not None or split.pad:
+        projections) are then cut at the same places. ``packing``: values one element of ``tensor`` holds.
+        ``quantized``: ``tensor`` is a quantized layer's, whose heads of one feature each (fused experts'
+        intermediate features, dealt in whole gate/up pairs) are dealt in those runs too."""
+        if self.packed_run == 1 or split.parts is not None or split.pad or split.summand:
             return split
         if not isinstance(tensor, torch.Tensor) or not -tensor.dim() <= split.dim < tensor.dim():
             return split  # refused by add_cut
         values = tensor.shape[split.dim] * packing // split.n_fused
+        if split.heads is not None and not (quantized and split.heads == values):
+            return split
         return split._replace(heads=values // self.packed_run) if values % self.packed_run == 0 else split
 
     def add_cut(self, full_path: str, tensor: Any, split: Split, spec: Layer) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 from torch import nn
 
 from tpcore.authoring import Policy
+from tpcore.authoring.policy import layer_class_name
 from tpcore.configs import owning_sub_model, sub_models
 from tpcore.errors import UnsupportedModelError
 from tpcore.select.plan_policy import PlanPolicy
@@ -55,7 +56,7 @@ class AutoPolicy:
 
     def entries_for(self, model: nn.Module) -> list[PolicyEntry]:
         """Registered policies matching a layer class of ``model``, in registration order."""
-        layer_classes = {f"{type(m).__module__}.{type(m).__qualname__}" for m in model.modules()}
+        layer_classes = {layer_class_name(module) for module in model.modules()}
         return [entry for entry in registered_policies() if entry.policy.layer_class_name() in layer_classes]
 
     def get_policy(self, model: nn.Module) -> list[type[Policy]]:

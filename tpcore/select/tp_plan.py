@@ -257,10 +257,11 @@ def _experts_styles(experts: nn.Module | None) -> dict[str, str]:
     """``{parameter: tp plan style}`` of a fused experts module, ``{}`` when its layout is not the two
     tensors that a cut along the intermediate features keeps: ``gate_up_proj (E, 2I, H)`` with gate and
     up concatenated, or ``up_proj (E, I, H)``, and ``down_proj (E, H, I)``; or both stored transposed
-    (``is_transposed``, else read from their shapes)."""
+    (``is_transposed``, else read from their shapes). A quantized experts layer's ``companions`` (its scales) do not
+    count: they follow its weights."""
     if experts is None:
         return {}
-    names = {name for name, _ in experts.named_parameters()}
+    names = {name for name, _ in experts.named_parameters()} - set(getattr(experts, "companions", ()))  # scales
     if names not in ({"gate_up_proj", "down_proj"}, {"up_proj", "down_proj"}):
         return {}
     down = experts.get_parameter("down_proj")

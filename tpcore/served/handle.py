@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from tpcore.errors import WorkerDiedError, WorkerError
-from tpcore.load.saving import save_gathered
+from tpcore.load.saving import save_gathered, stored_keys
 from tpcore.load.skeleton import install_tensors
 from tpcore.plan import ShardPlan, bytes_summary
 from tpcore.ranks.failures import reraise
@@ -286,7 +286,12 @@ class ParallelHandle:
         if self.has_weights:
             getattr(self.model_class, "save_pretrained")(self.model, directory, **options)  # noqa: B009  (a transformers model)
             return
-        save_gathered(self.model, self.gathered(self._saved_names()), directory)
+        keys = stored_keys(self.model)  # a quantized layer's tensors under the names its format's files use
+        groups = (
+            {keys.get(name, name): tensor for name, tensor in group.items()}
+            for group in self.gathered(self._saved_names())
+        )
+        save_gathered(self.model, groups, directory)
 
     def _saved_names(self) -> list[str]:
         """The tensors a checkpoint holds: the plan's (first names) that the state dict has (no buffer its

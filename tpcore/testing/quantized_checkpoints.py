@@ -18,11 +18,17 @@ saved, loaded again with ``TorchAoConfig(Int8WeightOnlyConfig())`` and saved in 
 (:func:`save_float8_weight_only`: ``Float8WeightOnlyConfig``). :func:`save_llm_int8`
 writes bitsandbytes' 8-bit layout the same way (``BitsAndBytesConfig(load_in_8bit=True)``), :func:`save_four_bit` its
 4-bit one.
+
+:func:`save_mxfp4` writes gpt-oss's MXFP4 experts (``{proj}_blocks`` and ``{proj}_scales``); transformers writes them
+only through GPU kernels, so they are made here as the OCP microscaling format rounds: each block of 32 values the
+scale ``2 ** (floor(log2(amax)) - 2)`` (2: e2m1's largest exponent) and each value the nearest e2m1 of
+``w / scale``.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -33,6 +39,7 @@ from tpcore.parallel.token_rounding import E4M3_MAX
 __all__ = [
     "E4M3_MAX",
     "block_fp8",
+    "mxfp4",
     "dequantizing",
     "save_block_fp8",
     "save_float8_weight_only",
@@ -42,6 +49,7 @@ __all__ = [
     "save_fp8_dynamic",
     "save_int8_weight_only",
     "save_llm_int8",
+    "save_mxfp4",
     "save_pack_quantized",
     "save_w8a8",
 ]
@@ -63,32 +71,56 @@ def block_fp8(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tenso
 def save_block_fp8(
     model: nn.Module, directory: str | Path, block: tuple[int, int] = (128, 128), keep: tuple[str, ...] = ("lm_head",)
 ) -> Path:
-    """Save ``model`` in ``directory`` (``save_pretrained``) with every ``nn.Linear`` weight but those whose module
-    path ends with a name in ``keep`` stored in block FP8 (``weight`` e4m3 + ``weight_scale_inv``), and its
+    """Save ``model`` in ``directory`` (``save_pretrained``) with every ``nn.Linear`` weight and every expert's
+    weight of fused experts (saved per expert, as DeepSeek-V3's are) but those whose module path ends with a name in
+    ``keep`` stored in block FP8 (``weight`` e4m3 + ``weight_scale_inv``), and its
     config's ``quantization_config`` saying so. Returns the directory."""
-    from safetensors.torch import load_file, save_file
+    linears = [f"{path}.weight" for path, module in model.named_modules() if isinstance(module, nn.Linear)]
 
-    directory = Path(directory)
-    model.save_pretrained(directory)  # type: ignore[operator]  # a transformers model
-    files = sorted(directory.glob("*.safetensors"))
-    if len(files) != 1:
-        raise ValueError(f"save_block_fp8 writes one weight file; save_pretrained wrote {len(files)}")
-    tensors = load_file(files[0])
-    for path, module in model.named_modules():
-        name = f"{path}.weight"
-        if isinstance(module, nn.Linear) and name in tensors and not path.endswith(keep):
-            tensors[name], tensors[f"{path}.weight_scale_inv"] = block_fp8(tensors[name], block)
-    save_file(tensors, files[0], metadata={"format": "pt"})
-    config_path = directory / "config.json"
-    config = json.loads(config_path.read_text())
-    config["quantization_config"] = {
+    def quantize(tensors: dict[str, torch.Tensor]) -> None:
+        per_expert = [key for key in tensors if re.search(r"\.experts\.\d+\.\w+\.weight$", key)]
+        for name in linears + per_expert:
+            if name in tensors and not name.removesuffix(".weight").endswith(keep):
+                tensors[name], tensors[f"{name}_scale_inv"] = block_fp8(tensors[name], block)
+
+    quantization = {
         "quant_method": "fp8",
         "weight_block_size": list(block),
         "activation_scheme": "dynamic",
         "modules_to_not_convert": list(keep),
     }
-    config_path.write_text(json.dumps(config, indent=2))
-    return directory
+    return _saved_quantized(model, directory, quantize, quantization)
+
+
+def mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(blocks, scales)`` of ``weight (..., in)``: uint8 codes ``(..., in / 32, 16)`` (low nibble first) and
+    exponents + 127 ``(..., in / 32)``, ``weight ~ FP4[code] * 2 ** (scale - 127)`` (module docstring)."""
+    from tpcore.parallel.mxfp4_experts import FP4_VALUES, MXFP4_BLOCK
+
+    values = weight.float().unflatten(-1, (-1, MXFP4_BLOCK))
+    amax = values.abs().amax(dim=-1)
+    exponents = torch.where(amax > 0, torch.floor(torch.log2(amax)) - 2, torch.zeros_like(amax)).clamp(-127, 127)
+    scaled = values / torch.exp2(exponents).unsqueeze(-1)
+    magnitudes = torch.tensor(FP4_VALUES[:8])
+    codes = (
+        torch.bucketize(scaled.abs().contiguous(), (magnitudes[1:] + magnitudes[:-1]) / 2) | (scaled < 0).long() << 3
+    )
+    blocks = (codes[..., 0::2] | codes[..., 1::2] << 4).to(torch.uint8)
+    return blocks.contiguous(), (exponents + 127).to(torch.uint8)
+
+
+def save_mxfp4(model: nn.Module, directory: str | Path) -> Path:
+    """Save ``model`` (gpt-oss) in ``directory`` as its MXFP4 release lays it out: each fused experts module's
+    ``gate_up_proj (E, H, 2I)`` and ``down_proj (E, I, H)`` stored ``(E, out, in)`` as ``{proj}_blocks`` and
+    ``{proj}_scales`` (:func:`mxfp4`), everything else as saved, and its config's ``quantization_config`` saying so.
+    Returns the directory."""
+
+    def quantize(tensors: dict[str, torch.Tensor]) -> None:
+        for name in [name for name in tensors if name.endswith((".gate_up_proj", ".down_proj"))]:
+            tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = mxfp4(tensors.pop(name).transpose(1, 2))
+
+    plain = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
+    return _saved_quantized(model, directory, quantize, {"quant_method": "mxfp4", "modules_to_not_convert": plain})
 
 
 def save_pack_quantized(
@@ -270,18 +302,30 @@ def _save_packed(model: nn.Module, directory: str | Path, pack, quantization: di
     """``model`` saved in float16 in ``directory`` with each ``nn.Linear`` but those named in ``keep`` stored as the
     tensors ``pack(linear)`` returns (``{name: tensor}``, under the linear's path) and ``quantization`` as its
     config's ``quantization_config``."""
+    model = model.to(torch.float16)
+
+    def quantize(tensors: dict[str, torch.Tensor]) -> None:
+        for path, module in model.named_modules():
+            if isinstance(module, nn.Linear) and f"{path}.weight" in tensors and not path.endswith(keep):
+                del tensors[f"{path}.weight"]
+                tensors.update({f"{path}.{name}": tensor.contiguous() for name, tensor in pack(module).items()})
+
+    return _saved_quantized(model, directory, quantize, quantization)
+
+
+def _saved_quantized(model: nn.Module, directory: str | Path, quantize, quantization: dict) -> Path:
+    """``model`` saved in ``directory`` (``save_pretrained``, one weight file) with ``quantize`` editing its tensors
+    (``{key: tensor}``, in place) and ``quantization`` as its config's ``quantization_config``; the directory."""
     from safetensors.torch import load_file, save_file
 
     directory = Path(directory)
-    model = model.to(torch.float16)
     model.save_pretrained(directory)  # type: ignore[operator]  # a transformers model
-    (file,) = sorted(directory.glob("*.safetensors"))
-    tensors = load_file(file)
-    for path, module in model.named_modules():
-        if isinstance(module, nn.Linear) and f"{path}.weight" in tensors and not path.endswith(keep):
-            del tensors[f"{path}.weight"]
-            tensors.update({f"{path}.{name}": tensor.contiguous() for name, tensor in pack(module).items()})
-    save_file(tensors, file, metadata={"format": "pt"})
+    files = sorted(directory.glob("*.safetensors"))
+    if len(files) != 1:
+        raise ValueError(f"a quantized checkpoint is written as one weight file; save_pretrained wrote {len(files)}")
+    tensors = load_file(files[0])
+    quantize(tensors)
+    save_file(tensors, files[0], metadata={"format": "pt"})
     config_path = directory / "config.json"
     config = json.loads(config_path.read_text())
     config["quantization_config"] = quantization
