@@ -76,21 +76,16 @@ class BlockFP8Experts(QuantizedExperts):
             self.register_buffer(f"{projection}_scale_cols", cols.to(device), persistent=False)
 
     def dequantized(self, projection: str, experts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The rank's ``(E, out_r, in_r)`` weight of ``projection``: ``experts`` as values times their blocks' scales
-        in float32, rounded once to ``dtype``; zeros for the others."""
-        values = self._parameters[projection]
-        assert values is not None
-        weight = torch.zeros(values.shape, dtype=dtype, device=values.device)
+        """The rank's ``(n, out_r, in_r)`` weight of ``projection`` for the ``n`` ``experts``: values times their
+        blocks' scales in float32, rounded once to ``dtype``."""
+        values = self._parameters[projection][experts]  # type: ignore[index]
         scales = self._parameters[f"{projection}_scale_inv"][experts].float()  # type: ignore[index]
-        chosen = values[experts]
-        if chosen.device.type == "cpu":  # e4m3 read as 2^-8 of itself by integer ops (BlockFP8Linear's way)
-            chosen, scales = e4m3_as_scaled_float32(chosen), scales * _E4M3_TO_FP16
+        if values.device.type == "cpu":  # e4m3 read as 2^-8 of itself by integer ops (BlockFP8Linear's way)
+            values, scales = e4m3_as_scaled_float32(values), scales * _E4M3_TO_FP16
         else:
-            chosen = chosen.float()
+            values = values.float()
         rows, cols = getattr(self, f"{projection}_scale_rows"), getattr(self, f"{projection}_scale_cols")
-        scales = scales.index_select(1, rows).index_select(2, cols)
-        weight[experts] = chosen.mul_(scales).to(dtype)
-        return weight
+        return values.mul_(scales.index_select(1, rows).index_select(2, cols)).to(dtype)
 
 
 def _merged_block_rows(split: Split | None, size: int, parts: int, block: int, rank: int, world_size: int):

@@ -19,6 +19,8 @@ CPU): the same values, bit for bit.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -34,14 +36,23 @@ MXFP4_BLOCK = 32
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``(..., G, 16)`` codes and ``(..., G)`` exponents as ``(..., 32 G)`` values in ``dtype``: each code looked up in
-    ``dtype``, then scaled by ``ldexp`` in ``dtype`` (transformers' order of operations, so the same roundings)."""
-    table = torch.tensor(FP4_VALUES, dtype=dtype, device=blocks.device)
-    values = torch.empty(*blocks.shape[:-1], 2 * blocks.shape[-1], dtype=dtype, device=blocks.device)
-    values[..., 0::2] = table[(blocks & 0x0F).long()]
-    values[..., 1::2] = table[(blocks >> 4).long()]
-    torch.ldexp(values, scales.to(torch.int32).unsqueeze(-1) - 127, out=values)
-    return values.flatten(-2)
+    """``(..., G, 16)`` codes and ``(..., G)`` exponents as ``(..., 32 G)`` values in ``dtype``: each byte's two values
+    looked up at once (:func:`_byte_values`), times the block's power of two in float32 (exact), rounded once to
+    ``dtype``: transformers' values (its ``ldexp`` in ``dtype`` promotes to float32 the same way), without ``ldexp``'s
+    element-wise power."""
+    pairs = _byte_values(blocks.device).index_select(0, blocks.reshape(-1).long())  # one 8-byte gather a byte
+    values = pairs.view(torch.float32).view(*blocks.shape[:-1], 2 * blocks.shape[-1])
+    powers = torch.exp2(scales.float() - 127).unsqueeze(-1)
+    return values.mul_(powers).to(dtype).flatten(-2)
+
+
+@functools.cache
+def _byte_values(device: torch.device) -> torch.Tensor:
+    """``(256,)`` int64: the two e2m1 values of each byte as float32, its low nibble's first, in one 8-byte word."""
+    table = torch.tensor(FP4_VALUES)
+    codes = torch.arange(256)
+    pairs = torch.stack([table[codes & 0x0F], table[codes >> 4]], dim=-1)
+    return pairs.contiguous().view(torch.int64).view(256).to(device)
 
 
 class Mxfp4Experts(QuantizedExperts):
@@ -80,11 +91,7 @@ class Mxfp4Experts(QuantizedExperts):
         return {f"{weight}_scales": split}
 
     def dequantized(self, projection: str, experts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The plain ``(E, in_r, out_r)`` weight of ``projection`` in ``dtype``: ``experts`` dequantized, zeros
-        elsewhere."""
+        """The plain ``(n, in_r, out_r)`` weight of ``projection`` for the ``n`` ``experts``, in ``dtype``."""
         codes, scales = self._parameters[projection], self._parameters[f"{projection}_scales"]
         assert codes is not None and scales is not None
-        count, out_features, groups, _ = codes.shape
-        weight = torch.zeros(count, groups * MXFP4_BLOCK, out_features, dtype=dtype, device=codes.device)
-        weight[experts] = dequantize_mxfp4(codes[experts], scales[experts], dtype).transpose(1, 2).contiguous()
-        return weight
+        return dequantize_mxfp4(codes[experts], scales[experts], dtype).transpose(1, 2).contiguous()

@@ -3,9 +3,11 @@
 A fused experts module holds every expert in two 3-d parameters, ``gate_up_proj`` and ``down_proj``, and its forward
 (transformers' own, eager or grouped) reads them whole. :class:`QuantizedExperts` is a mixin placed before such a class
 (:func:`quantized_experts_class`): its ``gate_up_proj`` and ``down_proj`` hold what the format stores, and each forward
-swaps in, for the experts the tokens are routed to, the plain weights the format's :meth:`~QuantizedExperts.dequantized`
-makes (zeros for the others, which no token reads), runs the class's own forward, and puts the stored tensors back.
-The rank so keeps its share of the quantized bytes and never more than one layer's routed experts in full precision.
+runs the class's own forward on the experts the tokens are routed to alone: their plain weights, which the format's
+:meth:`~QuantizedExperts.dequantized` makes, and their rows of any other per-expert tensor (biases) swapped in,
+``num_experts`` their count and each token's expert indices renumbered among them; then the stored tensors are put
+back. The rank so keeps its share of the quantized bytes and never more than one layer's routed experts in full
+precision, and dequantizes nothing for the experts no token reaches.
 """
 
 from __future__ import annotations
@@ -33,21 +35,29 @@ class QuantizedExperts(QuantizedLayer):
     companions: tuple[str, ...] = ()
 
     def dequantized(self, projection: str, experts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """This rank's plain ``projection`` weight (its shape in the plain module, with this rank's share of the
-        features) in ``dtype``: the ``experts`` (indices) dequantized, zeros for the others."""
+        """This rank's plain ``projection`` weight of the ``experts`` (indices, ascending) in ``dtype``: its shape in
+        the plain module with this rank's share of the features and ``len(experts)`` experts."""
         raise NotImplementedError
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        experts = top_k_index.unique()
-        stored = {projection: self._parameters[projection] for projection in PROJECTIONS}
+        stored = dict(self._parameters)
         count = stored[PROJECTIONS[0]].shape[0]  # type: ignore[union-attr]
-        experts = experts[(experts >= 0) & (experts < count)]  # an expert-parallel sentinel is no expert
+        experts = top_k_index.unique()  # ascending
+        renumbered = torch.empty(count, dtype=top_k_index.dtype, device=top_k_index.device)
+        renumbered[experts] = torch.arange(len(experts), dtype=top_k_index.dtype, device=top_k_index.device)
+        plain_count = self.__dict__.get("num_experts")
         try:
-            for projection in PROJECTIONS:
-                self._parameters[projection] = self.dequantized(projection, experts, hidden_states.dtype)  # type: ignore[assignment]
-            return super().forward(hidden_states, top_k_index, *args, **kwargs)
+            for name, tensor in stored.items():
+                if name in PROJECTIONS:
+                    self._parameters[name] = self.dequantized(name, experts, hidden_states.dtype)  # type: ignore[assignment]
+                elif name not in self.companions and tensor is not None and tensor.dim() and tensor.shape[0] == count:
+                    self._parameters[name] = tensor[experts]  # type: ignore[assignment]  # a per-expert bias
+            self.__dict__["num_experts"] = len(experts)
+            return super().forward(hidden_states, renumbered[top_k_index], *args, **kwargs)
         finally:
             self._parameters.update(stored)
+            if plain_count is not None:
+                self.__dict__["num_experts"] = plain_count
 
 
 @functools.cache
