@@ -102,8 +102,12 @@ def test_an_mxfp4_directory_splits_and_gives_transformers_outputs(mxfp4_dir, wor
         assert held["class"] == "RowParallelMxfp4GptOssExperts"
         assert held["gate_up_proj"] == held["down_proj_scales"] == "torch.uint8"
         check_largest_rank(model._tpcore_handle.plan, world_size, at_three=0.45)
-    finally:
+    except BaseException:
         model.deparallelize()
+        raise
+    whole = model.deparallelize()  # the gathered codes, dequantized per forward in this process
+    with torch.no_grad():
+        compare_outputs(expected, whole(input_ids=IDS))
 
 
 def expert_tensors(context) -> dict[str, str]:

@@ -85,7 +85,26 @@ class BlockFP8Experts(QuantizedExperts):
         else:
             values = values.float()
         rows, cols = getattr(self, f"{projection}_scale_rows"), getattr(self, f"{projection}_scale_cols")
-        return values.mul_(scales.index_select(1, rows).index_select(2, cols)).to(dtype)
+        count, out_features, in_features = values.shape
+        (whole_rows, whole_cols), (block_rows, block_cols) = self._whole_blocks(projection), self.block
+        if whole_cols:  # a scale per row and column block, broadcast over the block's columns
+            scales = scales.index_select(1, rows).unsqueeze(-1)
+            blocks = values.view(count, out_features, in_features // block_cols, block_cols).mul_(scales)
+        elif whole_rows:  # a scale per row block and column, broadcast over the block's rows
+            scales = scales.index_select(2, cols).unsqueeze(2)
+            blocks = values.view(count, out_features // block_rows, block_rows, in_features).mul_(scales)
+        else:
+            blocks = values.mul_(scales.index_select(1, rows).index_select(2, cols))
+        return blocks.view(count, out_features, in_features).to(dtype)
+
+    def _whole_blocks(self, projection: str) -> tuple[bool, bool]:
+        """Whether this rank holds ``projection``'s rows, and its columns, whole and in whole blocks (the scales then
+        broadcast over a block instead of being looked up for every value)."""
+        cut = self.cuts.get(projection)
+        out_features, in_features = self.whole_shapes[projection]
+        rows = (cut is None or cut.dim != 1) and _PARTS[projection] == 1 and out_features % self.block[0] == 0
+        cols = (cut is None or cut.dim != 2) and in_features % self.block[1] == 0
+        return rows, cols
 
 
 def _merged_block_rows(split: Split | None, size: int, parts: int, block: int, rank: int, world_size: int):

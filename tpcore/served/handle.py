@@ -24,6 +24,7 @@ from torch import nn
 from tpcore.errors import WorkerDiedError, WorkerError
 from tpcore.load.saving import save_gathered, stored_keys
 from tpcore.load.skeleton import install_tensors
+from tpcore.parallel.quantized_linear import localize_quantized, ready_quantized
 from tpcore.plan import ShardPlan, bytes_summary
 from tpcore.ranks.failures import reraise
 from tpcore.ranks.process import RankPool, ranks_text
@@ -305,6 +306,8 @@ class ParallelHandle:
         if not self.has_weights:
             for tensors in self.gathered(self._saved_names()):
                 install_tensors(self.model, tensors)
+            localize_quantized(self.model, 0, 1)  # its quantized layers (as stored) compute whole from here on
+            ready_quantized(self.model)
             self.has_weights = True
         return self.detach()
 
