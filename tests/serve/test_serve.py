@@ -9,6 +9,7 @@ dead rank into 503s.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import re
@@ -29,7 +30,7 @@ from transformers import BertConfig, BertModel
 import tpcore
 from tpcore.serve import Limits, Server, Service, free_port
 from tpcore.serve.embeddings import pool
-from tpcore.testing import tiny_llama, word_tokenizer
+from tpcore.testing import ModelSpec, tiny_llama, word_tokenizer
 
 TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 WORDS = [f"w{index}" for index in range(100)]  # word_tokenizer's
@@ -110,6 +111,38 @@ def test_sixteen_concurrent_requests_each_give_their_solo_result(server, client,
     for i in range(16):
         expected = ask(i) if i in seeded else solo(reference, prompts[i], lengths[i])
         assert results[i] == expected, (i, prompts[i])
+
+
+@pytest.mark.slow  # its own 2-rank world
+def test_gpt_oss_s_sliding_attention_and_biased_experts_are_served_as_the_unsplit_model_answers():
+    """GPT-OSS (tp-gpt's policies: attention sinks, experts with biases, the down bias on rank 0 alone), its sliding
+    window shorter than the prompts: 6 concurrent chats each give the unsplit model's greedy text alone."""
+    config = transformers.GptOssConfig(
+        vocab_size=100, hidden_size=64, intermediate_size=64, head_dim=16, num_attention_heads=4,
+        num_key_value_heads=2, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+        max_position_embeddings=128, eos_token_id=1, pad_token_id=0, initializer_range=0.3,
+    )  # fmt: skip
+    reference = ModelSpec(transformers.GptOssForCausalLM, config, 1, bias_std=0.1).build()
+    model = tpcore.parallelize(reference, num_gpus=2)
+    running = Server(Service(model, chat_tokenizer(), "tiny-gpt-oss", Limits(max_model_len=64)), port=free_port())
+    running.start()
+    try:
+        client = openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0)
+        prompts = [" ".join(WORDS[20 + (i * 11 + j * 5) % 80] for j in range(2 + i)) for i in range(6)]
+
+        def ask(prompt: str) -> str:
+            messages = [{"role": "user", "content": prompt}]
+            answer = client.chat.completions.create(
+                model="tiny-gpt-oss", messages=messages, max_tokens=10, temperature=0
+            )
+            return answer.choices[0].message.content
+
+        with concurrent.futures.ThreadPoolExecutor(6) as pool_:
+            answers = list(pool_.map(ask, prompts))
+        assert answers == [solo(reference, f"{prompt} ", 10) for prompt in prompts]  # the template's trailing space
+    finally:
+        running.stop()
+        model.deparallelize()
 
 
 def test_stop_strings_end_the_text_before_them(client, reference):
