@@ -56,7 +56,9 @@ class QuantizedExperts(QuantizedLayer):
             return super().forward(hidden_states, renumbered[top_k_index], *args, **kwargs)
         finally:
             self._parameters.update(stored)
-            if plain_count is not None:
+            if plain_count is None:
+                self.__dict__.pop("num_experts")
+            else:
                 self.__dict__["num_experts"] = plain_count
 
 
