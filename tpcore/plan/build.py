@@ -212,13 +212,15 @@ class _Builder:
         weight_name = (spec.weight or "").rpartition(".")[2]
         if quantized and weight_split is not None:  # a cut of the tensor it stores in the plain weight's place
             weight_split = owner.stored_split(weight_split, weight_name)
+            weight_split = self.in_packed_runs(weight_split, resolved[0], owner.packing[weight_split.dim], True)
+        elif weight_split is not None:
+            weight_split = self.in_packed_runs(weight_split, resolved[0], 1)
+        if bias_split is not None and resolved[1] is not None:
+            bias_split = self.in_packed_runs(bias_split, resolved[1], 1, quantized)
         for path, tensor, split in ((spec.weight, resolved[0], weight_split), (spec.bias, resolved[1], bias_split)):
             if tensor is not None and split is not None:
-                values = owner.packing[split.dim] if quantized and tensor is resolved[0] else 1
-                split = self.in_packed_runs(split, tensor, values, quantized)
                 self.add_cut(join(target.name, path or ""), tensor, split, spec)
         if quantized and weight_split is not None:  # its scales cut as its weight
-            weight_split = self.in_packed_runs(weight_split, resolved[0], owner.packing[weight_split.dim], quantized)
             for name, split in owner.follower_cuts(weight_split.resolved(resolved[0].dim()), weight_name).items():
                 self.add_cut(join(owner_path, name), getattr(owner, name), split, spec)
         if owner_path not in self.plan.resized:
