@@ -3,6 +3,8 @@ together, on the tiny Llama whole and split over 2 ranks.
 
 - Grouped prefill: waiting prompts of similar lengths are prefilled in one left-padded forward, then join the
   running batch; each request still gets its solo greedy text.
+- State-space and hybrid decoders: each row's state kept in the running batch; a cache layer the batch cannot keep,
+  or a forward it cannot drive, refused at start in one line.
 - ``tpcore serve --compile``: the ranks' decode step compiled, its graphs made at load from the running batch's
   own calls, so serving compiles nothing more.
 """
@@ -138,29 +140,76 @@ def test_compile_is_refused_for_a_whole_model_and_an_encoder(tmp_path):
         load_model(str(tmp_path / "bert"), 2, compile=True)
 
 
-@pytest.mark.parametrize(
-    ("config_class", "architecture", "layer"),
-    [
-        ("MambaConfig", "MambaForCausalLM", "LinearAttentionLayer, layer 0"),
-        ("JambaConfig", "JambaForCausalLM", "LinearAttentionLayer, layer 0"),
-        ("Qwen3NextConfig", "Qwen3NextForCausalLM", "LinearAttentionLayer, layer 0"),
-    ],
-)
-def test_a_model_whose_cache_keeps_a_recurrent_state_is_refused_at_start_in_one_line(
-    tmp_path, capsys, no_process_starts, config_class, architecture, layer
-):
-    """State-space and linear-attention layers keep a state the running batch cannot concatenate or trim: ``tpcore
-    serve`` says so in one line and exits 2 before any rank starts or any tokenizer is read (the directory has
-    none), where it used to start and answer every completion 500."""
+#: whole tiny decoders whose cache keeps a state per row: Mamba (its mixers take the new positions' mask), Mamba2
+#: (chunked scan), Jamba (Mamba beside attention), Qwen3-Next (gated DeltaNet beside RoPE attention)
+STATE_CONFIGS = {
+    "Mamba": {"state_size": 8, "expand": 2, "conv_kernel": 4},
+    "Mamba2": {"num_heads": 8, "head_dim": 16, "n_groups": 1, "state_size": 8, "chunk_size": 8},
+    "Jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "num_experts": 2,
+              "mamba_d_state": 8, "mamba_dt_rank": 8},
+    "Qwen3Next": {"layer_types": ["linear_attention", "full_attention"] * 2, "linear_num_key_heads": 2,
+                  "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+                  "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                  "shared_expert_intermediate_size": 32, "head_dim": 16},
+}  # fmt: skip
+
+
+def state_model(name: str):
     import transformers
 
-    getattr(transformers, config_class)(num_hidden_layers=2, architectures=[architecture]).save_pretrained(tmp_path)
+    config = getattr(transformers, f"{name}Config")(
+        vocab_size=100, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=96, initializer_range=0.3, eos_token_id=1, pad_token_id=0, **STATE_CONFIGS[name],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return getattr(transformers, f"{name}ForCausalLM")(config).eval()
+
+
+@pytest.mark.parametrize("name", sorted(STATE_CONFIGS))
+def test_state_space_and_hybrid_decoders_batch_their_states_and_each_request_gets_its_solo_tokens(name):
+    """Prompts of 1 to 9 tokens prefilled in left-padded groups, rows joining and leaving one running batch: each
+    row's convolution window and recurrent state kept beside the attention layers' keys and values, so each request
+    gets its greedy text alone (transformers' ``batch_select_indices`` has no state layer: tpcore's ``keep_rows``)."""
+    reference = state_model(name)
+    prompts = [([33], 6), *PROMPTS]
+    requests = [collected(prompt, max_tokens) for prompt, max_tokens in prompts]
+    scheduler = run_to_the_end(reference, requests)
+    assert scheduler.largest_prefill > 1 and scheduler.largest_batch > 1
+    texts = [solo_text(reference, prompt, max_tokens) for prompt, max_tokens in prompts]
+    assert len(set(texts)) == len(texts) and all(len(set(text_.split())) > 1 for text_ in texts if text_.count(" ") > 2)
+    assert [text(request) for request in requests] == texts
+
+
+def test_a_cache_layer_the_batch_cannot_keep_is_refused_at_start_in_one_line(tmp_path, capsys, no_process_starts):
+    """DeepSeek-V4's compressed attention layers are no cache the running batch keeps: ``tpcore serve`` says so in one
+    line and exits 2 before any rank starts or any tokenizer is read (the directory has none). State-space and
+    hybrid decoders pass the same check."""
+    import transformers
+
+    config = transformers.AutoConfig.for_model("deepseek_v4", architectures=["DeepseekV4ForCausalLM"])
+    config.save_pretrained(tmp_path)
     assert main(["serve", str(tmp_path), "--num-gpus", "2"]) == 2
     refusal = capsys.readouterr().err
     assert refusal.count("\n") == 1
-    assert refusal.startswith(f"tpcore serve: {architecture} keeps a recurrent state in its cache ({layer})")
-    with pytest.raises(NotServable, match="batches key/value caches only"):
+    assert refusal.startswith("tpcore serve: DeepseekV4ForCausalLM keeps a cache layer the running batch cannot keep")
+    with pytest.raises(NotServable, match="'heavily_compressed_attention', layer 0"):
         load_model(str(tmp_path), 0)
+    for name in STATE_CONFIGS:
+        refuse_unbatchable_cache(state_model(name).config, f"{name}ForCausalLM")  # no NotServable
+
+
+def test_a_model_whose_forward_the_batch_cannot_drive_is_refused_before_it_is_served():
+    """MiniMax asks for a cache class of its own: the server's start runs each operation of a running batch once
+    (:func:`tpcore.serve.batch.check_batching`) and refuses it in one line, where every request would fail."""
+    import transformers
+
+    from tpcore.serve import Service
+    from tpcore.testing.samples import small_config
+
+    model = transformers.MiniMaxForCausalLM(small_config(transformers.MiniMaxConfig())).eval()
+    with pytest.raises(NotServable, match="MiniMaxForCausalLM cannot be served: a running batch's step fails") as error:
+        Service(model, word_tokenizer(), "minimax")
+    assert "\n" not in str(error.value) and "cache of its own" in str(error.value)
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,8 @@
 A tiny Llama split over 2 ranks (fp32) answers as the unsplit model does alone: streamed and non-streamed chat
 give its greedy tokens, and 16 concurrent requests (rows joining and leaving one running batch) each give its
 solo result. Every bad request is answered 4xx and the server serves on; a client that leaves mid-stream frees
-its row. Encoders serve embeddings, batched. ``tpcore serve`` as a process stops its ranks on SIGTERM and turns a
+its row. State-space and hybrid decoders (Mamba, Jamba, Qwen3-Next) keep a state per row in the same running
+batch. Encoders serve embeddings, batched. ``tpcore serve`` as a process stops its ranks on SIGTERM and turns a
 dead rank into 503s.
 """
 
@@ -140,6 +141,56 @@ def test_gpt_oss_s_sliding_attention_and_biased_experts_are_served_as_the_unspli
         with concurrent.futures.ThreadPoolExecutor(6) as pool_:
             answers = list(pool_.map(ask, prompts))
         assert answers == [solo(reference, f"{prompt} ", 10) for prompt in prompts]  # the template's trailing space
+    finally:
+        running.stop()
+        model.deparallelize()
+
+
+#: decoders whose cache keeps a state per row (state-space and linear-attention layers), alone or beside attention
+STATE_MODELS = {
+    "mamba": (transformers.MambaForCausalLM, transformers.MambaConfig(
+        vocab_size=100, hidden_size=64, num_hidden_layers=2, state_size=8, expand=2, conv_kernel=4,
+        initializer_range=0.3)),  # its default init repeats the last word
+    "jamba": (transformers.JambaForCausalLM, transformers.JambaConfig(
+        vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, num_experts=2,
+        mamba_d_state=8, mamba_dt_rank=8)),
+    "qwen3-next": (transformers.Qwen3NextForCausalLM, transformers.Qwen3NextConfig(
+        vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, layer_types=["linear_attention", "full_attention"] * 2,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)),
+}  # fmt: skip
+
+
+@pytest.mark.slow  # its own 2-rank world per model
+@pytest.mark.parametrize("kind", sorted(STATE_MODELS))
+def test_a_decoder_whose_cache_keeps_a_state_serves_8_concurrent_chats_each_its_solo_answer(kind):
+    """Mamba's convolution window and recurrent state, Jamba's beside attention layers, Qwen3-Next's gated DeltaNet
+    beside RoPE attention: rows of different lengths join, step and leave one running batch (each row's state kept,
+    the attention layers left-padded), and each of 8 concurrent chats gives the unsplit model's greedy text alone."""
+    model_class, config = STATE_MODELS[kind]
+    config.eos_token_id, config.pad_token_id = 1, 0
+    reference = ModelSpec(model_class, config, 2).build()
+    model = tpcore.parallelize(reference, num_gpus=2)
+    service = Service(model, chat_tokenizer(), f"tiny-{kind}", Limits(max_model_len=64))
+    running = Server(service, port=free_port()).start()
+    try:
+        client = openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0)
+        prompts = [" ".join(WORDS[20 + (i * 13 + j * 7) % 80] for j in range(1 + 2 * i)) for i in range(8)]
+        lengths = [4 + (i * 3) % 9 for i in range(8)]  # rows leave at different steps
+
+        def ask(i: int) -> str:
+            messages = [{"role": "user", "content": prompts[i]}]
+            answer = client.chat.completions.create(
+                model=f"tiny-{kind}", messages=messages, max_tokens=lengths[i], temperature=0
+            )
+            return answer.choices[0].message.content
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool_:
+            answers = list(pool_.map(ask, range(8)))
+        assert service.scheduler.largest_batch > 1  # they shared decode steps
+        assert answers == [solo(reference, f"{prompts[i]} ", lengths[i]) for i in range(8)]
     finally:
         running.stop()
         model.deparallelize()

@@ -1,14 +1,16 @@
-"""The running batch of a decoder LM: one left-padded KV cache that sequences join and leave between steps.
+"""The running batch of a decoder LM: one left-padded cache that sequences join and leave between steps.
 
-Rows are sequences. The cache holds ``(B, heads, L, d)`` per layer, row ``b``'s ``n_b`` positions at the right;
+Rows are sequences. The cache holds ``(B, heads, L, d)`` per attention layer, row ``b``'s ``n_b`` positions at the
+right, and per state layer (state-space, linear attention) each row's state (:mod:`tpcore.served.cache_batches`);
 ``mask`` ``(B, L)`` is 1 on true positions. Waiting prompts are prefilled together in one forward, left-padded to
 the longest (``position_ids`` = ``cumsum(mask) - 1``, as ``generate()`` gives a padded batch; a prompt alone is
 the unsplit model's first step exactly), then join: their cache and the batch's are padded on the left to the
 longer length and concatenated (:func:`tpcore.served.cache_batches.concatenate_batches`). One decode step feeds
 every row's last token at position ``n_b`` (``position_ids = mask.sum(-1)``) with the mask extended by one
-column, which hides each row's padding. Rows that finish are dropped (``batch_select_indices``), then the leading
-columns no row needs any more (:func:`tpcore.served.cache_batches.drop_leading`). The same code runs a local
-model and a split one, whose ranks keep the cache (:func:`tpcore.served.caches.batch_operation`).
+column, which hides each row's padding. Rows that finish are dropped
+(:func:`~tpcore.served.cache_batches.keep_rows`), then the leading columns no row needs any more
+(:func:`~tpcore.served.cache_batches.drop_leading`). The same code runs a local model and a split one, whose ranks
+keep the cache (:func:`tpcore.served.caches.batch_operation`).
 """
 
 from __future__ import annotations
@@ -17,11 +19,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from transformers import DynamicCache
 
+from tpcore.served.cache_batches import attends, batch_cache
 from tpcore.served.caches import batch_operation, cache_keyword
 
-__all__ = ["RunningBatch", "select_rows", "warm_ups"]
+__all__ = ["RunningBatch", "check_batching", "select_rows", "warm_ups"]
 
 
 class RunningBatch:
@@ -30,6 +32,7 @@ class RunningBatch:
     def __init__(self, model: Any):
         self.model = model
         self.keyword = cache_keyword(model)
+        self.masks_past = attends(model.config)  # else a step's mask is its new column alone
         self.rows: list[Any] = []
         self.cache: Any = None
         self.mask = torch.zeros(0, 0, dtype=torch.long)
@@ -45,7 +48,7 @@ class RunningBatch:
         input_ids = torch.tensor([[0] * (width - len(prompt)) + prompt for prompt in prompts])
         mask = torch.tensor([[0] * (width - len(prompt)) + [1] * len(prompt) for prompt in prompts])
         positions = (mask.cumsum(dim=-1) - 1).clamp(min=0)
-        cache = DynamicCache()
+        cache = batch_cache(self.model.config)
         output = self._forward(input_ids, mask, positions, cache)
         return cache, mask, output.logits[:, -1]
 
@@ -65,7 +68,8 @@ class RunningBatch:
         """One decode step of every row: the logits ``(B, V)`` of each row's next token."""
         positions = self.mask.sum(dim=-1, keepdim=True)
         self.mask = torch.cat([self.mask, torch.ones(len(self.rows), 1, dtype=torch.long)], dim=1)
-        output = self._forward(torch.tensor(self.last_tokens).unsqueeze(1), self.mask, positions, self.cache)
+        mask = self.mask if self.masks_past else self.mask[:, -1:]
+        output = self._forward(torch.tensor(self.last_tokens).unsqueeze(1), mask, positions, self.cache)
         return output.logits[:, -1]
 
     def keep(self, indices: list[int], last_tokens: list[int]) -> None:
@@ -104,11 +108,28 @@ def warm_ups() -> list[Callable[[Any], None]]:
     return [run([[0, 0, 0]]), run([[0, 0, 0], [0, 0, 0, 0, 0]])]
 
 
+def check_batching(model: Any) -> None:
+    """Run each operation of a running batch once on ``model``: two prompts of different lengths prefilled
+    together, a step, a third (longer) joining, a step of the three, the first leaving (its leading columns
+    dropped), a last step. Raises what the model raises where its forward cannot run a batch (a cache class of its
+    own, a layer that needs what the batch does not pass)."""
+    batch = RunningBatch(model)
+    cache, mask, _ = batch.prefill([[0, 0], [0, 0, 0]])
+    batch.join([0, 1], cache, mask, [0, 0])
+    batch.step()
+    cache, mask, _ = batch.prefill([[0, 0, 0, 0, 0]])
+    batch.join([2], cache, mask, [0])
+    batch.step()
+    batch.keep([1, 2], [0, 0])
+    batch.step()
+    batch.keep([], [])
+
+
 def select_rows(cache: Any, mask: torch.Tensor, indices: list[int]) -> torch.Tensor:
-    """Keep the rows ``indices`` of ``cache`` (transformers' own ``batch_select_indices``; on the ranks for a
-    split model's stand-in), then drop the leading columns no kept row needs; the kept rows' mask."""
+    """Keep the rows ``indices`` of ``cache`` (on the ranks for a split model's stand-in), then drop the leading
+    columns no kept row needs; the kept rows' mask."""
     if len(indices) < mask.shape[0]:
-        cache.batch_select_indices(torch.tensor(indices))
+        batch_operation(cache, "keep_rows", torch.tensor(indices))
         mask = mask[indices]
     unused = int((mask.sum(dim=0) == 0).long().cumprod(dim=0).sum())  # leading columns no row needs
     if unused:

@@ -19,15 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from tpcore.serve.app import create_app
-from tpcore.serve.service import Limits, Service
+from tpcore.serve.service import Limits, NotServable, Service
 
 __all__ = ["NotServable", "Server", "free_port", "load_model", "serve"]
 
 logger = logging.getLogger("tpcore.serve")
-
-
-class NotServable(ValueError):
-    """A model or an option the server refuses at start, before any rank starts; its message is one line."""
 
 
 def load_model(directory: str, num_gpus: int, dtype: Any = None, compile: bool = False) -> tuple[Any, Any]:
@@ -66,19 +62,26 @@ def load_model(directory: str, num_gpus: int, dtype: Any = None, compile: bool =
 
 
 def refuse_unbatchable_cache(config: Any, architecture: str) -> None:
-    """Raise :class:`NotServable` where a decoder's cache keeps other than keys and values (state-space and
-    linear-attention layers: Mamba, Mamba2, Falcon-Mamba, Jamba, Qwen3-Next), which the running batch cannot
-    concatenate and trim (:mod:`tpcore.served.cache_batches`); sliding-window layers are served as full ones, their
-    window kept by the attention mask."""
-    from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer
+    """Raise :class:`NotServable` where a decoder's cache has a layer the running batch cannot keep
+    (:mod:`tpcore.served.cache_batches`): it keeps attention layers (sliding-window ones as full ones, their window
+    kept by the attention mask), state layers (Mamba, Mamba2, gated DeltaNet: one state per row) and layers that
+    keep nothing."""
+    from transformers.cache_utils import (
+        DYNAMIC_LAYER_TYPE_MAPPING,
+        DummyLayer,
+        DynamicLayer,
+        LinearAttentionCacheLayerMixin,
+        get_layer_types_and_kwargs,
+    )
 
-    cache = DynamicCache(config=config.get_text_config())
-    for index, layer in enumerate(cache.layers):
-        if not isinstance(layer, DynamicLayer):
+    layer_types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    kept = (DynamicLayer, LinearAttentionCacheLayerMixin, DummyLayer)
+    for index, kind in enumerate(layer_types):
+        layer_class = DYNAMIC_LAYER_TYPE_MAPPING.get(kind)
+        if layer_class is None or not issubclass(layer_class, kept):
             raise NotServable(
-                f"{architecture} keeps a recurrent state in its cache ({type(layer).__name__}, layer {index}): "
-                "tpcore serve batches key/value caches only; split it with tpcore.parallelize() and call generate()"
+                f"{architecture} keeps a cache layer the running batch cannot keep ({kind!r}, layer {index}): split "
+                "it with tpcore.parallelize() and call generate()"
             )
 
 

@@ -15,14 +15,20 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from tpcore.errors import WorkerDiedError
+from tpcore.serve.batch import check_batching
 from tpcore.serve.embeddings import EmbeddingScheduler, pooling_mode
 from tpcore.serve.requests import Delta, Failed, Finished, NotFound, Request, ServeError
 from tpcore.serve.scheduler import Generation, Scheduler
 from tpcore.serve.schemas import ChatRequest, CompletionRequest
 
-__all__ = ["Limits", "Service"]
+__all__ = ["Limits", "NotServable", "Service"]
 
 logger = logging.getLogger("tpcore.serve")
+
+
+class NotServable(ValueError):
+    """A model or an option the server refuses at start, before it listens; its message is one line."""
 
 
 @dataclass
@@ -60,6 +66,7 @@ class Service:
         )
         self.max_model_len = self.limits.max_model_len or getattr(config, "max_position_embeddings", None) or 2048
         if self.generates:
+            _check_batching(model)
             self.scheduler: Scheduler = Scheduler(
                 model, tokenizer, _eos_ids(model, tokenizer), self.limits.max_batch, self.limits.max_queue, reload
             )
@@ -148,6 +155,21 @@ class Service:
             raise TimedOut(f"the request took longer than {self.limits.request_timeout:.0f} s") from None
         finally:
             request.cancel()
+
+
+def _check_batching(model: Any) -> None:
+    """Raise :class:`NotServable` where the running batch cannot drive ``model``'s forward
+    (:func:`~tpcore.serve.batch.check_batching`), rather than failing every request."""
+    try:
+        check_batching(model)
+    except (WorkerDiedError, TimeoutError):
+        raise
+    except Exception as error:
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise NotServable(
+            f"{type(model).__name__} cannot be served: a running batch's step fails on it ({reason}); split it with "
+            "tpcore.parallelize() and call generate()"
+        ) from error
 
 
 class TimedOut(ServeError):

@@ -1,16 +1,24 @@
-"""Batch operations on KV caches that transformers' ``Cache`` lacks, for a running batch of sequences.
+"""Batch operations on caches that transformers' ``Cache`` lacks, for a running batch of sequences.
 
-A running batch keeps one left-padded cache: every layer's keys and values ``(B, heads, L, d)``, row ``b``'s
-``n_b`` true positions at the right end (``L - n_b`` padding positions at the left, masked out by the caller's
-attention mask). Two operations keep it so:
+A running batch keeps one cache whose layers are of two kinds, or both at once (a hybrid layer):
 
-- :func:`concatenate_batches`: sequences join. Each cache's rows are padded on the left with zeros to the
-  longest length ``L = max L_i``, then all are concatenated along the batch: ``(sum B_i, heads, L, d)``.
+- **attention layers** keep keys and values ``(B, heads, L, d)``, left-padded: row ``b``'s ``n_b`` true positions
+  at the right end, the ``L - n_b`` before them masked out by the caller's attention mask;
+- **state layers** (state-space and linear-attention mixers: Mamba, Mamba2, gated DeltaNet, ...) keep per row a
+  convolution window ``(B, channels, k)`` and a recurrent state ``(B, ...)`` of fixed size, and the count of
+  positions seen (one for the batch: the longest row's, the width ``L`` of the attention layers and the mask).
+
+Three operations keep it so:
+
+- :func:`concatenate_batches`: sequences join. Attention rows are padded on the left with zeros to the longest
+  length ``L = max L_i``, then every tensor is concatenated along the batch; the count becomes ``L``.
+- :func:`keep_rows`: only the rows ``indices`` stay, in that order (every tensor indexed along the batch).
 - :func:`drop_leading`: the first ``count`` positions of every row are dropped (padding every row no longer
-  needs, once the longest sequences have left): ``(B, heads, L - count, d)``.
+  needs, once the longest sequences have left): attention ``(B, heads, L - count, d)``, the count ``L - count``.
 
-Both work on a local ``DynamicCache`` and, through :func:`tpcore.served.caches.batch_operation`, on the cache a split
+All work on a local ``DynamicCache`` and, through :func:`tpcore.served.caches.batch_operation`, on the cache a split
 model's ranks keep (each rank its own heads), with the same code: the caller's stand-in dispatches them.
+:func:`batch_cache` makes the empty cache a batch starts from.
 """
 
 from __future__ import annotations
@@ -18,18 +26,79 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from transformers import DynamicCache
+from transformers.cache_utils import (
+    DummyLayer,
+    DynamicLayer,
+    LinearAttentionAndFullAttentionLayer,
+    LinearAttentionCacheLayerMixin,
+    LinearAttentionLayer,
+    get_layer_types_and_kwargs,
+)
 
-__all__ = ["OPERATIONS", "concatenate_batches", "drop_leading"]
+__all__ = ["BATCHED_LAYERS", "OPERATIONS", "attends", "batch_cache", "concatenate_batches", "drop_leading", "keep_rows"]
+
+#: the cache layer a running batch keeps for each layer type of a config: sliding-window and chunked layers as full
+#: ones (the attention mask keeps their window), state layers as transformers makes them
+BATCHED_LAYERS: dict[str, type] = {
+    "full_attention": DynamicLayer,
+    "sliding_attention": DynamicLayer,
+    "chunked_attention": DynamicLayer,
+    "linear_attention": LinearAttentionLayer,
+    "conv": LinearAttentionLayer,
+    "hybrid": LinearAttentionAndFullAttentionLayer,
+    "hybrid_sliding": LinearAttentionAndFullAttentionLayer,
+    "dummy": DummyLayer,
+}
+#: layer types a plain ``DynamicCache`` keeps as they come (each a full-attention layer, made as the model fills it)
+ATTENTION_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 
 
-def _full_attention_layers(cache: Any) -> list[Any]:
-    """The layers of ``cache``, each checked to be a growing full-attention layer (keys and values tensors)."""
+def attends(config: Any) -> bool:
+    """Whether ``config``'s decoder has an attention layer (its forward masks the past, ``(B, L + q)``); a decoder of
+    state layers alone takes the mask of its new positions ``(B, q)`` (Mamba's mixers multiply their inputs by it)."""
+    layer_types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    return any(kind not in ("linear_attention", "conv", "dummy") for kind in layer_types)
+
+
+def batch_cache(config: Any) -> DynamicCache:
+    """An empty cache for a running batch of ``config``'s decoder: a plain ``DynamicCache`` where every layer is an
+    attention layer (or of a type :data:`BATCHED_LAYERS` does not name), else one layer of :data:`BATCHED_LAYERS` per
+    layer (state layers, layers that keep nothing)."""
+    layer_types, layer_kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    if all(kind in ATTENTION_TYPES for kind in layer_types) or not all(kind in BATCHED_LAYERS for kind in layer_types):
+        return DynamicCache()
+    layers = []
+    for kind, kwargs in zip(layer_types, layer_kwargs, strict=True):
+        kwargs = {key: value for key, value in kwargs.items() if key != "sliding_window"}
+        layers.append(BATCHED_LAYERS[kind](**kwargs))
+    cache = DynamicCache()
+    cache.layers, cache.layer_class_to_replicate = layers, None
+    return cache
+
+
+def _has_attention(layer: Any) -> bool:
+    return isinstance(layer, DynamicLayer)
+
+
+def _has_state(layer: Any) -> bool:
+    return isinstance(layer, LinearAttentionCacheLayerMixin)
+
+
+def _batched_layers(cache: Any) -> list[Any]:
+    """The layers of ``cache``, each checked to be one a running batch keeps: a growing full-attention layer
+    (keys and values tensors), a state layer, both, or a layer that keeps nothing."""
     layers = list(getattr(cache, "layers", ()))
     for layer in layers:
-        if getattr(layer, "is_sliding", False) or not isinstance(getattr(layer, "keys", None), torch.Tensor):
+        attention_ok = not _has_attention(layer) or (
+            not getattr(layer, "is_sliding", False) and isinstance(getattr(layer, "keys", None), torch.Tensor)
+        )
+        state_ok = not _has_state(layer) or not layer.record_past
+        known = _has_attention(layer) or _has_state(layer) or isinstance(layer, DummyLayer)
+        if not (attention_ok and state_ok and known):
             raise ValueError(
                 f"{type(cache).__name__} layer {type(layer).__name__}: only initialized full-attention layers "
-                "(DynamicLayer) can be batched this way"
+                "(DynamicLayer) and state layers (LinearAttentionLayer) can be batched this way"
             )
     return layers
 
@@ -43,26 +112,58 @@ def _pad_left(tensor: torch.Tensor, length: int) -> torch.Tensor:
     return torch.cat([padding, tensor], dim=-2)
 
 
+def _state_tensors(layer: Any) -> list[tuple[str, int]]:
+    """The ``(attribute, state index)`` of each initialized state tensor of a state layer."""
+    names = []
+    for index in range(layer.number_of_states):
+        if layer.is_conv_states_initialized[index]:
+            names.append(("conv_states", index))
+        if layer.is_recurrent_states_initialized[index]:
+            names.append(("recurrent_states", index))
+    return names
+
+
 def concatenate_batches(cache: Any, *others: Any) -> None:
-    """Append the rows of ``others`` to ``cache``, in place; every row left-padded to the longest length."""
-    layer_lists = [_full_attention_layers(each) for each in (cache, *others)]
+    """Append the rows of ``others`` to ``cache``, in place; attention rows left-padded to the longest length."""
+    layer_lists = [_batched_layers(each) for each in (cache, *others)]
     if len({len(layers) for layers in layer_lists}) != 1:
         raise ValueError("caches of different numbers of layers cannot be concatenated")
-    length = max(layers[0].keys.shape[-2] for layers in layer_lists) if layer_lists[0] else 0
     for index, layer in enumerate(layer_lists[0]):
         parts = [layers[index] for layers in layer_lists]
-        layer.keys = torch.cat([_pad_left(part.keys, length) for part in parts], dim=0)
-        layer.values = torch.cat([_pad_left(part.values, length) for part in parts], dim=0)
+        if _has_attention(layer):
+            length = max(part.keys.shape[-2] for part in parts)
+            layer.keys = torch.cat([_pad_left(part.keys, length) for part in parts], dim=0)
+            layer.values = torch.cat([_pad_left(part.values, length) for part in parts], dim=0)
+        if _has_state(layer):
+            for name, state in _state_tensors(layer):
+                getattr(layer, name)[state] = torch.cat([getattr(part, name)[state] for part in parts], dim=0)
+            seen = max(int(part.cumulative_length_linear) for part in parts)
+            layer.cumulative_length_linear.fill_(seen)
+
+
+def keep_rows(cache: Any, indices: torch.Tensor) -> None:
+    """Keep only the rows ``indices`` ``(k,)`` of ``cache``, in that order, in place."""
+    for layer in _batched_layers(cache):
+        if _has_attention(layer):
+            layer.keys = layer.keys.index_select(0, indices.to(layer.keys.device))
+            layer.values = layer.values.index_select(0, indices.to(layer.values.device))
+        if _has_state(layer):
+            for name, state in _state_tensors(layer):
+                tensor = getattr(layer, name)[state]
+                getattr(layer, name)[state] = tensor.index_select(0, indices.to(tensor.device))
 
 
 def drop_leading(cache: Any, count: int) -> None:
     """Drop the first ``count`` positions of every row of ``cache``, in place."""
     if count < 0:
         raise ValueError(f"count must be >= 0, got {count}")
-    for layer in _full_attention_layers(cache):
-        layer.keys = layer.keys[..., count:, :].contiguous()
-        layer.values = layer.values[..., count:, :].contiguous()
+    for layer in _batched_layers(cache):
+        if _has_attention(layer):
+            layer.keys = layer.keys[..., count:, :].contiguous()
+            layer.values = layer.values[..., count:, :].contiguous()
+        if _has_state(layer):
+            layer.cumulative_length_linear.sub_(count)
 
 
 #: the operations a stand-in runs on the ranks' cache by name (arguments that are caches travel as their ids)
-OPERATIONS = {"concatenate_batches": concatenate_batches, "drop_leading": drop_leading}
+OPERATIONS = {"concatenate_batches": concatenate_batches, "keep_rows": keep_rows, "drop_leading": drop_leading}
