@@ -18,13 +18,15 @@ import pytest
 import torch
 
 import tpcore
+from tpcore.serve import batch as batch_module
 from tpcore.serve import scheduler as scheduler_module
+from tpcore.serve.encoder_decoder_batch import EncoderDecoderBatch
 from tpcore.serve.requests import Delta, Failed, Finished, Request
 from tpcore.serve.sampling import SamplingParams
 from tpcore.serve.scheduler import Generation, Scheduler, prefill_groups
 from tpcore.serve.server import NotServable, load_model, refuse_unbatchable_cache
 from tpcore.served.compiled import compiled_calls, compiled_graphs
-from tpcore.testing import tiny_bert, tiny_llama, word_tokenizer
+from tpcore.testing import compare_outputs, tiny_bert, tiny_llama, tiny_seq2seq, word_tokenizer
 from tpcore.tools.cli import main
 
 #: (prompt, max_tokens): lengths 2 to 9; one request ends at its first token, inside its group
@@ -100,14 +102,14 @@ def test_prompts_queued_together_are_prefilled_together_and_each_gets_its_solo_t
 
 
 def test_a_prefill_that_fails_is_retried_alone_and_fails_only_its_own_request(model, reference, monkeypatch):
-    prefill = scheduler_module.RunningBatch.prefill
+    prefill = batch_module.RunningBatch.prefill
 
     def refuse_token_99(self, prompts):
         if any(99 in prompt for prompt in prompts):
             raise RuntimeError("token 99 refused")
         return prefill(self, prompts)
 
-    monkeypatch.setattr(scheduler_module.RunningBatch, "prefill", refuse_token_99)
+    monkeypatch.setattr(batch_module.RunningBatch, "prefill", refuse_token_99)
     requests = [collected([5, 9, 10], 4), collected([99, 9, 10], 4), collected([6, 7, 8], 3)]
     run_to_the_end(model, requests)
     assert isinstance(requests[1].got[-1], Failed) and "token 99 refused" in str(requests[1].got[-1].error)
@@ -212,22 +214,69 @@ def test_a_model_whose_forward_the_batch_cannot_drive_is_refused_before_it_is_se
     assert "\n" not in str(error.value) and "cache of its own" in str(error.value)
 
 
-@pytest.mark.parametrize(
-    ("config_class", "architecture"),
-    [("T5Config", "T5ForConditionalGeneration"), ("BartConfig", "BartForConditionalGeneration"),
-     ("WhisperConfig", "WhisperForConditionalGeneration")],
-)  # fmt: skip
-def test_an_encoder_decoder_is_refused_at_start_in_one_line(tmp_path, capsys, no_process_starts, config_class,
-                                                           architecture):  # fmt: skip
-    """Translators, summarizers and speech models generate through an encoder and a decoder, which the server does not
-    batch yet: refused before any rank starts, where completions used to be answered "is an encoder"."""
+SEQ2SEQ = ["Bart", "M2M100", "MBart", "Pegasus", "T5"]  # relative bias (T5), learned (BART) or sinusoidal positions
+
+
+@pytest.mark.parametrize("name", SEQ2SEQ)
+def test_an_encoder_decoder_s_rows_get_their_solo_logits_in_cohorts(name):
+    """Two prompts of different lengths prefilled together (the encoder right-padded), a third joining a step later
+    (a second cohort), rows fed tokens of their own and one leaving: every row's logits at every step are those of
+    the unsplit model run alone on its prompt and decoder tokens, within fp32 rounding."""
+    model = tiny_seq2seq(name)
+    batch = EncoderDecoderBatch(model)
+    prompts = {"a": [5, 9], "b": [40, 41, 42, 43, 44], "c": [12, 13, 14]}
+    fed: dict[str, list[int]] = {"a": [], "b": [], "c": []}
+    got: dict[str, list[torch.Tensor]] = {"a": [], "b": [], "c": []}
+
+    def take(rows: list[str], logits: torch.Tensor, step: int) -> list[int]:
+        tokens = []
+        for index, row in enumerate(rows):
+            got[row].append(logits[index])
+            fed[row].append(5 + (7 * step + 13 * index) % 90)  # tokens of the test's, not the model's choice
+            tokens.append(fed[row][-1])
+        return tokens
+
+    cohort, mask, logits = batch.prefill([prompts["a"], prompts["b"]])
+    batch.join(["a", "b"], cohort, mask, take(["a", "b"], logits, 0))
+    batch.keep([0, 1], take(batch.rows, batch.step(), 1))
+    cohort, mask, logits = batch.prefill([prompts["c"]])
+    batch.join(["c"], cohort, mask, take(["c"], logits, 1))
+    for step in range(2, 5):
+        tokens = take(batch.rows, batch.step(), step)
+        indices = [index for index, row in enumerate(batch.rows) if not (row == "a" and step == 3)]
+        batch.keep(indices, [tokens[index] for index in indices])
+    assert batch.rows == ["b", "c"] and len(batch.cohorts) == 2
+    for row, logits_ in got.items():
+        decoder = torch.tensor([[model.config.decoder_start_token_id, *fed[row][: len(logits_) - 1]]])
+        with torch.inference_mode():
+            alone = model(input_ids=torch.tensor([prompts[row]]), decoder_input_ids=decoder).logits[0]
+        compare_outputs(alone, torch.stack(logits_))
+
+
+@pytest.mark.parametrize("name", SEQ2SEQ)
+def test_an_encoder_decoder_is_served_each_request_its_solo_tokens(name):
+    """The engine on a whole encoder-decoder: prompts grouped in padded prefills, cohorts stepped side by side, rows
+    leaving at different lengths; each request's text is ``generate()``'s for it alone."""
+    model = tiny_seq2seq(name)
+    prompts = [([33], 6), *PROMPTS]
+    requests = [collected(prompt, max_tokens) for prompt, max_tokens in prompts]
+    scheduler = run_to_the_end(model, requests)
+    assert scheduler.largest_prefill > 1 and scheduler.largest_batch > 1
+    for request, (prompt, max_tokens) in zip(requests, prompts, strict=True):
+        ids = torch.tensor([prompt])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False)
+        assert text(request) == word_tokenizer().decode(out[0, 1:], skip_special_tokens=True), prompt
+
+
+def test_a_speech_encoder_decoder_is_refused_at_start_in_one_line(tmp_path, capsys, no_process_starts):
+    """Whisper generates from audio features, not a text prompt: refused before any rank starts."""
     import transformers
 
-    getattr(transformers, config_class)(architectures=[architecture]).save_pretrained(tmp_path)
+    transformers.WhisperConfig(architectures=["WhisperForConditionalGeneration"]).save_pretrained(tmp_path)
     assert main(["serve", str(tmp_path), "--num-gpus", "2"]) == 2
     refusal = capsys.readouterr().err
     assert refusal.count("\n") == 1
-    assert refusal.startswith(f"tpcore serve: {architecture} is an encoder-decoder: tpcore serve generates with")
+    assert refusal.startswith("tpcore serve: WhisperForConditionalGeneration is an encoder-decoder of other inputs")
 
 
 def test_sliding_window_and_full_attention_decoders_pass_the_start_check():

@@ -4,7 +4,8 @@ A tiny Llama split over 2 ranks (fp32) answers as the unsplit model does alone: 
 give its greedy tokens, and 16 concurrent requests (rows joining and leaving one running batch) each give its
 solo result. Every bad request is answered 4xx and the server serves on; a client that leaves mid-stream frees
 its row. State-space and hybrid decoders (Mamba, Jamba, Qwen3-Next) keep a state per row in the same running
-batch. Encoders serve embeddings, batched. ``tpcore serve`` as a process stops its ranks on SIGTERM and turns a
+batch. A T5 saved in a directory translates: its rows keep their encoder states per cohort. Encoders serve
+embeddings, batched. ``tpcore serve`` as a process stops its ranks on SIGTERM and turns a
 dead rank into 503s.
 """
 
@@ -29,9 +30,9 @@ import transformers
 from transformers import BertConfig, BertModel
 
 import tpcore
-from tpcore.serve import Limits, Server, Service, free_port
+from tpcore.serve import Limits, Server, Service, free_port, load_model
 from tpcore.serve.embeddings import pool
-from tpcore.testing import ModelSpec, tiny_llama, word_tokenizer
+from tpcore.testing import ModelSpec, tiny_llama, tiny_seq2seq, word_tokenizer
 
 TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 WORDS = [f"w{index}" for index in range(100)]  # word_tokenizer's
@@ -191,6 +192,48 @@ def test_a_decoder_whose_cache_keeps_a_state_serves_8_concurrent_chats_each_its_
             answers = list(pool_.map(ask, range(8)))
         assert service.scheduler.largest_batch > 1  # they shared decode steps
         assert answers == [solo(reference, f"{prompts[i]} ", lengths[i]) for i in range(8)]
+    finally:
+        running.stop()
+        model.deparallelize()
+
+
+@pytest.mark.slow  # its own 2-rank world
+def test_a_translator_saved_in_a_directory_serves_8_concurrent_completions_each_its_solo_translation(tmp_path):
+    """``tpcore serve`` of a T5 directory (shard-on-load over 2 ranks): each prompt is the encoder's input, rows
+    prefilled together keep their encoder states and cross-attention caches per row (a cohort), and each of 8
+    concurrent completions, streamed or not, gives ``generate()``'s text for it alone; chat is refused (no
+    template)."""
+    reference = tiny_seq2seq("T5", seed=3)
+    reference.save_pretrained(tmp_path)
+    word_tokenizer().save_pretrained(tmp_path)
+    model, tokenizer = load_model(str(tmp_path), 2)
+    service = Service(model, tokenizer, "tiny-t5", Limits(max_model_len=64))
+    running = Server(service, port=free_port()).start()
+    try:
+        client = openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0)
+        prompts = [" ".join(WORDS[20 + (i * 13 + j * 7) % 80] for j in range(1 + 2 * i)) for i in range(8)]
+        lengths = [4 + (i * 3) % 9 for i in range(8)]
+
+        def ask(i: int) -> str:
+            if i % 2:
+                stream = client.completions.create(
+                    model="tiny-t5", prompt=prompts[i], max_tokens=lengths[i], temperature=0, stream=True
+                )
+                return "".join(chunk.choices[0].text for chunk in stream)
+            answer = client.completions.create(model="tiny-t5", prompt=prompts[i], max_tokens=lengths[i], temperature=0)
+            return answer.choices[0].text
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool_:
+            answers = list(pool_.map(ask, range(8)))
+        assert service.scheduler.largest_batch > 1
+        expected = []
+        for i in range(8):
+            ids = torch.tensor([word_tokenizer().encode(prompts[i])])
+            out = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=lengths[i])
+            expected.append(word_tokenizer().decode(out[0, 1:], skip_special_tokens=True))
+        assert answers == expected and len(set(expected)) > 4
+        with pytest.raises(openai.BadRequestError, match="no chat template"):
+            client.chat.completions.create(model="tiny-t5", messages=[{"role": "user", "content": "w5"}])
     finally:
         running.stop()
         model.deparallelize()

@@ -23,7 +23,7 @@ import torch
 from tpcore.served.cache_batches import attends, batch_cache
 from tpcore.served.caches import batch_operation, cache_keyword
 
-__all__ = ["RunningBatch", "check_batching", "select_rows", "warm_ups"]
+__all__ = ["RunningBatch", "check_batching", "running_batch", "select_rows", "warm_ups"]
 
 
 class RunningBatch:
@@ -72,6 +72,11 @@ class RunningBatch:
         output = self._forward(torch.tensor(self.last_tokens).unsqueeze(1), mask, positions, self.cache)
         return output.logits[:, -1]
 
+    def select(self, cache: Any, mask: torch.Tensor, indices: list[int]) -> torch.Tensor:
+        """Keep the rows ``indices`` of a prefilled ``cache`` (those that go on after their first token): its
+        mask (:func:`select_rows`)."""
+        return select_rows(cache, mask, indices)
+
     def keep(self, indices: list[int], last_tokens: list[int]) -> None:
         """Keep only the rows ``indices`` (in that order), whose next inputs are ``last_tokens``."""
         if not indices:
@@ -108,12 +113,22 @@ def warm_ups() -> list[Callable[[Any], None]]:
     return [run([[0, 0, 0]]), run([[0, 0, 0], [0, 0, 0, 0, 0]])]
 
 
+def running_batch(model: Any) -> Any:
+    """The running batch for ``model``: an :class:`~tpcore.serve.encoder_decoder_batch.EncoderDecoderBatch` for an
+    encoder-decoder, else a :class:`RunningBatch`."""
+    if getattr(model.config, "is_encoder_decoder", False):
+        from tpcore.serve.encoder_decoder_batch import EncoderDecoderBatch
+
+        return EncoderDecoderBatch(model)
+    return RunningBatch(model)
+
+
 def check_batching(model: Any) -> None:
     """Run each operation of a running batch once on ``model``: two prompts of different lengths prefilled
     together, a step, a third (longer) joining, a step of the three, the first leaving (its leading columns
     dropped), a last step. Raises what the model raises where its forward cannot run a batch (a cache class of its
     own, a layer that needs what the batch does not pass)."""
-    batch = RunningBatch(model)
+    batch = running_batch(model)
     cache, mask, _ = batch.prefill([[0, 0], [0, 0, 0]])
     batch.join([0, 1], cache, mask, [0, 0])
     batch.step()

@@ -1,4 +1,5 @@
-"""The engine thread of a decoder LM: continuous batching over one :class:`~tpcore.serve.batch.RunningBatch`.
+"""The engine thread of a model that generates text: continuous batching over one running batch
+(:class:`~tpcore.serve.batch.RunningBatch` for a decoder LM, an ``EncoderDecoderBatch`` for an encoder-decoder).
 
 One thread owns the model. Each turn of its loop admits the waiting requests (up to ``max_batch`` rows: prefilled
 in groups of similar prompt lengths, one forward a group (:func:`prefill_groups`), each first token chosen, then
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 
 from tpcore.errors import WorkerDiedError
-from tpcore.serve.batch import RunningBatch, select_rows
+from tpcore.serve.batch import running_batch
 from tpcore.serve.requests import Delta, Failed, Finished, InternalError, QueueFull, Request, ServeError, Unavailable
 from tpcore.serve.sampling import SamplingParams, TokenChooser
 from tpcore.serve.stats import Throughput
@@ -75,7 +76,7 @@ class Scheduler:
         max_queue: int = 64,
         reload: Callable[[], Any] | None = None,
     ):
-        self.batch = RunningBatch(model)
+        self.batch = running_batch(model)
         #: makes the model again (its ranks started anew) once they are lost; ``None``: 503 from then on
         self.reload = reload
         self.tokenizer = tokenizer
@@ -120,7 +121,7 @@ class Scheduler:
 
     def use_model(self, model: Any) -> None:
         """Compute with ``model`` from now on (the ranks started again); nothing is in flight."""
-        self.batch = RunningBatch(model)
+        self.batch = running_batch(model)
 
     def _run(self) -> None:
         while self._serve_turns():
@@ -215,7 +216,7 @@ class Scheduler:
             tokens = [self._accept(row, logits[index : index + 1]) for index, row in enumerate(rows)]
             going_on = [index for index, row in enumerate(rows) if not row.done]
             if going_on:
-                mask = select_rows(cache, mask, going_on)
+                mask = self.batch.select(cache, mask, going_on)
                 self.batch.join([rows[i] for i in going_on], cache, mask, [tokens[i] for i in going_on])
         except RANKS_LOST:
             raise

@@ -39,19 +39,26 @@ def load_model(directory: str, num_gpus: int, dtype: Any = None, compile: bool =
     config = transformers.AutoConfig.from_pretrained(directory)
     architectures = getattr(config, "architectures", None) or []
     generates = any(name.endswith(("ForCausalLM", "LMHeadModel")) for name in architectures)
+    translates = getattr(config, "is_encoder_decoder", False) and bool(architectures)
     if generates:
         refuse_unbatchable_cache(config, architectures[0])
-    elif getattr(config, "is_encoder_decoder", False) and architectures:
+    elif translates and type(config) not in transformers.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING:
         raise NotServable(
-            f"{architectures[0]} is an encoder-decoder: tpcore serve generates with decoder-only models and embeds "
-            "with encoders so far; split it with tpcore.parallelize() and call generate()"
+            f"{architectures[0]} is an encoder-decoder of other inputs than text (speech, images): tpcore serve "
+            "takes text prompts; split it with tpcore.parallelize() and call generate()"
         )
     tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
-    auto = transformers.AutoModelForCausalLM if generates else transformers.AutoModel
+    auto = (
+        transformers.AutoModelForCausalLM
+        if generates
+        else transformers.AutoModelForSeq2SeqLM
+        if translates
+        else transformers.AutoModel
+    )
     if compile and (num_gpus == 0 or not generates):
         raise NotServable(
-            "--compile compiles the ranks' decode step: it needs a model that generates text, split over 1 or more "
-            f"ranks (--num-gpus {num_gpus}, {'a decoder' if generates else 'not a decoder'})"
+            "--compile compiles the ranks' decode step: it needs a decoder-only model that generates text, split "
+            f"over 1 or more ranks (--num-gpus {num_gpus}, {'a decoder' if generates else 'not a decoder'})"
         )
     if num_gpus == 0:
         return auto.from_pretrained(directory, dtype=dtype).eval(), tokenizer

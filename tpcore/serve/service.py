@@ -1,9 +1,10 @@
 """The model behind the server: prompts checked and tokenized, requests handed to the engine thread, their
 events awaited with a deadline.
 
-A decoder LM (``model.can_generate()``) is served by :class:`~tpcore.serve.scheduler.Scheduler` (completions and
-chat), any other model by :class:`~tpcore.serve.embeddings.EmbeddingScheduler` (embeddings). The model may be
-split (``tpcore.parallelize``) or not: the same code serves both.
+A model that generates text (``model.can_generate()``: a decoder LM, or an encoder-decoder whose encoder reads the
+prompt) is served by :class:`~tpcore.serve.scheduler.Scheduler` (completions and chat), any other model by
+:class:`~tpcore.serve.embeddings.EmbeddingScheduler` (embeddings). The model may be split (``tpcore.parallelize``)
+or not: the same code serves both.
 """
 
 from __future__ import annotations
@@ -61,9 +62,12 @@ class Service:
         self.limits = limits or Limits()
         self.created = int(time.time())
         config = getattr(model, "config", None)
-        self.generates = bool(getattr(model, "can_generate", lambda: False)()) and not getattr(
-            config, "is_encoder_decoder", False
-        )
+        self.generates = bool(getattr(model, "can_generate", lambda: False)())
+        if self.generates and getattr(model, "main_input_name", "input_ids") != "input_ids":
+            raise NotServable(
+                f"{type(model).__name__} generates from {model.main_input_name}, not text: tpcore serve takes text "
+                "prompts; call generate() on it"
+            )
         self.max_model_len = self.limits.max_model_len or getattr(config, "max_position_embeddings", None) or 2048
         if self.generates:
             _check_batching(model)

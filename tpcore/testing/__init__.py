@@ -51,6 +51,7 @@ from tpcore.testing.tiny_models import (
     tiny_gpt2_config,
     tiny_llama,
     tiny_llama_config,
+    tiny_seq2seq,
     word_tokenizer,
 )
 
@@ -82,6 +83,7 @@ __all__ = [
     "tiny_gpt2_config",
     "tiny_llama",
     "tiny_llama_config",
+    "tiny_seq2seq",
     "with_choices",
     "word_tokenizer",
 ]

@@ -1,4 +1,5 @@
-"""Tiny random-init models for tests: one small Llama, GPT-2 and BERT, built the same way everywhere.
+"""Tiny random-init models for tests: one small Llama, GPT-2 and BERT, and encoder-decoders, built the same way
+everywhere.
 
 Each family has a config builder and a model builder; any config field is overridden by keyword::
 
@@ -81,6 +82,31 @@ def tiny_bert(*, seed: int | None = 0, model_class=None, **overrides: Any) -> nn
     import transformers
 
     return seeded_model(model_class or transformers.BertModel, tiny_bert_config(**overrides), seed)
+
+
+#: :func:`tiny_seq2seq`'s fields: word_tokenizer's vocabulary (pad ``w0``, eos ``w1``), an untied head (a tied one
+#: repeats its last word in so small a model)
+SEQ2SEQ = {"vocab_size": 100, "pad_token_id": 0, "eos_token_id": 1, "tie_word_embeddings": False}
+
+
+def tiny_seq2seq(family: str = "T5", *, seed: int = 0, **overrides: Any) -> nn.Module:
+    """``<family>ForConditionalGeneration`` (``T5``, or a BART-like family: ``Bart``, ``MBart``, ``M2M100``,
+    ``Pegasus``) of 2 + 2 layers of 4 heads over 32 features, every parameter drawn by :func:`random_weights`
+    (``seed``, scale 0.5). T5's decoder starts from ``w0``; the BART-like ones from ``w2``, which is not their
+    padding (their positions skip padding)."""
+    import transformers
+
+    fields: dict[str, Any]
+    if family == "T5":
+        fields = {"d_model": 32, "d_ff": 64, "d_kv": 8, "num_heads": 4, "num_layers": 2, "decoder_start_token_id": 0}
+    else:
+        fields = {"d_model": 32, "encoder_ffn_dim": 64, "decoder_ffn_dim": 64, "encoder_layers": 2,
+                  "decoder_layers": 2, "encoder_attention_heads": 4, "decoder_attention_heads": 4,
+                  "max_position_embeddings": 64, "bos_token_id": 2, "decoder_start_token_id": 2,
+                  "forced_eos_token_id": None}  # fmt: skip
+    config = getattr(transformers, f"{family}Config")(**{**SEQ2SEQ, **fields, **overrides})
+    model = getattr(transformers, f"{family}ForConditionalGeneration")(config).eval()
+    return random_weights(model, seed, 0.5)
 
 
 def seeded_model(model_class, config, seed: int | None = 0) -> nn.Module:
