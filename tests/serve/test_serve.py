@@ -434,13 +434,15 @@ def rank_pids(process: subprocess.Popen) -> list[int]:
     return [pid for pid in children(process.pid) if "tpcore" in open(f"/proc/{pid}/cmdline").read()]
 
 
-@pytest.mark.slow  # a fresh interpreter and its ranks, twice
-@pytest.mark.parametrize("restart", [True, False], ids=["restarts", "no-restart"])
-def test_a_dead_rank_gives_503_then_the_ranks_start_again_and_sigterm_stops_them(tmp_path, restart):
+@pytest.mark.slow  # a fresh interpreter and its ranks, three times
+@pytest.mark.parametrize("after_loss", ["restarts", "no-restart", "exit-on-loss"])
+def test_a_dead_rank_gives_503_then_the_ranks_start_again_and_sigterm_stops_them(tmp_path, after_loss):
     """A rank killed: the request that meets it is answered 503. By default the server starts the ranks again from
     the directory (503 meanwhile) and then answers as before; with ``--no-restart`` it answers 503 from then on,
-    ``/health`` included, for a supervisor. SIGTERM leaves no rank behind, old or new."""
-    process, url = start_tpcore_serve(tmp_path, *(() if restart else ("--no-restart",)))
+    ``/health`` included, for a supervisor; with ``--exit-on-loss`` the process exits with status 3 and one line
+    saying why, for a supervisor to start it again. SIGTERM leaves no rank behind, old or new."""
+    process, url = start_tpcore_serve(tmp_path, *(() if after_loss == "restarts" else (f"--{after_loss}",)))
+    restart = after_loss == "restarts"
     try:
         wait_healthy(url, process)
         body = {"model": tmp_path.name, "prompt": "w5 w7", "max_tokens": 3, "temperature": 0}
@@ -457,6 +459,13 @@ def test_a_dead_rank_gives_503_then_the_ranks_start_again_and_sigterm_stops_them
             assert again.status_code == 200
             assert again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
             assert not set(rank_pids(process)) & set(ranks)
+        elif after_loss == "exit-on-loss":
+            assert process.wait(timeout=60) == 3
+            lines = process.stderr.read().splitlines()
+            assert lines[-1].startswith("tpcore serve: the ranks were lost (a rank died or hangs")
+            assert lines[-1].endswith("exiting for a supervisor to start it again")
+            assert not [pid for pid in ranks if alive(pid)]
+            return
         else:
             assert httpx.get(url + "/health", timeout=10).status_code == 503
             assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 503

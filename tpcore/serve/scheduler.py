@@ -88,6 +88,8 @@ class Scheduler:
         self.largest_batch = 0  # the most rows decoded together so far
         self.largest_prefill = 0  # the most prompts prefilled together so far
         self.stopping = False
+        #: called (from the engine thread, with the reason) once the ranks are lost and not started again
+        self.when_dead: Callable[[str], None] | None = None
         self.throughput = Throughput(logger, "tokens")
         self.thread = threading.Thread(target=self._run, name="tpcore-serve-engine", daemon=True)
 
@@ -155,6 +157,8 @@ class Scheduler:
         the ranks are started again (503 meanwhile) and the engine serves on (``True``)."""
         self._die(reason, admitted)
         if self.reload is None or self.stopping:
+            if self.when_dead is not None:
+                self.when_dead(reason)
             return False
         started = time.monotonic()
         handle = getattr(self.serving_model(), "_tpcore_handle", None)

@@ -21,9 +21,13 @@ from typing import Any
 from tpcore.serve.app import create_app
 from tpcore.serve.service import Limits, NotServable, Service
 
-__all__ = ["NotServable", "Server", "free_port", "load_model", "serve"]
+__all__ = ["NotServable", "RanksLost", "Server", "free_port", "load_model", "serve"]
 
 logger = logging.getLogger("tpcore.serve")
+
+
+class RanksLost(RuntimeError):
+    """The ranks were lost and the server stopped, for a supervisor to start it again (``exit_on_loss``)."""
 
 
 def load_model(directory: str, num_gpus: int, dtype: Any = None, compile: bool = False) -> tuple[Any, Any]:
@@ -103,12 +107,23 @@ class Server:
     :meth:`start` in a thread and :meth:`stop`."""
 
     def __init__(
-        self, service: Service, host="127.0.0.1", port=8000, api_key=None, max_body_bytes=1 << 20, graceful_s=10
+        self,
+        service: Service,
+        host="127.0.0.1",
+        port=8000,
+        api_key=None,
+        max_body_bytes=1 << 20,
+        graceful_s=10,
+        exit_on_loss=False,
     ):
         import uvicorn
 
         _warn_if_exposed(host, api_key)
         self.service = service
+        #: why the server stopped on its own: the ranks were lost (``exit_on_loss``)
+        self.lost: str | None = None
+        if exit_on_loss:
+            service.scheduler.when_dead = self._stop_on_loss
         app = create_app(service, api_key=api_key, max_body_bytes=max_body_bytes)
         config = uvicorn.Config(
             app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=graceful_s, lifespan="off"
@@ -118,13 +133,22 @@ class Server:
         self._thread: threading.Thread | None = None
 
     def run(self) -> None:
-        """Serve until Ctrl-C or SIGTERM, then stop the engine."""
+        """Serve until Ctrl-C or SIGTERM, then stop the engine; :class:`RanksLost` where the server stopped because
+        the ranks were lost (``exit_on_loss``)."""
         self.service.start()
         logger.info("serving %s on %s (OpenAI API under /v1)", self.service.name, self.url)
         try:
             self.uvicorn.run()
         finally:
             self.service.stop()
+        if self.lost is not None:
+            raise RanksLost(self.lost)
+
+    def _stop_on_loss(self, reason: str) -> None:
+        """The engine lost the ranks: the requests in flight have their 503; stop listening (uvicorn lets the
+        responses under way finish)."""
+        self.lost = reason
+        self.uvicorn.should_exit = True
 
     def start(self, timeout: float = 30.0) -> Server:
         """Serve from a thread; returns once the port listens."""
@@ -185,11 +209,13 @@ def serve(
     dtype: Any = None,
     compile: bool = False,
     restart: bool = True,
+    exit_on_loss: bool = False,
 ) -> None:
     """Load ``directory`` split over ``num_gpus`` ranks (0: whole, in this process) and serve it until Ctrl-C;
     ``compile``: compile the ranks' decode step first (minutes; :func:`load_model`); ``restart``: a lost rank
     (dead, or hung past the call timeout) starts the ranks again from ``directory`` (503 meanwhile), else the
-    server answers 503 from then on, ``/health`` included, for a supervisor to restart it."""
+    server answers 503 from then on, ``/health`` included, for a supervisor to restart it; ``exit_on_loss``: the
+    server answers the requests in flight 503, stops and raises :class:`RanksLost` (``tpcore serve`` exits 3)."""
     _configure_logging()
     api_key = api_key or os.environ.get("TPCORE_API_KEY") or None
     model, tokenizer = load_model(directory, num_gpus, dtype, compile)
@@ -200,8 +226,8 @@ def serve(
     service = None
     try:
         service = Service(model, tokenizer, name or Path(directory).name, limits, directory=directory,
-                          reload=reload if restart and num_gpus > 0 else None)  # fmt: skip
-        Server(service, host, port, api_key).run()
+                          reload=reload if restart and not exit_on_loss and num_gpus > 0 else None)  # fmt: skip
+        Server(service, host, port, api_key, exit_on_loss=exit_on_loss).run()
     finally:
         for served in {id(each): each for each in (model, service and service.model)}.values():
             handle = getattr(served, "_tpcore_handle", None)

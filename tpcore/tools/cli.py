@@ -167,7 +167,7 @@ def _check(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from tpcore.serve import Limits, serve  # imports torch, transformers, FastAPI and uvicorn
-    from tpcore.serve.server import NotServable
+    from tpcore.serve.server import NotServable, RanksLost
 
     limits = Limits(
         max_batch=args.max_batch,
@@ -177,10 +177,15 @@ def _serve(args: argparse.Namespace) -> int:
     )
     try:
         serve(args.model, args.num_gpus, args.host, args.port, api_key=args.api_key, name=args.name, limits=limits,
-              compile=args.compile, restart=not args.no_restart)  # fmt: skip
+              compile=args.compile, restart=not args.no_restart, exit_on_loss=args.exit_on_loss)  # fmt: skip
     except NotServable as refusal:
         print(f"tpcore serve: {refusal}", file=sys.stderr)
         return 2
+    except RanksLost as lost:
+        reason = (str(lost).splitlines() or ["no reason given"])[0]
+        print(f"tpcore serve: the ranks were lost ({reason}): exiting for a supervisor to start it again",
+              file=sys.stderr)  # fmt: skip
+        return 3
     return 0
 
 
@@ -204,6 +209,12 @@ def _add_serve(commands: Any) -> None:
         action="store_true",
         help="a lost rank leaves the server answering 503 (/health too) for a supervisor to restart it, instead of "
         "starting the ranks again",
+    )
+    serve.add_argument(
+        "--exit-on-loss",
+        action="store_true",
+        help="a lost rank: answer the requests in flight 503, stop the ranks and exit with status 3, for a "
+        "supervisor (systemd, Kubernetes) to start the server again",
     )
     serve.set_defaults(run=_serve)
 
