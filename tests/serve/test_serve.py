@@ -12,6 +12,7 @@ dead rank into 503s.
 from __future__ import annotations
 
 import concurrent.futures
+import io
 import json
 import os
 import re
@@ -23,6 +24,7 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy
 import openai
 import pytest
 import torch
@@ -234,6 +236,111 @@ def test_a_translator_saved_in_a_directory_serves_8_concurrent_completions_each_
         assert answers == expected and len(set(expected)) > 4
         with pytest.raises(openai.BadRequestError, match="no chat template"):
             client.chat.completions.create(model="tiny-t5", messages=[{"role": "user", "content": "w5"}])
+    finally:
+        running.stop()
+        model.deparallelize()
+
+
+#: a tiny Whisper's special tokens (tp-audio's): end of text, start of transcript, English, German, translate,
+#: transcribe, no timestamps
+EOS, START, ENGLISH, GERMAN, TRANSLATE, TRANSCRIBE, NO_TIMESTAMPS = range(50, 57)
+
+
+def tiny_whisper_directory(directory: Path) -> transformers.WhisperForConditionalGeneration:
+    """A random Whisper (16 mel bins, a window of 1 s at 16 kHz: 32 frames) saved in ``directory`` with its feature
+    extractor, a word tokenizer of its 1024 ids (the special tokens marked special) and a multilingual generation
+    config; the model returned, whole."""
+    config = transformers.WhisperConfig(
+        d_model=48, encoder_attention_heads=6, decoder_attention_heads=4, encoder_layers=2, decoder_layers=2,
+        encoder_ffn_dim=40, decoder_ffn_dim=40, vocab_size=1024, num_mel_bins=16, max_source_positions=16,
+        max_target_positions=40, pad_token_id=EOS, bos_token_id=EOS, eos_token_id=EOS, decoder_start_token_id=START,
+        begin_suppress_tokens=None, suppress_tokens=None, init_std=0.2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.WhisperForConditionalGeneration(config).eval()
+    model.generation_config = transformers.GenerationConfig(
+        decoder_start_token_id=START, eos_token_id=EOS, pad_token_id=EOS, is_multilingual=True,
+        lang_to_id={"<|en|>": ENGLISH, "<|de|>": GERMAN}, task_to_id={"translate": TRANSLATE, "transcribe": TRANSCRIBE},
+        no_timestamps_token_id=NO_TIMESTAMPS, max_initial_timestamp_index=8, begin_suppress_tokens=[EOS],
+        suppress_tokens=[], max_length=config.max_target_positions,
+    )  # fmt: skip
+    model.save_pretrained(directory)
+    transformers.WhisperFeatureExtractor(
+        feature_size=16, sampling_rate=16000, hop_length=500, chunk_length=1, n_fft=1000
+    ).save_pretrained(directory)
+    words = word_tokenizer(1024)
+    words.add_special_tokens({"additional_special_tokens": [f"w{token}" for token in range(EOS, NO_TIMESTAMPS + 1)]})
+    words.save_pretrained(directory)
+    return model
+
+
+def wav(samples, rate: int = 16000) -> bytes:
+    import soundfile
+
+    buffer = io.BytesIO()
+    soundfile.write(buffer, samples, rate, format="WAV", subtype="PCM_16")
+    return buffer.getvalue()
+
+
+@pytest.mark.slow  # its own 2-rank world
+def test_a_speech_model_saved_in_a_directory_serves_8_concurrent_transcriptions_each_its_solo_text(tmp_path):
+    """``tpcore serve`` of a Whisper directory over 2 ranks: 8 concurrent uploads (WAV at 16 and 8 kHz, in German,
+    English or the model's choice of language; json, text, verbose_json, srt and vtt) transcribed in batched
+    ``generate()`` calls, each the text the unsplit model gives for that audio alone; a file that is no audio,
+    audio over the window, an unknown language and a completion are refused 400 with a message."""
+    from tpcore.serve.transcription import read_audio
+
+    reference = tiny_whisper_directory(tmp_path)
+    features_of = transformers.WhisperFeatureExtractor.from_pretrained(tmp_path)
+    words = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    model, tokenizer = load_model(str(tmp_path), 2)
+    service = Service(model, tokenizer, "tiny-whisper", directory=str(tmp_path))
+    running = Server(service, port=free_port()).start()
+    noise = numpy.random.default_rng(0)
+    rates = [8000 if i % 3 == 0 else 16000 for i in range(8)]
+    uploads = [wav(noise.uniform(-0.5, 0.5, (4000 + 1500 * i) * rates[i] // 16000).astype("float32"), rates[i])
+               for i in range(8)]  # 0.25 to 0.9 s  # fmt: skip
+    languages = [None, "de", "en", "de", None, "en", "de", None]
+    formats = ["json", "text", "verbose_json", "srt", "vtt", "json", "text", "json"]
+
+    def alone(i: int) -> str:
+        features = features_of(read_audio(uploads[i], 16000), sampling_rate=16000, return_tensors="pt")
+        options = {"language": languages[i]} if languages[i] else {}
+        ids = reference.generate(input_features=features.input_features, **options)
+        return words.decode(ids[0], skip_special_tokens=True).strip()
+
+    try:
+        client = openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0)
+
+        def ask(i: int):
+            options = {"language": languages[i]} if languages[i] else {}
+            return client.audio.transcriptions.create(
+                model="tiny-whisper", file=(f"{i}.wav", uploads[i]), response_format=formats[i], **options
+            )
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool_:
+            answers = list(pool_.map(ask, range(8)))
+        expected = [alone(i) for i in range(8)]
+        assert len(set(expected)) > 5 and service.scheduler.largest_batch > 1  # some shared a generate() call
+        for i, answer in enumerate(answers):
+            if formats[i] in ("json", "verbose_json"):
+                assert answer.text == expected[i], i
+            elif formats[i] == "text":
+                assert answer == expected[i], i
+            else:
+                assert answer.splitlines()[-1] == expected[i] and "00:00:00" in answer, i
+        verbose = answers[2]
+        assert verbose.language == "en" and verbose.duration == pytest.approx(7000 / 16000)
+        refusals = [
+            ({"file": ("x.wav", b"not audio at all")}, "no audio this server reads"),
+            ({"file": ("long.wav", wav(numpy.zeros(20000, "float32")))}, "window of 1 s"),
+            ({"file": ("a.wav", uploads[0]), "language": "fr"}, "knows no language 'fr'"),
+        ]
+        for fields, message in refusals:
+            with pytest.raises(openai.BadRequestError, match=message):
+                client.audio.transcriptions.create(model="tiny-whisper", **fields)
+        with pytest.raises(openai.BadRequestError, match="serves /v1/audio/transcriptions only"):
+            client.completions.create(model="tiny-whisper", prompt="w5")
     finally:
         running.stop()
         model.deparallelize()

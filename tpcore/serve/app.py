@@ -1,19 +1,21 @@
 """The HTTP side: FastAPI routes with the OpenAI API's paths and shapes, errors as OpenAI error bodies.
 
 ``POST /v1/completions``, ``/v1/chat/completions`` (``stream: true``: server-sent events, one per text delta,
-then ``data: [DONE]``), ``/v1/embeddings``; ``GET /v1/models``, ``/health``. Every refusal is a 4xx (5xx for the
+then ``data: [DONE]``), ``/v1/embeddings``, ``/v1/audio/transcriptions`` (for a speech-to-text model: a multipart
+upload); ``GET /v1/models``, ``/health``. Every refusal is a 4xx (5xx for the
 server's own failures) with ``{"error": {"message", "type", "param", "code"}}``; with an ``api_key`` every
 ``/v1`` route asks for ``Authorization: Bearer <key>``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI, File, Form, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
@@ -30,6 +32,7 @@ from tpcore.serve.schemas import (
     completion_chunk,
     completion_response,
     embedding_response,
+    transcription_response,
 )
 from tpcore.serve.service import Service
 
@@ -113,17 +116,17 @@ def create_app(service: Service, api_key: str | None = None, max_body_bytes: int
 
     @app.post("/v1/completions", dependencies=guarded, responses=_POST_ERRORS)
     async def completions(body: CompletionRequest) -> Any:
-        service.check_model(body.model, generation=True)
+        service.check_model(body.model, "generate")
         return await _generate(service, service.completion(body), body.stream, chat=False)
 
     @app.post("/v1/chat/completions", dependencies=guarded, responses=_POST_ERRORS)
     async def chat_completions(body: ChatRequest) -> Any:
-        service.check_model(body.model, generation=True)
+        service.check_model(body.model, "generate")
         return await _generate(service, service.chat(body), body.stream, chat=True)
 
     @app.post("/v1/embeddings", dependencies=guarded, responses=_POST_ERRORS)
     async def embeddings(body: EmbeddingRequest) -> Any:
-        service.check_model(body.model, generation=False)
+        service.check_model(body.model, "embed")
         async for event in service.events(service.embedding_inputs(body.texts())):
             if isinstance(event, Finished):
                 return embedding_response(
@@ -131,8 +134,31 @@ def create_app(service: Service, api_key: str | None = None, max_body_bytes: int
                 )
         raise ServeError("no embeddings came back")
 
+    if service.kind == "transcribe":
+        _add_transcriptions(app, service, guarded)
     app.openapi = lambda: _without_unanswered(FastAPI.openapi(app))  # type: ignore[method-assign]
     return app
+
+
+def _add_transcriptions(app: FastAPI, service: Service, guarded: list) -> None:
+    """``POST /v1/audio/transcriptions`` (a multipart upload, as OpenAI's), for a speech-to-text model."""
+
+    @app.post("/v1/audio/transcriptions", dependencies=guarded, responses=_POST_ERRORS)
+    async def transcriptions(
+        file: Annotated[UploadFile, File(description="the audio: WAV, FLAC, Ogg or MP3")],
+        model: Annotated[str, Form()],
+        language: Annotated[str | None, Form(min_length=1)] = None,
+        prompt: Annotated[str | None, Form()] = None,
+        response_format: Annotated[Literal["json", "text", "verbose_json", "srt", "vtt"], Form()] = "json",
+        temperature: Annotated[float, Form(ge=0.0, le=1.0)] = 0.0,
+    ) -> Any:
+        service.check_model(model, "transcribe")
+        audio = await file.read()
+        payload = await asyncio.to_thread(service.transcription, audio, language, temperature)
+        async for event in service.events(payload):
+            if isinstance(event, Finished) and event.transcript is not None:
+                return transcription_response(event.transcript, response_format, temperature)
+        raise ServeError("no transcript came back")
 
 
 def _without_unanswered(document: dict[str, Any]) -> dict[str, Any]:
@@ -211,18 +237,20 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 class BodyLimit:
-    """ASGI middleware: a request body over ``max_bytes`` (declared, or as it arrives) is answered 413."""
+    """ASGI middleware: a request body over ``max_bytes`` (``max_upload_bytes`` for an audio upload), declared or as
+    it arrives, is answered 413."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app: ASGIApp, max_bytes: int, max_upload_bytes: int = 25 << 20):
+        self.app, self.max_bytes, self.max_upload_bytes = app, max_bytes, max_upload_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = self.max_upload_bytes if scope.get("path") in UPLOADS else self.max_bytes
         declared = dict(scope.get("headers", ())).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._refuse(scope, receive, send)
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await self._refuse(scope, receive, send, limit)
             return
         received = 0
 
@@ -230,12 +258,16 @@ class BodyLimit:
             nonlocal received
             message = await receive()
             received += len(message.get("body", b""))
-            if received > self.max_bytes:
-                raise TooLarge(f"the request body is over {self.max_bytes} bytes")
+            if received > limit:
+                raise TooLarge(f"the request body is over {limit} bytes")
             return message
 
         await self.app(scope, counting, send)
 
-    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
-        response = error_body(413, f"the request body is over {self.max_bytes} bytes", "invalid_request_error")
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send, limit: int) -> None:
+        response = error_body(413, f"the request body is over {limit} bytes", "invalid_request_error")
         await response(scope, receive, send)
+
+
+#: the routes that take file uploads (a larger body limit: OpenAI's 25 MiB)
+UPLOADS = ("/v1/audio/transcriptions",)

@@ -10,20 +10,15 @@ length 1.
 from __future__ import annotations
 
 import json
-import logging
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from tpcore.serve.requests import Failed, Finished, InternalError, Request
-from tpcore.serve.scheduler import RANKS_LOST, Scheduler
-from tpcore.serve.stats import Throughput
+from tpcore.serve.requests import Finished, Request
+from tpcore.serve.whole_requests import WholeRequests
 
 __all__ = ["EmbeddingScheduler", "pooling_mode"]
-
-logger = logging.getLogger("tpcore.serve")
 
 
 def pooling_mode(directory: str | None) -> str:
@@ -46,59 +41,22 @@ def pool(hidden: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
     return torch.nn.functional.normalize(vectors.float(), p=2, dim=-1)
 
 
-class EmbeddingScheduler(Scheduler):
+class EmbeddingScheduler(WholeRequests):
     """Batches embedding requests (payload: a list of texts) on an encoder ``model`` in one engine thread."""
 
-    def __init__(
-        self,
-        model: Any,
-        tokenizer: Any,
-        max_batch: int = 64,
-        max_queue: int = 64,
-        pooling: str = "mean",
-        reload: Callable[[], Any] | None = None,
-    ):
-        super().__init__(model, tokenizer, set(), max_batch=max_batch, max_queue=max_queue, reload=reload)
-        self.model, self.pooling = model, pooling
-        self.throughput = Throughput(logger, "inputs")
+    task = "embedding"
 
-    def serving_model(self) -> Any:
-        return self.model
+    def __init__(self, model: Any, tokenizer: Any, pooling: str = "mean", **options: Any):
+        """``options``: :class:`~tpcore.serve.whole_requests.WholeRequests`' (``max_batch``, ``max_queue``,
+        ``reload``)."""
+        super().__init__(model, tokenizer, **options)
+        self.pooling = pooling
 
-    def use_model(self, model: Any) -> None:
-        self.model = model
+    def units(self, request: Request) -> int:
+        return len(request.payload)
 
-    def _run(self) -> None:
-        with torch.inference_mode():
-            while (requests := self._take()) is not None:
-                requests = [request for request in requests if not request.cancelled]
-                if not requests:
-                    continue
-                try:
-                    self._embed(requests)
-                except RANKS_LOST as error:
-                    if not self._lost(f"a rank died or hangs: {error}", requests):
-                        return
-                except Exception as error:
-                    logger.exception("an embedding step failed")
-                    for request in requests:
-                        request.push(Failed(InternalError(f"embedding failed: {error}")))
-
-    def _take(self) -> list[Request] | None:
-        """Every waiting request up to ``max_batch`` inputs (at least one); ``None`` when stopping."""
-        with self.wake:
-            while not self.stopping and not self.waiting:
-                self.throughput.idle()
-                self.wake.wait(timeout=1.0)
-            if self.stopping:
-                self._refuse_waiting()
-                return None
-            taken: list[Request] = []
-            inputs = 0
-            while self.waiting and (not taken or inputs + len(self.waiting[0].payload) <= self.max_batch):
-                taken.append(self.waiting.popleft())
-                inputs += len(taken[-1].payload)
-            return taken
+    def answer(self, requests: list[Request]) -> None:
+        self._embed(requests)
 
     def _embed(self, requests: list[Request]) -> None:
         texts = [text for request in requests for text in request.payload]

@@ -22,6 +22,7 @@ __all__ = [
     "QueueFull",
     "Request",
     "ServeError",
+    "Transcript",
     "Unavailable",
 ]
 
@@ -67,14 +68,26 @@ class Delta:
 
 
 @dataclass(frozen=True)
+class Transcript:
+    """A transcription's result: its text, the tokens of it (special ones left out), the audio's seconds and the
+    language asked for."""
+
+    text: str
+    tokens: list[int]
+    seconds: float
+    language: str | None = None
+
+
+@dataclass(frozen=True)
 class Finished:
     """The end of a request: ``reason`` (``"stop"``, ``"length"``; ``None`` for embeddings), its counts and,
-    for embeddings, the vectors."""
+    for embeddings, the vectors, for a transcription its :class:`Transcript`."""
 
     reason: str | None
     prompt_tokens: int
     completion_tokens: int = 0
     embeddings: list[list[float]] | None = None
+    transcript: Transcript | None = None
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ __all__ = [
     "completion_chunk",
     "completion_response",
     "embedding_response",
+    "transcription_response",
 ]
 
 
@@ -140,3 +141,30 @@ def embedding_response(model: str, vectors: list[list[float]], encoding: str, pr
         "model": model,
         "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
     }
+
+
+def transcription_response(transcript: Any, response_format: str, temperature: float) -> Any:
+    """A transcription as ``response_format`` asks: ``json`` ``{"text"}``, ``verbose_json`` (the language asked
+    for, the audio's duration, one segment over the whole audio with its tokens), or plain text: ``text``, or one
+    ``srt`` / ``vtt`` cue over the whole audio."""
+    from fastapi.responses import PlainTextResponse
+
+    text, seconds = transcript.text, transcript.seconds
+    if response_format == "json":
+        return {"text": text}
+    if response_format == "verbose_json":
+        segment = {"id": 0, "seek": 0, "start": 0.0, "end": seconds, "text": text, "tokens": transcript.tokens,
+                   "temperature": temperature}  # fmt: skip
+        language = transcript.language or ""
+        return {"task": "transcribe", "language": language, "duration": seconds, "text": text, "segments": [segment]}
+    if response_format == "srt":
+        return PlainTextResponse(f"1\n{_clock(0.0, ',')} --> {_clock(seconds, ',')}\n{text}\n")
+    if response_format == "vtt":
+        return PlainTextResponse(f"WEBVTT\n\n{_clock(0.0, '.')} --> {_clock(seconds, '.')}\n{text}\n")
+    return PlainTextResponse(text)
+
+
+def _clock(seconds: float, separator: str) -> str:
+    """``hh:mm:ss<separator>mmm``."""
+    millis = round(seconds * 1000)
+    return f"{millis // 3600000:02d}:{millis // 60000 % 60:02d}:{millis // 1000 % 60:02d}{separator}{millis % 1000:03d}"

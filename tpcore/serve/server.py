@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from tpcore.serve.app import create_app
-from tpcore.serve.service import Limits, NotServable, Service
+from tpcore.serve.service import Limits, NotServable, Service, refuse_unbatchable_cache
 
-__all__ = ["NotServable", "RanksLost", "Server", "free_port", "load_model", "serve"]
+__all__ = ["NotServable", "RanksLost", "Server", "free_port", "load_model", "refuse_unbatchable_cache", "serve"]
 
 logger = logging.getLogger("tpcore.serve")
 
@@ -43,22 +43,26 @@ def load_model(directory: str, num_gpus: int, dtype: Any = None, compile: bool =
     config = transformers.AutoConfig.from_pretrained(directory)
     architectures = getattr(config, "architectures", None) or []
     generates = any(name.endswith(("ForCausalLM", "LMHeadModel")) for name in architectures)
-    translates = getattr(config, "is_encoder_decoder", False) and bool(architectures)
+    encoder_decoder = getattr(config, "is_encoder_decoder", False) and bool(architectures)
+    translates = encoder_decoder and type(config) in transformers.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING
+    transcribes = encoder_decoder and type(config) in transformers.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING
     if generates:
         refuse_unbatchable_cache(config, architectures[0])
-    elif translates and type(config) not in transformers.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING:
+    elif encoder_decoder and not (translates or transcribes):
         raise NotServable(
-            f"{architectures[0]} is an encoder-decoder of other inputs than text (speech, images): tpcore serve "
-            "takes text prompts; split it with tpcore.parallelize() and call generate()"
+            f"{architectures[0]} is an encoder-decoder of other inputs than text and speech (images): tpcore serve "
+            "takes text prompts and audio; split it with tpcore.parallelize() and call generate()"
         )
     tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
-    auto = (
-        transformers.AutoModelForCausalLM
-        if generates
-        else transformers.AutoModelForSeq2SeqLM
-        if translates
-        else transformers.AutoModel
-    )
+    auto: Any
+    if generates:
+        auto = transformers.AutoModelForCausalLM
+    elif translates:
+        auto = transformers.AutoModelForSeq2SeqLM
+    elif transcribes:
+        auto = transformers.AutoModelForSpeechSeq2Seq
+    else:
+        auto = transformers.AutoModel
     if compile and (num_gpus == 0 or not generates):
         raise NotServable(
             "--compile compiles the ranks' decode step: it needs a decoder-only model that generates text, split "
@@ -70,30 +74,6 @@ def load_model(directory: str, num_gpus: int, dtype: Any = None, compile: bool =
     if compile:
         compile_ranks(model, warm_ups=warm_ups())  # on failure the ranks stop before the error is raised
     return model, tokenizer
-
-
-def refuse_unbatchable_cache(config: Any, architecture: str) -> None:
-    """Raise :class:`NotServable` where a decoder's cache has a layer the running batch cannot keep
-    (:mod:`tpcore.served.cache_batches`): it keeps attention layers (sliding-window ones as full ones, their window
-    kept by the attention mask), state layers (Mamba, Mamba2, gated DeltaNet: one state per row) and layers that
-    keep nothing."""
-    from transformers.cache_utils import (
-        DYNAMIC_LAYER_TYPE_MAPPING,
-        DummyLayer,
-        DynamicLayer,
-        LinearAttentionCacheLayerMixin,
-        get_layer_types_and_kwargs,
-    )
-
-    layer_types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
-    kept = (DynamicLayer, LinearAttentionCacheLayerMixin, DummyLayer)
-    for index, kind in enumerate(layer_types):
-        layer_class = DYNAMIC_LAYER_TYPE_MAPPING.get(kind)
-        if layer_class is None or not issubclass(layer_class, kept):
-            raise NotServable(
-                f"{architecture} keeps a cache layer the running batch cannot keep ({kind!r}, layer {index}): split "
-                "it with tpcore.parallelize() and call generate()"
-            )
 
 
 def free_port(host: str = "127.0.0.1") -> int:

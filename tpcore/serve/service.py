@@ -22,8 +22,9 @@ from tpcore.serve.embeddings import EmbeddingScheduler, pooling_mode
 from tpcore.serve.requests import Delta, Failed, Finished, NotFound, Request, ServeError
 from tpcore.serve.scheduler import Generation, Scheduler
 from tpcore.serve.schemas import ChatRequest, CompletionRequest
+from tpcore.serve.transcription import Transcription, TranscriptionScheduler, read_audio
 
-__all__ = ["Limits", "NotServable", "Service"]
+__all__ = ["Limits", "NotServable", "Service", "refuse_unbatchable_cache"]
 
 logger = logging.getLogger("tpcore.serve")
 
@@ -45,9 +46,18 @@ class Limits:
     default_max_tokens: int = 256
 
 
+#: what a model serves, by kind, and the endpoints of each
+ENDPOINTS = {
+    "generate": "/v1/completions and /v1/chat/completions",
+    "embed": "/v1/embeddings",
+    "transcribe": "/v1/audio/transcriptions",
+}
+
+
 class Service:
     """``model`` (with ``tokenizer``) served under the name ``name``; ``directory`` is where it was loaded from;
-    ``reload`` makes the model again, its ranks started anew, once they are lost (else 503 from then on)."""
+    ``reload`` makes the model again, its ranks started anew, once they are lost (else 503 from then on). A
+    speech-to-text model also needs its ``feature_extractor`` (else the directory's is loaded)."""
 
     def __init__(
         self,
@@ -57,23 +67,25 @@ class Service:
         limits: Limits | None = None,
         directory: str | None = None,
         reload: Callable[[], Any] | None = None,
+        feature_extractor: Any = None,
     ):
         self.tokenizer, self.name = tokenizer, name
         self.limits = limits or Limits()
         self.created = int(time.time())
         config = getattr(model, "config", None)
-        self.generates = bool(getattr(model, "can_generate", lambda: False)())
-        if self.generates and getattr(model, "main_input_name", "input_ids") != "input_ids":
-            raise NotServable(
-                f"{type(model).__name__} generates from {model.main_input_name}, not text: tpcore serve takes text "
-                "prompts; call generate() on it"
-            )
+        self.kind = _kind(model)
+        self.generates = self.kind == "generate"
         self.max_model_len = self.limits.max_model_len or getattr(config, "max_position_embeddings", None) or 2048
-        if self.generates:
+        self.scheduler: Scheduler
+        if self.kind == "generate":
             _check_batching(model)
-            self.scheduler: Scheduler = Scheduler(
+            self.scheduler = Scheduler(
                 model, tokenizer, _eos_ids(model, tokenizer), self.limits.max_batch, self.limits.max_queue, reload
             )
+        elif self.kind == "transcribe":
+            self.feature_extractor = _feature_extractor(model, directory, feature_extractor)
+            self.scheduler = TranscriptionScheduler(model, tokenizer, self.limits.max_batch, self.limits.max_queue,
+                                                    reload)  # fmt: skip
         else:
             self.scheduler = EmbeddingScheduler(
                 model, tokenizer, max_queue=self.limits.max_queue, pooling=pooling_mode(directory), reload=reload
@@ -94,13 +106,32 @@ class Service:
     def stop(self) -> None:
         self.scheduler.stop()
 
-    def check_model(self, name: str, generation: bool) -> None:
+    def check_model(self, name: str, kind: str) -> None:
+        """Refuse a request for another model than ``name``, or of a ``kind`` (``generate``, ``embed``,
+        ``transcribe``) this model does not serve."""
         if name != self.name:
             raise NotFound(f"the model '{name}' does not exist: this server serves '{self.name}'", "model")
-        if generation and not self.generates:
-            raise ServeError(f"'{self.name}' is an encoder: it serves /v1/embeddings only", "model")
-        if not generation and self.generates:
-            raise ServeError(f"'{self.name}' generates text: it serves completions, not embeddings", "model")
+        if kind != self.kind:
+            raise ServeError(f"'{self.name}' serves {ENDPOINTS[self.kind]} only", "model")
+
+    def transcription(self, audio: bytes, language: str | None, temperature: float) -> Transcription:
+        """The input of a transcription request: the upload read, resampled and turned into features."""
+        rate = self.feature_extractor.sampling_rate
+        samples = read_audio(audio, rate)
+        window = self.feature_extractor.n_samples / rate
+        if len(samples) > self.feature_extractor.n_samples:
+            raise ServeError(
+                f"the audio is {len(samples) / rate:.1f} s long; this server transcribes up to the model's window of "
+                f"{window:g} s a request",
+                "file",
+            )
+        if language is not None:
+            known = getattr(getattr(self.model, "generation_config", None), "lang_to_id", None) or {}
+            if f"<|{language}|>" not in known:
+                raise ServeError(f"'{self.name}' knows no language '{language}' (ISO-639-1 codes: en, de, ...)",
+                                 "language")  # fmt: skip
+        features = self.feature_extractor(samples, sampling_rate=rate, return_tensors="pt").input_features[0]
+        return Transcription(features, len(samples) / rate, language, temperature)
 
     def completion(self, body: CompletionRequest) -> Generation:
         prompt: Any = body.prompt
@@ -161,9 +192,67 @@ class Service:
             request.cancel()
 
 
+def _kind(model: Any) -> str:
+    """What ``model`` serves: ``generate`` (text from text), ``transcribe`` (text from audio features) or ``embed``;
+    :class:`NotServable` for a model that generates from other inputs."""
+    if not getattr(model, "can_generate", lambda: False)():
+        return "embed"
+    main_input = getattr(model, "main_input_name", "input_ids")
+    if main_input == "input_ids":
+        return "generate"
+    if main_input == "input_features":
+        return "transcribe"
+    raise NotServable(
+        f"{type(model).__name__} generates from {main_input}, not text or audio: tpcore serve takes text prompts and "
+        "audio uploads; call generate() on it"
+    )
+
+
+def _feature_extractor(model: Any, directory: str | None, given: Any) -> Any:
+    """``given``, else the feature extractor saved in ``directory``; :class:`NotServable` where there is none, or
+    where the audio libraries are missing."""
+    from transformers import AutoFeatureExtractor
+
+    try:
+        import scipy.signal  # noqa: F401
+        import soundfile  # noqa: F401
+    except ImportError as error:
+        raise NotServable(f"{type(model).__name__} transcribes audio, which needs tpcore[audio] (soundfile, scipy): "
+                          f"{error}") from error  # fmt: skip
+    if given is not None:
+        return given
+    if not directory:
+        raise NotServable(f"{type(model).__name__} transcribes audio: give Service its feature_extractor")
+    try:
+        return AutoFeatureExtractor.from_pretrained(directory)
+    except (OSError, ValueError) as error:
+        reason = (str(error).splitlines() or [""])[0]
+        raise NotServable(f"{type(model).__name__} transcribes audio: its directory needs a feature extractor "
+                          f"(preprocessor_config.json): {reason}") from error  # fmt: skip
+
+
+def refuse_unbatchable_cache(config: Any, architecture: str) -> None:
+    """Raise :class:`NotServable` where a decoder's cache has a layer the running batch cannot keep
+    (:mod:`tpcore.served.cache_batches`): it keeps attention layers (sliding-window ones as full ones, their window
+    kept by the attention mask), state layers (Mamba, Mamba2, gated DeltaNet: one state per row) and layers that
+    keep nothing."""
+    from tpcore.served.cache_batches import unkept_layer
+
+    unkept = unkept_layer(config)
+    if unkept is not None:
+        index, kind, why = unkept
+        raise NotServable(
+            f"{architecture} keeps a cache layer the running batch cannot keep ({kind!r}, layer {index}: {why}): "
+            "split it with tpcore.parallelize() and call generate()"
+        )
+
+
 def _check_batching(model: Any) -> None:
     """Raise :class:`NotServable` where the running batch cannot drive ``model``'s forward
-    (:func:`~tpcore.serve.batch.check_batching`), rather than failing every request."""
+    (:func:`~tpcore.serve.batch.check_batching`), or whose cache it cannot keep (:func:`refuse_unbatchable_cache`),
+    rather than failing every request."""
+    if not getattr(model.config, "is_encoder_decoder", False):
+        refuse_unbatchable_cache(model.config, type(model).__name__)
     try:
         check_batching(model)
     except (WorkerDiedError, TimeoutError):
@@ -182,6 +271,8 @@ class TimedOut(ServeError):
 
 
 def _counts(event: Finished) -> str:
+    if event.transcript is not None:
+        return f"{event.transcript.seconds:.1f} s of audio, {event.completion_tokens} tokens"
     if event.embeddings is not None:
         return f"{len(event.embeddings)} embeddings of {event.prompt_tokens} tokens"
     return f"{event.reason}, {event.prompt_tokens} prompt + {event.completion_tokens} new tokens"

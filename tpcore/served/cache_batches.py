@@ -26,9 +26,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers import DynamicCache
+import transformers
+from transformers import DynamicCache, cache_utils
 from transformers.cache_utils import (
-    DummyLayer,
     DynamicLayer,
     LinearAttentionAndFullAttentionLayer,
     LinearAttentionCacheLayerMixin,
@@ -36,7 +36,8 @@ from transformers.cache_utils import (
     get_layer_types_and_kwargs,
 )
 
-__all__ = ["BATCHED_LAYERS", "OPERATIONS", "attends", "batch_cache", "concatenate_batches", "drop_leading", "keep_rows"]
+__all__ = ["BATCHED_LAYERS", "OPERATIONS", "attends", "batch_cache", "concatenate_batches", "drop_leading",
+           "keep_rows", "unkept_layer"]  # fmt: skip
 
 #: the cache layer a running batch keeps for each layer type of a config: sliding-window and chunked layers as full
 #: ones (the attention mask keeps their window), state layers as transformers makes them
@@ -48,24 +49,56 @@ BATCHED_LAYERS: dict[str, type] = {
     "conv": LinearAttentionLayer,
     "hybrid": LinearAttentionAndFullAttentionLayer,
     "hybrid_sliding": LinearAttentionAndFullAttentionLayer,
-    "dummy": DummyLayer,
+}
+#: layers without attention, as this transformers keeps them (``DummyLayer`` since 5.2x, an unused state layer before)
+BATCHED_LAYERS |= {
+    kind: cache_utils.DYNAMIC_LAYER_TYPE_MAPPING[kind]
+    for kind in ("dummy", "moe", "mlp")
+    if kind in cache_utils.DYNAMIC_LAYER_TYPE_MAPPING
 }
 #: layer types a plain ``DynamicCache`` keeps as they come (each a full-attention layer, made as the model fills it)
 ATTENTION_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+#: layer types whose layers keep a state per row
+STATE_TYPES = ("linear_attention", "conv", "hybrid", "hybrid_sliding")
+#: whether this transformers' state layers count the positions they have seen (``cumulative_length_linear``)
+STATES_COUNT_POSITIONS = hasattr(LinearAttentionLayer(), "cumulative_length_linear")
+#: the layer classes that keep nothing (none in a transformers older than 5.2x)
+_KEEPS_NOTHING = tuple(getattr(cache_utils, name) for name in ("DummyLayer",) if hasattr(cache_utils, name))
+
+
+def _layer_types(config: Any) -> tuple[list[str], list[dict[str, Any]]]:
+    """The layer types of ``config``'s decoder and each layer's keyword arguments (transformers < 5.2x gives one
+    dict for all)."""
+    layer_types, layer_kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    if isinstance(layer_kwargs, dict):
+        layer_kwargs = [layer_kwargs] * len(layer_types)
+    return list(layer_types), list(layer_kwargs)
+
+
+def unkept_layer(config: Any) -> tuple[int, str, str] | None:
+    """The first layer of ``config``'s decoder that a running batch cannot keep: ``(index, type, why)``, else
+    ``None``. It keeps the types of :data:`BATCHED_LAYERS` and any kind of full-attention layer; state layers only
+    where transformers counts the positions they have seen (from which a model takes its next ``cache_position``)."""
+    for index, kind in enumerate(_layer_types(config)[0]):
+        layer_class = cache_utils.DYNAMIC_LAYER_TYPE_MAPPING.get(kind)
+        if kind not in BATCHED_LAYERS and not (layer_class is not None and issubclass(layer_class, DynamicLayer)):
+            return index, kind, "a layer the running batch has no operations for"
+        if kind in STATE_TYPES and not STATES_COUNT_POSITIONS:
+            return index, kind, f"transformers {transformers.__version__}'s state layers count no positions"
+    return None
 
 
 def attends(config: Any) -> bool:
     """Whether ``config``'s decoder has an attention layer (its forward masks the past, ``(B, L + q)``); a decoder of
     state layers alone takes the mask of its new positions ``(B, q)`` (Mamba's mixers multiply their inputs by it)."""
-    layer_types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
-    return any(kind not in ("linear_attention", "conv", "dummy") for kind in layer_types)
+    return any(kind not in ("linear_attention", "conv", "dummy", "moe", "mlp") for kind in _layer_types(config)[0])
 
 
 def batch_cache(config: Any) -> DynamicCache:
     """An empty cache for a running batch of ``config``'s decoder: a plain ``DynamicCache`` where every layer is an
     attention layer (or of a type :data:`BATCHED_LAYERS` does not name), else one layer of :data:`BATCHED_LAYERS` per
     layer (state layers, layers that keep nothing)."""
-    layer_types, layer_kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    layer_types, layer_kwargs = _layer_types(config)
     if all(kind in ATTENTION_TYPES for kind in layer_types) or not all(kind in BATCHED_LAYERS for kind in layer_types):
         return DynamicCache()
     layers = []
@@ -94,7 +127,7 @@ def _batched_layers(cache: Any) -> list[Any]:
             not getattr(layer, "is_sliding", False) and isinstance(getattr(layer, "keys", None), torch.Tensor)
         )
         state_ok = not _has_state(layer) or not layer.record_past
-        known = _has_attention(layer) or _has_state(layer) or isinstance(layer, DummyLayer)
+        known = _has_attention(layer) or _has_state(layer) or isinstance(layer, _KEEPS_NOTHING)
         if not (attention_ok and state_ok and known):
             raise ValueError(
                 f"{type(cache).__name__} layer {type(layer).__name__}: only initialized full-attention layers "
@@ -137,8 +170,8 @@ def concatenate_batches(cache: Any, *others: Any) -> None:
         if _has_state(layer):
             for name, state in _state_tensors(layer):
                 getattr(layer, name)[state] = torch.cat([getattr(part, name)[state] for part in parts], dim=0)
-            seen = max(int(part.cumulative_length_linear) for part in parts)
-            layer.cumulative_length_linear.fill_(seen)
+            if hasattr(layer, "cumulative_length_linear"):  # the positions seen (transformers >= 5.2x)
+                layer.cumulative_length_linear.fill_(max(int(part.cumulative_length_linear) for part in parts))
 
 
 def keep_rows(cache: Any, indices: torch.Tensor) -> None:
@@ -161,7 +194,7 @@ def drop_leading(cache: Any, count: int) -> None:
         if _has_attention(layer):
             layer.keys = layer.keys[..., count:, :].contiguous()
             layer.values = layer.values[..., count:, :].contiguous()
-        if _has_state(layer):
+        if _has_state(layer) and hasattr(layer, "cumulative_length_linear"):
             layer.cumulative_length_linear.sub_(count)
 
 
