@@ -105,10 +105,10 @@ def test_prompts_queued_together_are_prefilled_together_and_each_gets_its_solo_t
 def test_a_prefill_that_fails_is_retried_alone_and_fails_only_its_own_request(model, reference, monkeypatch):
     prefill = batch_module.RunningBatch.prefill
 
-    def refuse_token_99(self, prompts):
+    def refuse_token_99(self, prompts, extras=None):
         if any(99 in prompt for prompt in prompts):
             raise RuntimeError("token 99 refused")
-        return prefill(self, prompts)
+        return prefill(self, prompts, extras)
 
     monkeypatch.setattr(batch_module.RunningBatch, "prefill", refuse_token_99)
     requests = [collected([5, 9, 10], 4), collected([99, 9, 10], 4), collected([6, 7, 8], 3)]

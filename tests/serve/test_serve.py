@@ -11,6 +11,7 @@ dead rank into 503s.
 
 from __future__ import annotations
 
+import base64
 import concurrent.futures
 import io
 import json
@@ -34,7 +35,7 @@ from transformers import BertConfig, BertModel
 import tpcore
 from tpcore.serve import Limits, Server, Service, free_port, load_model
 from tpcore.serve.embeddings import pool
-from tpcore.testing import ModelSpec, tiny_llama, tiny_seq2seq, word_tokenizer
+from tpcore.testing import ModelSpec, tiny_llama, tiny_llama_config, tiny_seq2seq, word_tokenizer
 
 TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 WORDS = [f"w{index}" for index in range(100)]  # word_tokenizer's
@@ -344,6 +345,106 @@ def test_a_speech_model_saved_in_a_directory_serves_8_concurrent_transcriptions_
     finally:
         running.stop()
         model.deparallelize()
+
+
+#: the tiny LLaVA's image token (tests/user_path/test_composite.py's), a word its tokenizer keeps whole
+IMAGE_TOKEN = 63
+#: the processor's chat template: each image part becomes the image token (expanded by the processor), text parts
+#: their words
+VISION_TEMPLATE = (
+    "{% for m in messages %}{% for p in m['content'] %}{% if p['type'] == 'image' %}w63 "
+    "{% else %}{{ p['text'] }} {% endif %}{% endfor %}{% endfor %}"
+)
+
+
+def tiny_llava_directory(directory: Path) -> tuple[transformers.LlavaForConditionalGeneration, object]:
+    """A random LLaVA (CLIP tower of 8 x 8 pixels in 4 patches, a Llama of 64 words) saved with its processor
+    (CLIP's image processor, a word tokenizer, the template above); the model whole and the processor."""
+    text = tiny_llama_config(vocab_size=64, hidden_size=32, intermediate_size=64, eos_token_id=1)
+    vision = transformers.CLIPVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=8, patch_size=4
+    )
+    config = transformers.LlavaConfig(text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN)
+    model = ModelSpec(transformers.LlavaForConditionalGeneration, config, seed=3).build()
+    model.save_pretrained(directory)
+    words = word_tokenizer(64)
+    words.add_special_tokens({"additional_special_tokens": [f"w{IMAGE_TOKEN}"]})
+    images = transformers.CLIPImageProcessor(size={"shortest_edge": 8}, crop_size={"height": 8, "width": 8})
+    processor = transformers.LlavaProcessor(
+        image_processor=images, tokenizer=words, patch_size=4, vision_feature_select_strategy="default",
+        image_token=f"w{IMAGE_TOKEN}", num_additional_image_tokens=1, chat_template=VISION_TEMPLATE,
+    )  # fmt: skip
+    processor.save_pretrained(directory)
+    return model, processor
+
+
+def png_url(seed: int, size: tuple[int, int]) -> str:
+    """A ``data:`` URL of a random RGB PNG of ``size`` (width, height)."""
+    from PIL import Image
+
+    pixels = numpy.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=numpy.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+@pytest.mark.slow  # its own 2-rank world
+def test_images_in_chat_are_read_by_a_split_vision_model_and_8_concurrent_chats_get_their_solo_answers(tmp_path):
+    """``tpcore serve`` of a LLaVA directory over 2 ranks: chats with ``image_url`` parts (data URLs, images of
+    different sizes, one or two a message) and chats of text alone, 8 at once, each the unsplit model's greedy
+    answer for the processor's inputs alone; an http URL is refused while the server fetches none, a data URL that
+    is no image is refused, and a text model is told it reads no images."""
+    reference, processor = tiny_llava_directory(tmp_path)
+    model, tokenizer = load_model(str(tmp_path), 2)
+    service = Service(model, tokenizer, "tiny-llava", Limits(max_model_len=64), directory=str(tmp_path))
+    running = Server(service, port=free_port()).start()
+
+    def content(i: int) -> list[dict]:
+        words = {"type": "text", "text": " ".join(f"w{3 + (i * 7 + j * 5) % 58}" for j in range(1 + i % 4))}
+        pictures = [{"type": "image_url", "image_url": {"url": png_url(10 * i + k, (8 + 3 * i, 8 + 2 * k))}}
+                    for k in range(0 if i % 4 == 3 else 1 + (i == 2))]  # fmt: skip
+        return [*pictures, words] if i % 2 else [words, *pictures]
+
+    def alone(i: int) -> str:
+        parts = content(i)
+        shaped = [{"role": "user", "content": [{"type": "image"} if part["type"] == "image_url" else part
+                                               for part in parts]}]  # fmt: skip
+        pictures = [service.images.image(part) for part in parts if part["type"] == "image_url"]
+        text = processor.apply_chat_template(shaped, add_generation_prompt=True, tokenize=False)
+        inputs = processor(text=text, images=pictures or None, return_tensors="pt")
+        out = reference.generate(**inputs, max_new_tokens=6, do_sample=False)
+        return processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+
+    try:
+        client = openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0)
+
+        def ask(i: int) -> str:
+            messages = [{"role": "user", "content": content(i)}]
+            answer = client.chat.completions.create(model="tiny-llava", messages=messages, max_tokens=6, temperature=0)
+            return answer.choices[0].message.content
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool_:
+            answers = list(pool_.map(ask, range(8)))
+        expected = [alone(i) for i in range(8)]
+        assert answers == expected and len(set(expected)) > 4
+        assert service.scheduler.largest_batch > 1
+        refusals = [
+            ({"url": "http://127.0.0.1:1/cat.png"}, "fetches no image URLs"),
+            ({"url": "data:image/png;base64," + base64.b64encode(b"no picture").decode()}, "no image this server"),
+        ]
+        for image_url, message in refusals:
+            messages = [{"role": "user", "content": [{"type": "image_url", "image_url": image_url}]}]
+            with pytest.raises(openai.BadRequestError, match=message):
+                client.chat.completions.create(model="tiny-llava", messages=messages, max_tokens=2)
+    finally:
+        running.stop()
+        model.deparallelize()
+
+
+def test_a_model_that_reads_no_images_refuses_an_image_part(client):
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_url(0, (8, 8))}}]}]
+    with pytest.raises(openai.BadRequestError, match="reads no images"):
+        client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=2)
 
 
 def test_stop_strings_end_the_text_before_them(client, reference):

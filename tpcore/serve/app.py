@@ -122,7 +122,8 @@ def create_app(service: Service, api_key: str | None = None, max_body_bytes: int
     @app.post("/v1/chat/completions", dependencies=guarded, responses=_POST_ERRORS)
     async def chat_completions(body: ChatRequest) -> Any:
         service.check_model(body.model, "generate")
-        return await _generate(service, service.chat(body), body.stream, chat=True)
+        generation = await asyncio.to_thread(service.chat, body)  # images are decoded and processed off the loop
+        return await _generate(service, generation, body.stream, chat=True)
 
     @app.post("/v1/embeddings", dependencies=guarded, responses=_POST_ERRORS)
     async def embeddings(body: EmbeddingRequest) -> Any:

@@ -41,15 +41,18 @@ class RunningBatch:
     def __len__(self) -> int:
         return len(self.rows)
 
-    def prefill(self, prompts: list[list[int]]) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    def prefill(
+        self, prompts: list[list[int]], extras: dict[str, torch.Tensor] | None = None
+    ) -> tuple[Any, torch.Tensor, torch.Tensor]:
         """Run ``prompts`` (``k`` of them) in one forward, left-padded to the longest ``L``: their new cache, its
-        mask ``(k, L)`` and the logits ``(k, V)`` of the token after each prompt."""
+        mask ``(k, L)`` and the logits ``(k, V)`` of the token after each prompt. ``extras`` (one prompt's image
+        inputs) go to the forward too."""
         width = max(len(prompt) for prompt in prompts)
         input_ids = torch.tensor([[0] * (width - len(prompt)) + prompt for prompt in prompts])
         mask = torch.tensor([[0] * (width - len(prompt)) + [1] * len(prompt) for prompt in prompts])
         positions = (mask.cumsum(dim=-1) - 1).clamp(min=0)
         cache = batch_cache(self.model.config)
-        output = self._forward(input_ids, mask, positions, cache)
+        output = self._forward(input_ids, mask, positions, cache, **(extras or {}))
         return cache, mask, output.logits[:, -1]
 
     def join(self, rows: list[Any], cache: Any, mask: torch.Tensor, last_tokens: list[int]) -> None:
@@ -87,8 +90,8 @@ class RunningBatch:
         self.rows = [self.rows[index] for index in indices]
         self.last_tokens = list(last_tokens)
 
-    def _forward(self, input_ids, attention_mask, position_ids, cache):
-        kwargs = {self.keyword: cache, "use_cache": True, "logits_to_keep": 1}
+    def _forward(self, input_ids, attention_mask, position_ids, cache, **extras):
+        kwargs = {self.keyword: cache, "use_cache": True, "logits_to_keep": 1, **extras}
         kwargs.update(attention_mask=attention_mask, position_ids=position_ids)
         with torch.inference_mode():
             return self.model(input_ids=input_ids, **kwargs)

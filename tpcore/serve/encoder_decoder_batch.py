@@ -74,9 +74,12 @@ class EncoderDecoderBatch:
     def __len__(self) -> int:
         return sum(len(cohort.rows) for cohort in self.cohorts)
 
-    def prefill(self, prompts: list[list[int]]) -> tuple[Cohort, None, torch.Tensor]:
+    def prefill(self, prompts: list[list[int]], extras: dict | None = None) -> tuple[Cohort, None, torch.Tensor]:
         """Encode ``prompts`` (``k`` of them, right-padded to the longest) and run the decoder's first step: their
-        cohort (no rows yet), no decoder mask, and the logits ``(k, V)`` of each row's first token."""
+        cohort (no rows yet), no decoder mask, and the logits ``(k, V)`` of each row's first token. (``extras``:
+        none is taken; an encoder-decoder reads text alone here.)"""
+        if extras:
+            raise ValueError(f"an encoder-decoder takes no {', '.join(extras)} here")
         width = max(len(prompt) for prompt in prompts)
         input_ids = torch.tensor([prompt + [self.pad_token] * (width - len(prompt)) for prompt in prompts])
         mask = torch.tensor([[1] * len(prompt) + [0] * (width - len(prompt)) for prompt in prompts])

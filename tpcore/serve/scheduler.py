@@ -45,10 +45,12 @@ PREFILL_PADDING = 0.25
 
 @dataclass
 class Generation:
-    """A generation request's input: the prompt's token ids and its sampling parameters."""
+    """A generation request's input: the prompt's token ids and its sampling parameters; ``extras``: what else its
+    prefill passes to the model (an image's ``pixel_values``), which prefills it alone."""
 
     prompt_ids: list[int]
     params: SamplingParams
+    extras: dict[str, torch.Tensor] | None = None
 
 
 @dataclass
@@ -202,8 +204,9 @@ class Scheduler:
         rows = [self._new_row(request) for request in requests if not request.cancelled]
         if not rows:
             return
+        extras = requests[0].payload.extras if len(requests) == 1 else None
         try:
-            cache, mask, logits = self.batch.prefill([row.ids for row in rows])
+            cache, mask, logits = self.batch.prefill([row.ids for row in rows], extras)
         except RANKS_LOST:
             raise
         except Exception as error:
@@ -291,11 +294,13 @@ class Scheduler:
 
 def prefill_groups(requests: Sequence[Request]) -> list[list[Request]]:
     """``requests`` (payloads :class:`Generation`) in prefill groups: by prompt length, each group as many as
-    fit :data:`PREFILL_TOKENS` positions with at most :data:`PREFILL_PADDING` of them padding."""
-    groups: list[list[Request]] = []
+    fit :data:`PREFILL_TOKENS` positions with at most :data:`PREFILL_PADDING` of them padding; a request with
+    ``extras`` (images) alone."""
+    groups: list[list[Request]] = [[request] for request in requests if request.payload.extras]  # alone
     group: list[Request] = []
     true_positions = 0
-    for request in sorted(requests, key=lambda request: len(request.payload.prompt_ids)):
+    plain = [request for request in requests if not request.payload.extras]
+    for request in sorted(plain, key=lambda request: len(request.payload.prompt_ids)):
         length = len(request.payload.prompt_ids)  # the longest of the group so far: they come sorted
         padded = (len(group) + 1) * length
         if group and (padded > PREFILL_TOKENS or padded - true_positions - length > PREFILL_PADDING * padded):

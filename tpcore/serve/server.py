@@ -42,8 +42,9 @@ def load_model(directory: str, num_gpus: int, dtype: Any = None, compile: bool =
 
     config = transformers.AutoConfig.from_pretrained(directory)
     architectures = getattr(config, "architectures", None) or []
-    generates = any(name.endswith(("ForCausalLM", "LMHeadModel")) for name in architectures)
     encoder_decoder = getattr(config, "is_encoder_decoder", False) and bool(architectures)
+    reads_images = not encoder_decoder and type(config) in transformers.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+    generates = reads_images or any(name.endswith(("ForCausalLM", "LMHeadModel")) for name in architectures)
     translates = encoder_decoder and type(config) in transformers.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING
     transcribes = encoder_decoder and type(config) in transformers.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING
     if generates:
@@ -55,7 +56,9 @@ def load_model(directory: str, num_gpus: int, dtype: Any = None, compile: bool =
         )
     tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
     auto: Any
-    if generates:
+    if reads_images:
+        auto = transformers.AutoModelForImageTextToText
+    elif generates:
         auto = transformers.AutoModelForCausalLM
     elif translates:
         auto = transformers.AutoModelForSeq2SeqLM

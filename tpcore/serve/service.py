@@ -10,6 +10,7 @@ or not: the same code serves both.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable
@@ -19,6 +20,7 @@ from typing import Any
 from tpcore.errors import WorkerDiedError
 from tpcore.serve.batch import check_batching
 from tpcore.serve.embeddings import EmbeddingScheduler, pooling_mode
+from tpcore.serve.images import ImageChat, has_images
 from tpcore.serve.requests import Delta, Failed, Finished, NotFound, Request, ServeError
 from tpcore.serve.scheduler import Generation, Scheduler
 from tpcore.serve.schemas import ChatRequest, CompletionRequest
@@ -44,6 +46,8 @@ class Limits:
     request_timeout: float = 300.0
     max_model_len: int | None = None
     default_max_tokens: int = 256
+    #: fetch ``http(s)`` image URLs of chat messages (else only ``data:`` URLs are read)
+    fetch_images: bool = False
 
 
 #: what a model serves, by kind, and the endpoints of each
@@ -57,7 +61,8 @@ ENDPOINTS = {
 class Service:
     """``model`` (with ``tokenizer``) served under the name ``name``; ``directory`` is where it was loaded from;
     ``reload`` makes the model again, its ranks started anew, once they are lost (else 503 from then on). A
-    speech-to-text model also needs its ``feature_extractor`` (else the directory's is loaded)."""
+    speech-to-text model also needs its ``feature_extractor``, a model that reads images in chat its ``processor``
+    (else the directory's are loaded)."""
 
     def __init__(
         self,
@@ -68,6 +73,7 @@ class Service:
         directory: str | None = None,
         reload: Callable[[], Any] | None = None,
         feature_extractor: Any = None,
+        processor: Any = None,
     ):
         self.tokenizer, self.name = tokenizer, name
         self.limits = limits or Limits()
@@ -77,6 +83,7 @@ class Service:
         self.generates = self.kind == "generate"
         self.max_model_len = self.limits.max_model_len or getattr(config, "max_position_embeddings", None) or 2048
         self.scheduler: Scheduler
+        self.images = _image_chat(model, directory, processor, self.limits.fetch_images)
         if self.kind == "generate":
             _check_batching(model)
             self.scheduler = Scheduler(
@@ -145,13 +152,18 @@ class Service:
         return self._checked(ids, body, "prompt")
 
     def chat(self, body: ChatRequest) -> Generation:
+        if self.images is not None:  # the processor's template, images or not
+            ids, extras = self.images.inputs(body.messages)
+            return self._checked(ids, body, "messages", extras or None)
+        if has_images(body.messages):
+            raise ServeError(f"'{self.name}' reads no images: send text parts only", "messages")
         if not getattr(self.tokenizer, "chat_template", None):
             raise ServeError(f"'{self.name}' has no chat template: use /v1/completions", "messages")
         messages = [{"role": message.role, "content": message.text()} for message in body.messages]
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
         return self._checked(list(ids), body, "messages")
 
-    def _checked(self, ids: list[int], body: Any, param: str) -> Generation:
+    def _checked(self, ids: list[int], body: Any, param: str, extras: dict | None = None) -> Generation:
         if not ids:
             raise ServeError("the prompt is empty", param)
         params = body.sampling(self.limits.default_max_tokens)
@@ -161,7 +173,7 @@ class Service:
                 f"{self.max_model_len} tokens",
                 param,
             )
-        return Generation(ids, params)
+        return Generation(ids, params, extras)
 
     def embedding_inputs(self, texts: list[str]) -> list[str]:
         if any(not text for text in texts):
@@ -190,6 +202,31 @@ class Service:
             raise TimedOut(f"the request took longer than {self.limits.request_timeout:.0f} s") from None
         finally:
             request.cancel()
+
+
+def _image_chat(model: Any, directory: str | None, processor: Any, fetch: bool) -> ImageChat | None:
+    """Images in chat for ``model``: through ``processor``, else its directory's, where the model takes
+    ``pixel_values`` and the processor has an image processor and a chat template; else ``None``."""
+    if "pixel_values" not in inspect.signature(type(model).forward).parameters or _rope_per_axis(model):
+        return None
+    if processor is None and directory:
+        from transformers import AutoProcessor
+
+        try:
+            processor = AutoProcessor.from_pretrained(directory)
+        except (OSError, ValueError, TypeError):
+            return None
+    if getattr(processor, "image_processor", None) is None or not getattr(processor, "chat_template", None):
+        return None
+    return ImageChat(processor, fetch)
+
+
+def _rope_per_axis(model: Any) -> bool:
+    """Whether the model's rotary positions run per axis (Qwen2-VL's multimodal RoPE), which a running batch's
+    one position per row does not give."""
+    text = model.config.get_text_config()
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    return isinstance(rope, dict) and "mrope_section" in rope
 
 
 def _kind(model: Any) -> str:

@@ -174,6 +174,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_queue=args.max_queue,
         request_timeout=args.timeout,
         max_model_len=args.max_model_len,
+        fetch_images=args.allow_image_urls,
     )
     try:
         serve(args.model, args.num_gpus, args.host, args.port, api_key=args.api_key, name=args.name, limits=limits,
@@ -209,6 +210,11 @@ def _add_serve(commands: Any) -> None:
         action="store_true",
         help="a lost rank leaves the server answering 503 (/health too) for a supervisor to restart it, instead of "
         "starting the ranks again",
+    )
+    serve.add_argument(
+        "--allow-image-urls",
+        action="store_true",
+        help="fetch http(s) image URLs of chat messages (by default only data: URLs are read)",
     )
     serve.add_argument(
         "--exit-on-loss",
