@@ -687,6 +687,66 @@ def test_a_dead_rank_gives_503_then_the_ranks_start_again_and_sigterm_stops_them
             process.wait()
 
 
+@pytest.mark.slow  # two torchrun agents and their ranks
+def test_under_torchrun_over_two_nodes_rank_0_serves_and_every_request_gets_its_solo_text(tmp_path):
+    """``tpcore serve`` under ``torchrun --nnodes 2`` (two "nodes" on loopback, one rank each, gloo over TCP): the
+    model split over both, rank 0 listening, rank 1 following its turns. 8 concurrent requests (greedy, one seeded
+    sample, one stream its client drops after 2 chunks) each get the unsplit model's text alone (the sample: its
+    text asked again alone); SIGTERM to both agents stops every rank."""
+    directory = tmp_path / "model"
+    reference = llama()
+    reference.save_pretrained(directory)
+    chat_tokenizer().save_pretrained(directory)
+    port, rendezvous = free_port(), free_port()
+    environment = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
+    agents = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank",
+             str(node), "--master-addr", "127.0.0.1", "--master-port", str(rendezvous), "-m", "tpcore", "serve",
+             str(directory), "--num-gpus", "2", "--port", str(port)],
+            stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"node{node}.log", "w"), env=environment,
+        )
+        for node in range(2)
+    ]  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, agents[0])
+        ranks = [pid for agent in agents for pid in children(agent.pid)]
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        prompts = [" ".join(WORDS[20 + (i * 7 + j * 3) % 80] for j in range(1 + i % 5)) for i in range(8)]
+        lengths = [3 + (i * 5) % 11 for i in range(8)]
+
+        def ask(i: int) -> str:
+            sampling = {"temperature": 0.9, "seed": 5} if i == 3 else {"temperature": 0}
+            if i == 6:  # dropped by its client after 2 chunks
+                stream = client.completions.create(model="model", prompt=prompts[i], max_tokens=30, stream=True)
+                for count, _ in enumerate(stream):
+                    if count == 1:
+                        stream.close()
+                        return ""
+            answer = client.completions.create(model="model", prompt=prompts[i], max_tokens=lengths[i], **sampling)
+            return answer.choices[0].text
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool_:
+            answers = list(pool_.map(ask, range(8)))
+        for i in range(8):
+            expected = "" if i == 6 else ask(i) if i == 3 else solo(reference, prompts[i], lengths[i])
+            assert answers[i] == expected, (i, prompts[i])
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
+        for agent in agents:
+            agent.send_signal(signal.SIGTERM)
+        for agent in agents:
+            agent.wait(timeout=60)
+        logs = [(tmp_path / f"node{node}.log").read_text() for node in range(2)]
+        assert all(f"rank {node} stopped" in logs[node] for node in range(2)), logs
+        assert ranks and not [pid for pid in ranks if alive(pid)]
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                agent.kill()
+                agent.wait()
+
+
 def test_text_that_may_start_a_stop_string_is_held_back_until_the_next_token_decides():
     from tpcore.serve.text import TextStream
 

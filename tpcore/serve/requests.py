@@ -97,16 +97,19 @@ class Failed:
 
 @dataclass
 class Request:
-    """One request in flight: its id, its input, and the queue its events go to (owned by ``loop``)."""
+    """One request in flight: its id, its input, and the queue its events go to (owned by ``loop``; ``None``: a
+    request that answers nobody, as another rank's copy of rank 0's under torchrun)."""
 
     payload: Any
-    loop: asyncio.AbstractEventLoop
+    loop: asyncio.AbstractEventLoop | None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     _cancelled: threading.Event = field(default_factory=threading.Event)
 
     def push(self, event: Delta | Finished | Failed) -> None:
         """From the engine thread: hand ``event`` to the handler awaiting it."""
+        if self.loop is None:
+            return
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:  # the event loop is closed: the server is gone

@@ -92,6 +92,10 @@ class Scheduler:
         self.stopping = False
         #: called (from the engine thread, with the reason) once the ranks are lost and not started again
         self.when_dead: Callable[[str], None] | None = None
+        #: under torchrun: each turn's plan, sent by rank 0 to the other ranks (:mod:`tpcore.serve.spmd`)
+        self.turns: Any = None
+        #: the requests whose clients left, as this turn sees them (under torchrun: as rank 0's plan says)
+        self._left: set[str] | None = None
         self.throughput = Throughput(logger, "tokens")
         self.thread = threading.Thread(target=self._run, name="tpcore-serve-engine", daemon=True)
 
@@ -141,18 +145,55 @@ class Scheduler:
         with torch.inference_mode(), one_thread:
             while True:
                 admitted = self._admissions()
+                if self.turns is not None:
+                    try:
+                        admitted = self._shared(admitted)
+                    except Exception as error:  # the other ranks are gone: nothing can be computed any more
+                        self._die(f"the other ranks are lost: {error}", admitted or ())
+                        if self.when_dead is not None:
+                            self.when_dead(str(error))
+                        return False
                 if admitted is None:
                     return False
                 try:
-                    for group in prefill_groups(admitted):
-                        self._admit_group(group)
-                    if len(self.batch):
-                        self._step()
+                    self._turn(admitted)
                 except RANKS_LOST as error:
                     return self._lost(f"a rank died or hangs: {error}", admitted)
                 except Exception as error:  # a failed step fails the requests in it, not the server
                     logger.exception("a generation step failed")
                     self._fail_running(InternalError(f"generation failed: {error}"))
+
+    def _turn(self, admitted: list[Request]) -> None:
+        """Prefill ``admitted`` in groups, join them, and step every row once."""
+        for group in prefill_groups(admitted):
+            self._admit_group(group)
+        if len(self.batch):
+            self._step()
+
+    def _shared(self, admitted: list[Request] | None) -> list[Request] | None:
+        """Rank 0 under torchrun: send this turn's plan to the other ranks; the requests to admit (``None``:
+        stopping)."""
+        live = [*(row.request for row in self.batch.rows), *(admitted or ())]
+        self._left = {request.id for request in live if request.cancelled}
+        pairs = None if admitted is None else [(request.id, request.payload) for request in admitted]
+        self.turns.send(pairs, self._left)
+        return admitted
+
+    def follow(self) -> None:
+        """A rank other than 0 under torchrun: run rank 0's turns until it stops."""
+        with torch.inference_mode():
+            while not (plan := self.turns.receive()).stop:
+                self._left = plan.cancelled
+                admitted = [Request(payload, None, id=request_id) for request_id, payload in plan.admitted]
+                try:
+                    self._turn(admitted)
+                except Exception:  # rank 0 meets the same failure and fails the same requests
+                    logger.exception("a generation step failed")
+                    self._fail_running(InternalError("generation failed"))
+
+    def _left_client(self, request: Request) -> bool:
+        """Whether ``request``'s client left, as this turn sees it (every rank alike under torchrun)."""
+        return request.id in self._left if self._left is not None else request.cancelled
 
     def _lost(self, reason: str, admitted: Sequence[Request] = ()) -> bool:
         """The ranks are lost: every request in flight (``admitted`` ones too) fails with 503; with :attr:`reload`
@@ -191,6 +232,8 @@ class Scheduler:
             while not self.stopping and not self.waiting and not len(self.batch):
                 self.throughput.idle()
                 self.wake.wait(timeout=1.0)
+                if self.turns is not None:  # an empty turn a second keeps the other ranks' collective alive
+                    break
             if self.stopping:
                 self._refuse_waiting()
                 return None
@@ -201,7 +244,7 @@ class Scheduler:
         """Prefill ``requests`` together, choose their first tokens and join the batch. A prefill that fails for
         a reason of theirs (not a lost rank) is tried again one request at a time, so that the error fails only
         the request it comes from."""
-        rows = [self._new_row(request) for request in requests if not request.cancelled]
+        rows = [self._new_row(request) for request in requests if not self._left_client(request)]
         if not rows:
             return
         extras = requests[0].payload.extras if len(requests) == 1 else None
@@ -243,7 +286,7 @@ class Scheduler:
         logits = self.batch.step()
         kept, tokens = [], []
         for index, row in enumerate(self.batch.rows):
-            token = self._accept(row, logits[index : index + 1]) if not row.request.cancelled else None
+            token = self._accept(row, logits[index : index + 1]) if not self._left_client(row.request) else None
             if token is not None and not row.done:
                 kept.append(index)
                 tokens.append(token)

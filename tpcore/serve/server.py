@@ -20,8 +20,19 @@ from typing import Any
 
 from tpcore.serve.app import create_app
 from tpcore.serve.service import Limits, NotServable, Service, refuse_unbatchable_cache
+from tpcore.serve.spmd import torchrun_world
 
-__all__ = ["NotServable", "RanksLost", "Server", "free_port", "load_model", "refuse_unbatchable_cache", "serve"]
+__all__ = [
+    "NotServable",
+    "RanksLost",
+    "Server",
+    "auto_class",
+    "free_port",
+    "load_model",
+    "refuse_unbatchable_cache",
+    "serve",
+    "serve_under_torchrun",
+]
 
 logger = logging.getLogger("tpcore.serve")
 
@@ -41,31 +52,9 @@ def load_model(directory: str, num_gpus: int, dtype: Any = None, compile: bool =
     from tpcore.served.compiled import compile_ranks
 
     config = transformers.AutoConfig.from_pretrained(directory)
-    architectures = getattr(config, "architectures", None) or []
-    encoder_decoder = getattr(config, "is_encoder_decoder", False) and bool(architectures)
-    reads_images = not encoder_decoder and type(config) in transformers.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
-    generates = reads_images or any(name.endswith(("ForCausalLM", "LMHeadModel")) for name in architectures)
-    translates = encoder_decoder and type(config) in transformers.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING
-    transcribes = encoder_decoder and type(config) in transformers.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING
-    if generates:
-        refuse_unbatchable_cache(config, architectures[0])
-    elif encoder_decoder and not (translates or transcribes):
-        raise NotServable(
-            f"{architectures[0]} is an encoder-decoder of other inputs than text and speech (images): tpcore serve "
-            "takes text prompts and audio; split it with tpcore.parallelize() and call generate()"
-        )
+    auto, kind = auto_class(config)
+    generates = kind == "decoder"
     tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
-    auto: Any
-    if reads_images:
-        auto = transformers.AutoModelForImageTextToText
-    elif generates:
-        auto = transformers.AutoModelForCausalLM
-    elif translates:
-        auto = transformers.AutoModelForSeq2SeqLM
-    elif transcribes:
-        auto = transformers.AutoModelForSpeechSeq2Seq
-    else:
-        auto = transformers.AutoModel
     if compile and (num_gpus == 0 or not generates):
         raise NotServable(
             "--compile compiles the ranks' decode step: it needs a decoder-only model that generates text, split "
@@ -77,6 +66,32 @@ def load_model(directory: str, num_gpus: int, dtype: Any = None, compile: bool =
     if compile:
         compile_ranks(model, warm_ups=warm_ups())  # on failure the ranks stop before the error is raised
     return model, tokenizer
+
+
+def auto_class(config: Any) -> tuple[Any, str]:
+    """The transformers auto class that loads ``config``'s model, and what it is: ``decoder`` (generates text,
+    images read too where it is a vision-language model), ``seq2seq``, ``speech`` or ``encoder``;
+    :class:`NotServable` for a model the server cannot serve, known from its config."""
+    import transformers
+
+    architectures = getattr(config, "architectures", None) or []
+    encoder_decoder = getattr(config, "is_encoder_decoder", False) and bool(architectures)
+    if encoder_decoder and type(config) in transformers.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING:
+        return transformers.AutoModelForSeq2SeqLM, "seq2seq"
+    if encoder_decoder and type(config) in transformers.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING:
+        return transformers.AutoModelForSpeechSeq2Seq, "speech"
+    if encoder_decoder:
+        raise NotServable(
+            f"{architectures[0]} is an encoder-decoder of other inputs than text and speech (images): tpcore serve "
+            "takes text prompts and audio; split it with tpcore.parallelize() and call generate()"
+        )
+    if type(config) in transformers.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
+        refuse_unbatchable_cache(config, architectures[0] if architectures else type(config).__name__)
+        return transformers.AutoModelForImageTextToText, "decoder"
+    if any(name.endswith(("ForCausalLM", "LMHeadModel")) for name in architectures):
+        refuse_unbatchable_cache(config, architectures[0])
+        return transformers.AutoModelForCausalLM, "decoder"
+    return transformers.AutoModel, "encoder"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -201,6 +216,10 @@ def serve(
     server answers the requests in flight 503, stops and raises :class:`RanksLost` (``tpcore serve`` exits 3)."""
     _configure_logging()
     api_key = api_key or os.environ.get("TPCORE_API_KEY") or None
+    if torchrun_world() is not None:
+        serve_under_torchrun(directory, num_gpus, host, port, api_key=api_key, name=name, limits=limits, dtype=dtype,
+                             compile=compile)  # fmt: skip
+        return
     model, tokenizer = load_model(directory, num_gpus, dtype, compile)
 
     def reload() -> Any:
@@ -217,6 +236,63 @@ def serve(
             if handle is not None:
                 handle.pool.close()  # the ranks stop (not deparallelize(): it would gather a checkpoint's weights)
         logger.info("stopped")
+
+
+def serve_under_torchrun(
+    directory: str,
+    num_gpus: int,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    *,
+    api_key: str | None = None,
+    name: str | None = None,
+    limits: Limits | None = None,
+    dtype: Any = None,
+    compile: bool = False,
+) -> None:
+    """On every rank ``torchrun`` started: the model of ``directory`` split over the whole world (each rank reads
+    its own slices), rank 0 serving HTTP, the others following its turns (:mod:`tpcore.serve.spmd`); all stop when
+    rank 0 stops (Ctrl-C or SIGTERM to it). A lost rank ends the job (torchrun's own handling): rank 0 answers the
+    requests in flight 503 and exits."""
+    import signal
+
+    import transformers
+
+    from tpcore.engine import ParallelEngine
+    from tpcore.ranks.distributed import destroy_process_group
+    from tpcore.serve.scheduler import Scheduler
+    from tpcore.serve.service import check_servable, eos_ids
+    from tpcore.serve.spmd import TurnSync
+
+    rank, world = torchrun_world() or (0, 1)
+    if num_gpus != world:
+        raise NotServable(f"under torchrun the model is split over all {world} ranks: --num-gpus {world}, not "
+                          f"{num_gpus}")  # fmt: skip
+    if compile:
+        raise NotServable("--compile is not served under torchrun yet")
+    config = transformers.AutoConfig.from_pretrained(directory)
+    if auto_class(config)[1] not in ("decoder", "seq2seq"):
+        raise NotServable("under torchrun tpcore serve generates text (decoders and text encoder-decoders) so far")
+    limits = limits or Limits()
+    model = ParallelEngine(num_gpus=world, dtype=dtype).parallelize(directory)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    turns = TurnSync()
+    try:
+        if rank == 0:
+            service = Service(model, tokenizer, name or Path(directory).name, limits, directory=directory)
+            service.scheduler.turns = turns
+            Server(service, host, port, api_key, exit_on_loss=True).run()
+        else:
+            # rank 0 alone decides when to stop: its stop plan ends this loop
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            check_servable(model)  # the forwards of rank 0's start check (Service), collective
+            follower = Scheduler(model, tokenizer, eos_ids(model, tokenizer), limits.max_batch, limits.max_queue)
+            follower.turns = turns
+            follower.follow()
+    finally:
+        destroy_process_group()
+        logger.info("rank %d stopped", rank)
 
 
 def _configure_logging() -> None:

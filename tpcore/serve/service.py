@@ -26,7 +26,7 @@ from tpcore.serve.scheduler import Generation, Scheduler
 from tpcore.serve.schemas import ChatRequest, CompletionRequest
 from tpcore.serve.transcription import Transcription, TranscriptionScheduler, read_audio
 
-__all__ = ["Limits", "NotServable", "Service", "refuse_unbatchable_cache"]
+__all__ = ["Limits", "NotServable", "Service", "check_servable", "eos_ids", "refuse_unbatchable_cache"]
 
 logger = logging.getLogger("tpcore.serve")
 
@@ -85,9 +85,9 @@ class Service:
         self.scheduler: Scheduler
         self.images = _image_chat(model, directory, processor, self.limits.fetch_images)
         if self.kind == "generate":
-            _check_batching(model)
+            check_servable(model)
             self.scheduler = Scheduler(
-                model, tokenizer, _eos_ids(model, tokenizer), self.limits.max_batch, self.limits.max_queue, reload
+                model, tokenizer, eos_ids(model, tokenizer), self.limits.max_batch, self.limits.max_queue, reload
             )
         elif self.kind == "transcribe":
             self.feature_extractor = _feature_extractor(model, directory, feature_extractor)
@@ -284,7 +284,7 @@ def refuse_unbatchable_cache(config: Any, architecture: str) -> None:
         )
 
 
-def _check_batching(model: Any) -> None:
+def check_servable(model: Any) -> None:
     """Raise :class:`NotServable` where the running batch cannot drive ``model``'s forward
     (:func:`~tpcore.serve.batch.check_batching`), or whose cache it cannot keep (:func:`refuse_unbatchable_cache`),
     rather than failing every request."""
@@ -315,7 +315,7 @@ def _counts(event: Finished) -> str:
     return f"{event.reason}, {event.prompt_tokens} prompt + {event.completion_tokens} new tokens"
 
 
-def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
+def eos_ids(model: Any, tokenizer: Any) -> set[int]:
     """The tokens that end a sequence: the generation config's, else the tokenizer's."""
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     if eos is None:
