@@ -31,7 +31,6 @@ __all__ = [
     "load_model",
     "refuse_unbatchable_cache",
     "serve",
-    "serve_under_torchrun",
 ]
 
 logger = logging.getLogger("tpcore.serve")
@@ -213,12 +212,12 @@ def serve(
     ``compile``: compile the ranks' decode step first (minutes; :func:`load_model`); ``restart``: a lost rank
     (dead, or hung past the call timeout) starts the ranks again from ``directory`` (503 meanwhile), else the
     server answers 503 from then on, ``/health`` included, for a supervisor to restart it; ``exit_on_loss``: the
-    server answers the requests in flight 503, stops and raises :class:`RanksLost` (``tpcore serve`` exits 3)."""
+    server answers the requests in flight 503, stops and raises :class:`RanksLost` (``tpcore serve`` exits 3).
+    Under ``torchrun`` every rank calls this: the model is split over the world, rank 0 serves (docs/serving.md)."""
     _configure_logging()
     api_key = api_key or os.environ.get("TPCORE_API_KEY") or None
     if torchrun_world() is not None:
-        serve_under_torchrun(directory, num_gpus, host, port, api_key=api_key, name=name, limits=limits, dtype=dtype,
-                             compile=compile)  # fmt: skip
+        _serve_under_torchrun(directory, num_gpus, host, port, api_key, name, limits, dtype, compile)
         return
     model, tokenizer = load_model(directory, num_gpus, dtype, compile)
 
@@ -238,18 +237,8 @@ def serve(
         logger.info("stopped")
 
 
-def serve_under_torchrun(
-    directory: str,
-    num_gpus: int,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    *,
-    api_key: str | None = None,
-    name: str | None = None,
-    limits: Limits | None = None,
-    dtype: Any = None,
-    compile: bool = False,
-) -> None:
+def _serve_under_torchrun(directory: str, num_gpus: int, host: str, port: int, api_key: str | None, name: str | None,
+                          limits: Limits | None, dtype: Any, compile: bool) -> None:  # fmt: skip
     """On every rank ``torchrun`` started: the model of ``directory`` split over the whole world (each rank reads
     its own slices), rank 0 serving HTTP, the others following its turns (:mod:`tpcore.serve.spmd`); all stop when
     rank 0 stops (Ctrl-C or SIGTERM to it). A lost rank ends the job (torchrun's own handling): rank 0 answers the
