@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from tpcore.served.cache_batches import attends, batch_cache
+from tpcore.served.cache_batches import attends, cache_maker
 from tpcore.served.caches import batch_operation, cache_keyword
 
 __all__ = ["RunningBatch", "check_batching", "running_batch", "select_rows", "warm_ups"]
@@ -33,6 +33,7 @@ class RunningBatch:
         self.model = model
         self.keyword = cache_keyword(model)
         self.masks_past = attends(model.config)  # else a step's mask is its new column alone
+        self.new_cache = cache_maker(model.config)
         self.rows: list[Any] = []
         self.cache: Any = None
         self.mask = torch.zeros(0, 0, dtype=torch.long)
@@ -51,7 +52,7 @@ class RunningBatch:
         input_ids = torch.tensor([[0] * (width - len(prompt)) + prompt for prompt in prompts])
         mask = torch.tensor([[0] * (width - len(prompt)) + [1] * len(prompt) for prompt in prompts])
         positions = (mask.cumsum(dim=-1) - 1).clamp(min=0)
-        cache = batch_cache(self.model.config)
+        cache = self.new_cache()
         output = self._forward(input_ids, mask, positions, cache, **(extras or {}))
         return cache, mask, output.logits[:, -1]
 

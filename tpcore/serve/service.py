@@ -83,7 +83,8 @@ class Service:
         self.generates = self.kind == "generate"
         self.max_model_len = self.limits.max_model_len or getattr(config, "max_position_embeddings", None) or 2048
         self.scheduler: Scheduler
-        self.images = _image_chat(model, directory, processor, self.limits.fetch_images)
+        generates = self.kind == "generate"
+        self.images = _image_chat(model, directory, processor, self.limits.fetch_images) if generates else None
         if self.kind == "generate":
             check_servable(model)
             self.scheduler = Scheduler(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import secrets
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,8 +73,6 @@ def _seeded(payload: Generation) -> Generation:
 def torchrun_world() -> tuple[int, int] | None:
     """``(rank, world size)`` where this process is a rank ``torchrun`` started (its environment says so), else
     ``None``."""
-    import os
-
     if "TORCHELASTIC_RUN_ID" not in os.environ or "WORLD_SIZE" not in os.environ:
         return None
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -23,6 +23,7 @@ model's ranks keep (each rank its own heads), with the same code: the caller's s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,8 +37,8 @@ from transformers.cache_utils import (
     get_layer_types_and_kwargs,
 )
 
-__all__ = ["BATCHED_LAYERS", "OPERATIONS", "attends", "batch_cache", "concatenate_batches", "drop_leading",
-           "keep_rows", "unkept_layer"]  # fmt: skip
+__all__ = ["BATCHED_LAYERS", "OPERATIONS", "attends", "batch_cache", "cache_maker", "concatenate_batches",
+           "drop_leading", "keep_rows", "unkept_layer"]  # fmt: skip
 
 #: the cache layer a running batch keeps for each layer type of a config: sliding-window and chunked layers as full
 #: ones (the attention mask keeps their window), state layers as transformers makes them
@@ -94,20 +95,29 @@ def attends(config: Any) -> bool:
     return any(kind not in ("linear_attention", "conv", "dummy", "moe", "mlp") for kind in _layer_types(config)[0])
 
 
-def batch_cache(config: Any) -> DynamicCache:
-    """An empty cache for a running batch of ``config``'s decoder: a plain ``DynamicCache`` where every layer is an
-    attention layer (or of a type :data:`BATCHED_LAYERS` does not name), else one layer of :data:`BATCHED_LAYERS` per
-    layer (state layers, layers that keep nothing)."""
+def cache_maker(config: Any) -> Callable[[], DynamicCache]:
+    """What makes an empty cache for a running batch of ``config``'s decoder (the config read once): a plain
+    ``DynamicCache`` where every layer is an attention layer (or of a type :data:`BATCHED_LAYERS` does not name),
+    else one layer of :data:`BATCHED_LAYERS` per layer (state layers, layers that keep nothing)."""
     layer_types, layer_kwargs = _layer_types(config)
     if all(kind in ATTENTION_TYPES for kind in layer_types) or not all(kind in BATCHED_LAYERS for kind in layer_types):
-        return DynamicCache()
-    layers = []
-    for kind, kwargs in zip(layer_types, layer_kwargs, strict=True):
-        kwargs = {key: value for key, value in kwargs.items() if key != "sliding_window"}
-        layers.append(BATCHED_LAYERS[kind](**kwargs))
-    cache = DynamicCache()
-    cache.layers, cache.layer_class_to_replicate = layers, None
-    return cache
+        return DynamicCache
+    plan = [
+        (BATCHED_LAYERS[kind], {key: value for key, value in kwargs.items() if key != "sliding_window"})
+        for kind, kwargs in zip(layer_types, layer_kwargs, strict=True)
+    ]
+
+    def make() -> DynamicCache:
+        cache = DynamicCache()
+        cache.layers, cache.layer_class_to_replicate = [layer(**kwargs) for layer, kwargs in plan], None
+        return cache
+
+    return make
+
+
+def batch_cache(config: Any) -> DynamicCache:
+    """An empty cache for a running batch of ``config``'s decoder (:func:`cache_maker`)."""
+    return cache_maker(config)()
 
 
 def _has_attention(layer: Any) -> bool:
