@@ -29,6 +29,7 @@ import subprocess
 import pytest
 from process_probes import children
 
+from tpcore.ranks import rank_processes, zygote
 from tpcore.select.plugins import DISABLE_AUTOLOAD_ENV, ONLY_PLUGINS_ENV, reset_plugins
 
 _TIMES_TO_ERROR: dict[str, float] = {}
@@ -36,14 +37,21 @@ _TIMES_TO_ERROR: dict[str, float] = {}
 
 @pytest.fixture
 def spawned(monkeypatch) -> list:
-    """The commands of the processes started while the test runs (a rank is one): ``[]`` proves none was."""
-    commands, real_popen = [], subprocess.Popen
+    """The ranks started while the test runs, each as its command's arguments (a fresh interpreter's, or a rank
+    forked by the zygote, :mod:`tpcore.ranks.zygote`), and any other process: ``[]`` proves none was."""
+    commands, real_popen, real_fork = [], subprocess.Popen, rank_processes.fork_rank
 
-    def spy(*args, **kwargs):
-        commands.append(args)
+    def popen(*args, **kwargs):
+        if zygote.ZYGOTE_CODE not in args[0]:  # the zygote itself is no rank (it is kept for the next pools)
+            commands.append(args)
         return real_popen(*args, **kwargs)
 
-    monkeypatch.setattr(subprocess, "Popen", spy)
+    def fork(argv, env):
+        commands.append((argv,))
+        return real_fork(argv, env)
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    monkeypatch.setattr(rank_processes, "fork_rank", fork)
     return commands
 
 

@@ -16,8 +16,28 @@ def gone(pid: int) -> bool:
         return True
 
 
-def children() -> set[int]:
-    own = str(os.getpid())
+def children(pid: int | None = None) -> set[int]:
+    """The running processes that ``pid`` (this process by default) started: its children, where the CPU ranks'
+    zygote (:mod:`tpcore.ranks.zygote`, kept for the next pools) stands for the ranks it forked."""
+    found = set()
+    for child in _direct_children(os.getpid() if pid is None else pid):
+        found |= _direct_children(child) if is_zygote(child) else {child}
+    return found
+
+
+def parent_of(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as stat:
+        return int(stat.read().rsplit(")", 1)[1].split()[1])
+
+
+def is_zygote(pid: int) -> bool:
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+        return b"# tpcore rank zygote" in cmdline.read()
+    return False
+
+
+def _direct_children(parent: int) -> set[int]:
+    own = str(parent)
     found = set()
     for entry in os.listdir("/proc"):
         if entry.isdigit():

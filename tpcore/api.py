@@ -77,8 +77,9 @@ def parallelize(
             allocated and reserved MiB (CPU: tensor bytes and resident memory), ``"detail"`` the
             CUDA allocator's summary (CPU: resident, peak resident and tensor bytes).
         init_method, daemon: parallelformers' multiprocessing start method and daemon flag, accepted
-            for compatibility and ignored: ranks are always fresh interpreters that end with the
-            caller, and the caller's start method is never changed.
+            for compatibility and ignored: ranks are always fresh interpreters (CPU ranks forked from one that
+            tpcore starts, never from the caller) that end with the caller, and the caller's start method is
+            never changed.
         seed: seed the caller's torch RNG first (the ranks follow the caller's RNG on every call).
         model_class: the class to build from a checkpoint (default: the one its config names).
         vocab_parallel: split the input and output embeddings over the vocabulary too.

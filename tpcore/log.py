@@ -26,7 +26,14 @@ from typing import Any
 
 from tpcore.progress import tqdm_lock_leaving_the_start_method
 
-__all__ = ["LEVEL_ENV", "caller_level", "emit_rank_record", "records_forwarded", "set_rank_level"]
+__all__ = [
+    "LEVEL_ENV",
+    "caller_level",
+    "configure_from_environment",
+    "emit_rank_record",
+    "records_forwarded",
+    "set_rank_level",
+]
 
 #: the environment variable that sets the ``tpcore`` logger's level (a level name or number)
 LEVEL_ENV = "TPCORE_LOG_LEVEL"
@@ -95,8 +102,9 @@ def level_of(value: str) -> int:
     return level
 
 
-def _configure() -> None:
-    """Give the ``tpcore`` logger its stderr fallback and the level ``TPCORE_LOG_LEVEL`` names (once)."""
+def configure_from_environment() -> None:
+    """Give the ``tpcore`` logger its stderr fallback (once) and the level ``TPCORE_LOG_LEVEL`` names: at import,
+    and again in a rank forked from a warm interpreter (:mod:`tpcore.ranks.zygote`), whose environment is its own."""
     if not any(isinstance(handler, _StderrUnlessHandled) for handler in logger.handlers):
         logger.addHandler(_StderrUnlessHandled())
     value = os.environ.get(LEVEL_ENV, "")
@@ -160,4 +168,4 @@ def emit_rank_record(rank: int, data: dict) -> None:
     target.handle(record)
 
 
-_configure()
+configure_from_environment()

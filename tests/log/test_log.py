@@ -51,7 +51,7 @@ def test_a_record_prints_once_where_the_application_configured_logging(monkeypat
 @pytest.mark.parametrize(("value", "level"), [("INFO", logging.INFO), ("debug", logging.DEBUG), ("15", 15)])
 def test_tpcore_log_level_takes_a_name_or_a_number(monkeypatch, tpcore_logger, value, level):
     monkeypatch.setenv(log.LEVEL_ENV, value)
-    log._configure()
+    log.configure_from_environment()
     assert tpcore_logger.level == level
     assert sum(isinstance(handler, log._StderrUnlessHandled) for handler in tpcore_logger.handlers) == 1
 
@@ -59,7 +59,7 @@ def test_tpcore_log_level_takes_a_name_or_a_number(monkeypatch, tpcore_logger, v
 def test_a_tpcore_log_level_that_names_no_level_is_a_warning(monkeypatch, tpcore_logger, caplog):
     tpcore_logger.setLevel(logging.NOTSET)
     monkeypatch.setenv(log.LEVEL_ENV, "loud")
-    log._configure()
+    log.configure_from_environment()
     assert tpcore_logger.level == logging.NOTSET
     assert [r.getMessage() for r in caplog.records] == [
         "TPCORE_LOG_LEVEL='loud' is neither a logging level name nor a number; the level stays as it was"

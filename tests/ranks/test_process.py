@@ -27,7 +27,7 @@ import torch
 from process_probes import children, gone, is_loopback, listening_of
 
 import tpcore
-from tpcore.ranks import handshake, process, wire, worker
+from tpcore.ranks import handshake, process, wire, worker, zygote
 from tpcore.ranks.distributed import free_port, interface_of
 from tpcore.ranks.process import RankPool, WorkerDiedError, WorkerError
 
@@ -477,6 +477,7 @@ def test_the_control_socket_is_private_to_the_user():
 
 def test_ranks_that_never_connect_fail_the_start_at_its_timeout(monkeypatch, time_to_error):
     """Ranks that hang before connecting: the start gives up at ``start_timeout`` (here 3 s), not at its default."""
+    monkeypatch.setenv(zygote.START_ENV, "spawn")  # fresh interpreters, running the code set here
     monkeypatch.setattr(worker, "WORKER_CODE", "import time; time.sleep(120)")
     before = children()
     started = time.monotonic()
@@ -487,6 +488,7 @@ def test_ranks_that_never_connect_fail_the_start_at_its_timeout(monkeypatch, tim
 
 
 def test_parallelize_passes_its_timeout_to_the_start(monkeypatch):
+    monkeypatch.setenv(zygote.START_ENV, "spawn")  # fresh interpreters, running the code set here
     monkeypatch.setattr(worker, "WORKER_CODE", "import time; time.sleep(120)")
     model = torch.nn.Sequential(torch.nn.Linear(4, 4))
 

@@ -30,6 +30,7 @@ import openai
 import pytest
 import torch
 import transformers
+from process_probes import children
 from transformers import BertConfig, BertModel
 
 import tpcore
@@ -593,19 +594,6 @@ def test_concurrent_embedding_requests_are_batched_and_equal_the_unsplit_model_s
     finally:
         running.stop()
         model.deparallelize()
-
-
-def children(pid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as stat:
-                    if int(stat.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        found.append(int(entry))
-            except (OSError, IndexError, ValueError):
-                pass
-    return found
 
 
 def alive(pid: int) -> bool:

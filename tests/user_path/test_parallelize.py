@@ -33,7 +33,7 @@ import rank_helpers
 import torch
 import transformers
 from output_probes import bar_states, on_terminal, records_of
-from process_probes import children, gone, listening_of, listening_sockets
+from process_probes import children, gone, is_zygote, listening_of, listening_sockets, parent_of
 from torch import nn
 from tqdm import tqdm
 
@@ -271,7 +271,11 @@ def test_the_start_shows_a_bar_of_the_bytes_sent_to_every_rank_and_logs_what_was
     assert final.startswith("tpcore: 2 ranks loaded: 100%|") and f"| {shown_total}/{shown_total} [" in final
     pids = model._tpcore_handle.pool.pids
     logged = [(r.name, r.levelname, getattr(r, "rank", None), r.getMessage()) for r in records]
-    assert ("tpcore.process", "INFO", None, f"starting 2 gloo ranks (pids {pids[0]}, {pids[1]})") in logged
+    forker = parent_of(pids[0])  # CPU ranks are forked by the zygote
+    assert is_zygote(forker) and parent_of(pids[1]) == forker
+    assert ("tpcore.process", "INFO", None, f"starting 2 gloo ranks (forked by pid {forker})") in logged
+    joined = f"RankPool(2 gloo ranks on cpu, pids {pids[0]}, {pids[1]}): every rank joined"
+    assert ("tpcore.process", "INFO", None, joined) in logged
     version = importlib.metadata.version("tp-bert")
     chose = f"AutoPolicy chose for BertForMaskedLM: BertPolicy (tp-bert {version})"
     assert ("tpcore.auto", "INFO", None, chose) in logged

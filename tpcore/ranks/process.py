@@ -1,7 +1,8 @@
 """RankPool: N local ranks joined in one process group, running functions sent to them (the caller side).
 
-Ranks are fresh interpreters (``python -c`` into :mod:`tpcore.ranks.worker`, which holds the rank side), not
-forks or ``multiprocessing`` spawns: they never re-import the caller's ``__main__``, so scripts need
+Ranks are fresh interpreters (``python -c`` into :mod:`tpcore.ranks.worker`, which holds the rank side; CPU ranks
+forked from one that has done a rank's imports once, :mod:`tpcore.ranks.zygote`), never forks of the caller or
+``multiprocessing`` spawns: they never re-import the caller's ``__main__``, so scripts need
 no ``if __name__ == "__main__"`` guard and notebooks work. They run in their own session, so a
 terminal's Ctrl-C reaches the caller only, and they end soon after the caller does, however it ends.
 Messages (:mod:`tpcore.ranks.wire`) travel over Unix sockets the ranks authenticate on (:mod:`tpcore.ranks.handshake`);
@@ -47,10 +48,18 @@ from typing import TYPE_CHECKING, Any
 from tpcore import log
 from tpcore.ranks.failures import WorkerDiedError, WorkerError, reraise
 from tpcore.ranks.handshake import ControlListener
-from tpcore.ranks.rank_processes import raise_if_exited, rank_died, spawn_ranks, stop_ranks, stopping_thread
+from tpcore.ranks.rank_processes import (
+    raise_if_exited,
+    rank_died,
+    spawn_ranks,
+    starting_text,
+    stop_ranks,
+    stopping_thread,
+)
 from tpcore.ranks.replies import Replies
 from tpcore.ranks.wire import byte_view, encode
 from tpcore.ranks.worker import RankContext
+from tpcore.ranks.zygote import ForkedRank
 
 if TYPE_CHECKING:
     from torch.distributed import TCPStore
@@ -118,7 +127,7 @@ class RankPool:
         self._owner_pid = _process_id()  # the one process that may stop the ranks (a forked child inherits the pool)
         self._lock = threading.Lock()
         self._conns: list = []
-        self._procs: list[subprocess.Popen] = []
+        self._procs: list[subprocess.Popen | ForkedRank] = []
         self._answered: set[int] = set()  # the ranks that answered the current call
         #: the ranks whose answer to the last call (a :meth:`run_first`) is still to be read, and that call's name
         self._owed: tuple[list[int], str] = ([], "")
@@ -150,7 +159,7 @@ class RankPool:
         except BaseException:
             self.close(timeout=0.0)
             raise
-        logger.info("starting %d %s ranks (pids %s)", world_size, self.backend, ", ".join(map(str, self.pids)))
+        logger.info("starting %d %s ranks (%s)", world_size, self.backend, starting_text(self._procs))
         if wait:
             self.wait_started()
 
@@ -191,7 +200,7 @@ class RankPool:
         return self._store.port if self._store is not None else None
 
     @property
-    def pids(self) -> list[int]:
+    def pids(self) -> list[int | None]:
         return [proc.pid for proc in self._procs]
 
     def run(

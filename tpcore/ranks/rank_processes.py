@@ -1,6 +1,7 @@
 """The ranks' processes, as the caller of a :class:`~tpcore.ranks.process.RankPool` starts, watches and stops them.
 
-Each rank is a fresh interpreter in a session of its own, with the caller's environment less an outer launcher's
+Each rank is a fresh interpreter (CPU ranks: forked from the caller's zygote, :mod:`tpcore.ranks.zygote`) in a
+session of its own, with the caller's environment less an outer launcher's
 world. A rank that ends early is named with how it ended; stopping asks each rank politely, then kills and reaps
 those left. Records go to the pool's logger, ``tpcore.process``.
 """
@@ -21,6 +22,7 @@ from tpcore import log
 from tpcore.ranks.failures import WorkerDiedError
 from tpcore.ranks.wire import send
 from tpcore.ranks.worker import AUTHKEY_ENV, PARENT_ENV, worker_command
+from tpcore.ranks.zygote import ForkedRank, fork_rank, forks_ranks
 
 if TYPE_CHECKING:
     from torch.distributed import TCPStore
@@ -29,6 +31,7 @@ __all__ = [
     "raise_if_exited",
     "rank_died",
     "spawn_ranks",
+    "starting_text",
     "stop_ranks",
     "stopping_thread",
 ]
@@ -46,16 +49,30 @@ def spawn_ranks(
     master_port: int,
     threads: int,
     preload: Sequence[str],
-) -> Iterator[subprocess.Popen]:
-    """Start every rank's interpreter, yielding each as it starts (a start that fails leaves those before it to
+) -> Iterator[subprocess.Popen | ForkedRank]:
+    """Start every rank's interpreter (CPU ranks: forked from this process's zygote, :mod:`tpcore.ranks.zygote`),
+    yielding each as it starts (a start that fails leaves those before it to
     stop): it connects back to ``address`` with ``authkey`` and meets the others in the store at
     ``master_addr:master_port``, in its own session (a terminal's Ctrl-C, sent to the foreground process group,
     spares the ranks)."""
     env = _rank_environment(master_addr, backend)
     env[AUTHKEY_ENV] = authkey.hex()
+    forked = forks_ranks(device, env)
     for rank in range(world_size):
         command = worker_command(address, rank, world_size, backend, device, master_addr, master_port, threads, preload)
-        yield subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+        if forked:
+            yield fork_rank(command[3:], env)
+        else:
+            yield subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def starting_text(procs: Sequence[subprocess.Popen | ForkedRank]) -> str:
+    """The ranks just started, in words, without waiting for a forked one's pid: ``"pids 12, 13"`` or
+    ``"forked by pid 11"``."""
+    zygotes = {proc.zygote_pid for proc in procs if isinstance(proc, ForkedRank)}
+    if zygotes:
+        return f"forked by pid {', '.join(map(str, sorted(zygotes)))}"
+    return f"pids {', '.join(str(proc.pid) for proc in procs)}"
 
 
 def _rank_environment(master_addr: str, backend: str) -> dict[str, str]:

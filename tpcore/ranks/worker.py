@@ -1,6 +1,7 @@
 """The rank side of a :class:`~tpcore.ranks.process.RankPool`: one rank's process, from its command line to its exit.
 
-A rank is a fresh interpreter (:func:`worker_command`). It watches its caller from its first line
+A rank is a fresh interpreter (:func:`worker_command`), or a fork of the zygote, one that has made a rank's imports
+(:mod:`tpcore.ranks.zygote`). It watches its caller (or the zygote) from its first line
 (:data:`WORKER_CODE`), connects back to it
 (:mod:`tpcore.ranks.handshake`), binds its device, joins the group, then serves calls until told to stop: each
 call is ``(fn, args, kwargs, log level)``, run as ``fn(context, *args, **kwargs)`` with a :class:`RankContext`
@@ -32,32 +33,49 @@ from tpcore.ranks.failures import describe
 from tpcore.ranks.handshake import connect
 from tpcore.ranks.wire import byte_view, recv, send
 
-__all__ = ["AUTHKEY_ENV", "PARENT_ENV", "WORKER_CODE", "RankContext", "synchronize", "worker_command", "worker_entry"]
+__all__ = [
+    "AUTHKEY_ENV",
+    "PARENT_ENV",
+    "PARENT_WATCH_CODE",
+    "WORKER_CODE",
+    "RankContext",
+    "synchronize",
+    "worker_command",
+    "worker_entry",
+]
 
 #: the environment variables a rank finds its caller's control-channel key and process id in (and removes)
 AUTHKEY_ENV = "TPCORE_WORKER_AUTHKEY"
 PARENT_ENV = "TPCORE_WORKER_PARENT"
 #: how often a rank looks whether its caller is still there
 PARENT_WATCH_INTERVAL_S = 0.1
-#: what ``python -c`` runs in a rank. Its first lines, before the seconds that importing tpcore and torch take,
-#: start the watch that ends the rank once its caller is gone (re-parented: killed, even while the rank sits in a
-#: collective); a rank that ends so removes the caller's control socket and its directory, which a caller killed
-#: during the start leaves behind. Then :func:`worker_entry` reads the arguments :func:`worker_command` appends.
-WORKER_CODE = f"""\
+#: the watch that ends a rank once its parent is gone (re-parented: killed, even while the rank sits in a collective);
+#: a rank that ends so removes the caller's control socket and its directory, which a caller killed during the start
+#: leaves behind. Text, so that it runs before the seconds that importing tpcore and torch take.
+PARENT_WATCH_CODE = f"""\
 import os, sys, threading, time
 
 def _watch_parent(parent, control_socket):
     while os.getppid() == parent:
         time.sleep({PARENT_WATCH_INTERVAL_S})
-    for remove, path in ((os.unlink, control_socket), (os.rmdir, os.path.dirname(control_socket))):
-        try:
-            remove(path)
-        except OSError:
-            pass
+    if control_socket:
+        for remove, path in ((os.unlink, control_socket), (os.rmdir, os.path.dirname(control_socket))):
+            try:
+                remove(path)
+            except OSError:
+                pass
     os._exit(1)
 
-_parent = int(os.environ.pop("{PARENT_ENV}"))
-threading.Thread(target=_watch_parent, args=(_parent, sys.argv[1]), name="tpcore-parent-watch", daemon=True).start()
+def _start_watch(parent, control_socket):
+    watch = threading.Thread(target=_watch_parent, args=(parent, control_socket), name="tpcore-parent-watch")
+    watch.daemon = True
+    watch.start()
+"""
+#: what ``python -c`` runs in a rank: the watch of its caller from its first lines, then :func:`worker_entry` with the
+#: arguments :func:`worker_command` appends.
+WORKER_CODE = f"""\
+{PARENT_WATCH_CODE}
+_start_watch(int(os.environ.pop("{PARENT_ENV}")), sys.argv[1])
 from tpcore.ranks.worker import worker_entry
 worker_entry(sys.argv[1:])
 """
