@@ -171,6 +171,7 @@ BENCH_SCRIPTS = (
     "quantized.py --format nf4",
     "quantized.py --format gptq",
     "quantized.py --format awq",
+    "load_time.py",
 )
 
 

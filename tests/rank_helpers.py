@@ -340,3 +340,7 @@ def compiled_generate(context, spec, input_ids, new_tokens, backend="aot_eager")
         finally:
             model.forward = forward
     return eager, compiled, dict(counts)
+
+
+def write_to_stderr(context, text):
+    os.write(2, f"{text} from rank {context.rank}\n".encode())

@@ -73,6 +73,20 @@ def test_a_changed_environment_gets_a_zygote_of_its_own_and_the_old_one_ends_aft
         assert set(pool.pids) <= children() and not set(old_pids) & children()
 
 
+def test_a_forked_rank_writes_to_the_caller_s_stderr_as_it_is_at_the_pool_s_start(capfd, monkeypatch):
+    """A zygote started while stderr went elsewhere (here: capture off): its later ranks write to the caller's
+    stderr as it is when their pool starts (here: captured)."""
+    monkeypatch.delenv(zygote.START_ENV, raising=False)
+    monkeypatch.setenv("TPCORE_TEST_MARK", "a zygote of this test's own")
+    with capfd.disabled(), RankPool(1, "gloo") as pool:
+        forker = parent_of(pool.pids[0])
+    with RankPool(2, "gloo") as pool:
+        assert {parent_of(pid) for pid in pool.pids} == {forker}
+        pool.run(rank_helpers.write_to_stderr, "written")
+    err = capfd.readouterr().err
+    assert "written from rank 0" in err and "written from rank 1" in err
+
+
 def test_a_killed_rank_and_a_killed_zygote_are_reported_as_the_ranks_ending(monkeypatch):
     monkeypatch.delenv(zygote.START_ENV, raising=False)
     pool = RankPool(2, "gloo")

@@ -2,13 +2,14 @@
 side: about three seconds a rank) is imported once per caller, by a *zygote*, and each rank is a fork of it.
 
 The zygote is a fresh interpreter (:data:`ZYGOTE_CODE`) that the caller starts at its first pool of CPU ranks and
-keeps for the next ones. It imports :data:`WARM_MODULES`, then reads requests on its stdin, one JSON line each
-(``{"token", "argv", "env"}``: a rank's :func:`~tpcore.ranks.worker.worker_command` arguments and environment),
-forks a rank for each and writes its pid, and, as each rank ends, its exit code, on a pipe of its own. A forked rank
-is what a fresh one is: its own session, stdin on ``/dev/null``, its pool's environment, the caller's stdout and
-stderr, the watch that ends it once its parent is gone (the zygote, which itself ends once the caller is gone, so a
-killed caller still leaves no rank). The zygote only imports: no OpenMP region has run in it, so a rank's first
-product starts a thread pool of its own.
+keeps for the next ones. It imports :data:`WARM_MODULES`, then reads requests on a Unix socket of messages shared
+with the caller, one JSON message each (``{"token", "argv", "env", "stdio"}``: a rank's
+:func:`~tpcore.ranks.worker.worker_command` arguments, its environment, and the caller's stdout and stderr as they
+are at the request, passed along as descriptors), forks a rank for each and sends back its pid, and, as each rank
+ends, its exit code. A forked rank is what a fresh one is: its own session, stdin on ``/dev/null``, its pool's
+environment, the caller's current stdout and stderr, the watch that ends it once its parent is gone (the zygote,
+which itself ends once the caller is gone, so a killed caller still leaves no rank). The zygote only imports: no
+OpenMP region has run in it, so a rank's first product starts a thread pool of its own.
 
 A zygote serves the environment it was started with (less the per-pool variables, :data:`POOL_VARIABLES`): a
 pool whose environment differs (a variable read at import, ``OMP_NUM_THREADS`` say) gets a new zygote, and the old
@@ -28,6 +29,7 @@ import json
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -136,47 +138,46 @@ class ForkedRank:
 
 
 class Zygote:
-    """The caller's end of a zygote: the requests it writes, a thread reading the zygote's reports."""
+    """The caller's end of a zygote: a Unix socket of messages (``SOCK_SEQPACKET``) that carries each request, with
+    the caller's stdout and stderr as they are now, and the zygote's reports, which a thread reads."""
 
     def __init__(self, environment: dict[str, str]):
         self.environment = environment
         self.owner = os.getpid()
-        replies, replies_end = os.pipe()
-        command = [sys.executable, "-c", ZYGOTE_CODE, str(replies_end), ",".join(WARM_MODULES), str(self.owner)]
+        self._channel, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        command = [sys.executable, "-c", ZYGOTE_CODE, str(theirs.fileno()), ",".join(WARM_MODULES), str(self.owner)]
         try:
             self.process = subprocess.Popen(
-                command, env=environment, stdin=subprocess.PIPE, pass_fds=(replies_end,), start_new_session=True
+                command, env=environment, stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),), start_new_session=True
             )
         except BaseException:
-            os.close(replies)
+            self._channel.close()
             raise
         finally:
-            os.close(replies_end)
-        assert self.process.stdin is not None
-        self._requests = self.process.stdin
+            theirs.close()
+        self._retired = False
         self._lock = threading.Lock()
         self._tokens = itertools.count()
         self._unforked: dict[int, ForkedRank] = {}
         self._running: dict[int, ForkedRank] = {}
-        reader = threading.Thread(
-            target=self._read, args=(os.fdopen(replies, "rb"),), name="tpcore-zygote", daemon=True
-        )
-        reader.start()
+        threading.Thread(target=self._read, name="tpcore-zygote", daemon=True).start()
 
     @property
     def alive(self) -> bool:
-        return self.process.poll() is None and not self._requests.closed
+        return not self._retired and self.process.poll() is None
 
     def fork(self, argv: list[str], env: dict[str, str]) -> ForkedRank:
-        """Ask for a rank running :func:`~tpcore.ranks.worker.worker_entry` on ``argv`` in environment ``env``."""
+        """Ask for a rank running :func:`~tpcore.ranks.worker.worker_entry` on ``argv`` in environment ``env``, its
+        stdout and stderr this process's."""
         rank = ForkedRank(self.process.pid)
+        stdio = [fd for fd in (1, 2) if _is_open(fd)]
         with self._lock:
             token = next(self._tokens)
             self._unforked[token] = rank
+            request = {"token": token, "argv": argv, "env": env, "stdio": stdio}
             try:
-                self._requests.write(json.dumps({"token": token, "argv": argv, "env": env}).encode() + b"\n")
-                self._requests.flush()
-            except (OSError, ValueError):
+                socket.send_fds(self._channel, [json.dumps(request).encode()], stdio)
+            except OSError:
                 del self._unforked[token]
                 raise OSError(f"the zygote (pid {self.process.pid}) is gone") from None
         return rank
@@ -184,12 +185,12 @@ class Zygote:
     def retire(self) -> None:
         """No more requests: the zygote ends once its ranks have."""
         with self._lock, contextlib.suppress(OSError):
-            self._requests.close()
+            self._retired = True
+            self._channel.shutdown(socket.SHUT_WR)
 
-    def _read(self, replies) -> None:
-        with replies:
-            for line in replies:
-                report = json.loads(line)
+    def _read(self) -> None:
+        with self._channel:
+            while report := _received(self._channel):
                 rank: ForkedRank | None
                 with self._lock:
                     if "pid" in report:
@@ -209,6 +210,23 @@ class Zygote:
         self.process.wait()
 
 
+def _received(channel: socket.socket) -> dict | None:
+    """The next report from the zygote; ``None`` once it is gone."""
+    try:
+        message = channel.recv(1 << 16)
+    except OSError:
+        return None
+    return json.loads(message) if message else None
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
 _zygote: list[Zygote] = []  # this process's current zygote, if any
 _zygote_lock = threading.Lock()
 
@@ -223,44 +241,59 @@ def fork_rank(argv: list[str], env: dict[str, str]) -> ForkedRank:
                 zygote.retire()
             zygote = Zygote(environment)
             _zygote[:] = [zygote]
-    return zygote.fork(argv, env)
+        try:
+            return zygote.fork(argv, env)
+        except OSError:  # it died since it was last asked: once more, from a new one
+            zygote = Zygote(environment)
+            _zygote[:] = [zygote]
+            return zygote.fork(argv, env)
 
 
-def serve_forks(replies: int, start_watch: Callable[[int, str | None], None]) -> None:
-    """The zygote's loop: fork a rank for each request on stdin, report each fork and each exit on ``replies``;
-    return once stdin is closed and every rank has ended. ``start_watch(parent, control socket)`` is
+def serve_forks(channel: int, start_watch: Callable[[int, str | None], None]) -> None:
+    """The zygote's loop: fork a rank for each request on the socket ``channel``, report each fork and each exit on
+    it; return once the caller has shut its end and every rank has ended. ``start_watch(parent, control socket)`` is
     :data:`~tpcore.ranks.worker.PARENT_WATCH_CODE`'s, given to each rank."""
     import warnings
 
     warnings.filterwarnings("ignore", message=".*use of fork.*", category=DeprecationWarning)  # no lock is held
+    requests = socket.socket(fileno=channel)
     wake, wake_end = os.pipe()
     os.set_blocking(wake, False)
     os.set_blocking(wake_end, False)
     signal.set_wakeup_fd(wake_end)  # a child's exit wakes the select below
     signal.signal(signal.SIGCHLD, lambda *_: None)
     ranks: set[int] = set()
-    pending, reading = b"", True
+    reading = True
     while reading or ranks:
-        ready, _, _ = select.select([0, wake] if reading else [wake], [], [])
+        watched: list = [requests, wake] if reading else [wake]
+        ready, _, _ = select.select(watched, [], [])
         if wake in ready:
             with contextlib.suppress(BlockingIOError):
                 while os.read(wake, 512):
                     pass
-        if 0 in ready:
-            chunk = os.read(0, 1 << 16)
-            reading = bool(chunk)
-            *requests, pending = (pending + chunk).split(b"\n")
-            for line in requests:
-                request = json.loads(line)
-                pid = _fork(request["argv"], request["env"], (replies, wake, wake_end), start_watch)
+        if requests in ready:
+            message, stdio, _, _ = socket.recv_fds(requests, 1 << 20, 2)
+            reading = bool(message)
+            if reading:
+                request = json.loads(message)
+                pid = _fork(
+                    request["argv"],
+                    request["env"],
+                    dict(zip(request["stdio"], stdio, strict=True)),
+                    (channel, wake, wake_end),
+                    start_watch,
+                )
                 ranks.add(pid)
-                _report(replies, {"token": request["token"], "pid": pid})
+                _report(requests, {"token": request["token"], "pid": pid})
+            for fd in stdio:
+                os.close(fd)
         for pid, code in _reaped(ranks):
-            _report(replies, {"exit": pid, "code": code})
+            _report(requests, {"exit": pid, "code": code})
 
 
-def _fork(argv: list[str], env: dict[str, str], zygote_fds: tuple[int, ...], start_watch) -> int:
-    """Fork a rank (see the module's docstring); in the zygote, return its pid."""
+def _fork(argv: list[str], env: dict[str, str], stdio: dict[int, int], zygote_fds: tuple[int, ...], start_watch) -> int:
+    """Fork a rank (see the module's docstring) with ``stdio`` (``{1: fd, 2: fd}``, the caller's at the request) as
+    its stdout and stderr; in the zygote, return its pid."""
     zygote = os.getpid()
     pid = os.fork()
     if pid:
@@ -271,9 +304,9 @@ def _fork(argv: list[str], env: dict[str, str], zygote_fds: tuple[int, ...], sta
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         for fd in zygote_fds:
             os.close(fd)
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        os.close(null)
+        for target, fd in stdio.items():
+            os.dup2(fd, target)
+            os.close(fd)
         os.setsid()
         os.environ.clear()
         os.environ.update(env)
@@ -311,7 +344,7 @@ def _reaped(ranks: set[int]) -> list[tuple[int, int]]:
     return ended
 
 
-def _report(replies: int, report: dict) -> None:
-    """Write one report line (a caller that closed its end is gone: the watch ends this process)."""
+def _report(channel: socket.socket, report: dict) -> None:
+    """Send one report (a caller whose end is closed is gone: the watch ends this process)."""
     with contextlib.suppress(OSError):
-        os.write(replies, json.dumps(report).encode() + b"\n")
+        channel.send(json.dumps(report).encode())
