@@ -344,3 +344,7 @@ def compiled_generate(context, spec, input_ids, new_tokens, backend="aot_eager")
 
 def write_to_stderr(context, text):
     os.write(2, f"{text} from rank {context.rank}\n".encode())
+
+
+def working_directory(context):
+    return os.getcwd()

@@ -87,6 +87,13 @@ def test_a_forked_rank_writes_to_the_caller_s_stderr_as_it_is_at_the_pool_s_star
     assert "written from rank 0" in err and "written from rank 1" in err
 
 
+def test_a_forked_rank_starts_in_the_caller_s_working_directory_of_the_moment(tmp_path, monkeypatch):
+    monkeypatch.delenv(zygote.START_ENV, raising=False)
+    monkeypatch.chdir(tmp_path)
+    with RankPool(2, "gloo") as pool:
+        assert pool.run(rank_helpers.working_directory) == [str(tmp_path)] * 2
+
+
 def test_a_killed_rank_and_a_killed_zygote_are_reported_as_the_ranks_ending(monkeypatch):
     monkeypatch.delenv(zygote.START_ENV, raising=False)
     pool = RankPool(2, "gloo")

@@ -60,7 +60,7 @@ FORK_WAIT_S = 120.0
 #: variables that differ between pools and are read only once a rank runs: no new zygote for them
 POOL_VARIABLES = (AUTHKEY_ENV, PARENT_ENV, log.LEVEL_ENV)
 #: ``python -c`` of the zygote: watched from its first lines, as a rank is; then imports, then :func:`serve_forks`.
-#: Arguments: the reply pipe's descriptor, the modules to import, the caller's pid.
+#: Arguments: the descriptor of its end of the caller's socket, the modules to import, the caller's pid.
 ZYGOTE_CODE = f"""\
 # tpcore rank zygote
 {PARENT_WATCH_CODE}
@@ -174,7 +174,7 @@ class Zygote:
         with self._lock:
             token = next(self._tokens)
             self._unforked[token] = rank
-            request = {"token": token, "argv": argv, "env": env, "stdio": stdio}
+            request = {"token": token, "argv": argv, "env": env, "stdio": stdio, "cwd": _working_directory()}
             try:
                 socket.send_fds(self._channel, [json.dumps(request).encode()], stdio)
             except OSError:
@@ -217,6 +217,14 @@ def _received(channel: socket.socket) -> dict | None:
     except OSError:
         return None
     return json.loads(message) if message else None
+
+
+def _working_directory() -> str | None:
+    """This process's working directory (``None`` if it was removed: the rank keeps the zygote's)."""
+    try:
+        return os.getcwd()
+    except OSError:
+        return None
 
 
 def _is_open(fd: int) -> bool:
@@ -277,8 +285,7 @@ def serve_forks(channel: int, start_watch: Callable[[int, str | None], None]) ->
             if reading:
                 request = json.loads(message)
                 pid = _fork(
-                    request["argv"],
-                    request["env"],
+                    request,
                     dict(zip(request["stdio"], stdio, strict=True)),
                     (channel, wake, wake_end),
                     start_watch,
@@ -291,9 +298,10 @@ def serve_forks(channel: int, start_watch: Callable[[int, str | None], None]) ->
             _report(requests, {"exit": pid, "code": code})
 
 
-def _fork(argv: list[str], env: dict[str, str], stdio: dict[int, int], zygote_fds: tuple[int, ...], start_watch) -> int:
-    """Fork a rank (see the module's docstring) with ``stdio`` (``{1: fd, 2: fd}``, the caller's at the request) as
-    its stdout and stderr; in the zygote, return its pid."""
+def _fork(request: dict, stdio: dict[int, int], zygote_fds: tuple[int, ...], start_watch) -> int:
+    """Fork the rank a request asks for (see the module's docstring), in the caller's working directory, with
+    ``stdio`` (``{1: fd, 2: fd}``, the caller's at the request) as its stdout and stderr; in the zygote, return its
+    pid."""
     zygote = os.getpid()
     pid = os.fork()
     if pid:
@@ -308,8 +316,12 @@ def _fork(argv: list[str], env: dict[str, str], stdio: dict[int, int], zygote_fd
             os.dup2(fd, target)
             os.close(fd)
         os.setsid()
+        if request["cwd"] is not None:
+            with contextlib.suppress(OSError):  # removed meanwhile: as a fresh rank started there would, it goes on
+                os.chdir(request["cwd"])
+        argv = request["argv"]
         os.environ.clear()
-        os.environ.update(env)
+        os.environ.update(request["env"])
         os.environ.pop(PARENT_ENV, None)
         sys.argv = ["-c", *argv]
         start_watch(zygote, argv[0])
