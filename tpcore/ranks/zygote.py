@@ -14,7 +14,7 @@ OpenMP region has run in it, so a rank's first product starts a thread pool of i
 A zygote serves the environment it was started with (less the per-pool variables, :data:`POOL_VARIABLES`): a
 pool whose environment differs (a variable read at import, ``OMP_NUM_THREADS`` say) gets a new zygote, and the old
 one ends once its last rank has. ``TPCORE_RANK_START=spawn`` starts every rank as a fresh interpreter instead, as
-CUDA ranks always are.
+CUDA ranks, and ranks off Linux, always are.
 
 Caller side, :func:`fork_rank` returns a :class:`ForkedRank`: the part of ``subprocess.Popen``'s interface that a
 :class:`~tpcore.ranks.process.RankPool` uses (``pid``, ``poll``, ``wait``, ``kill``, ``returncode``), fed by the
@@ -77,12 +77,12 @@ serve_forks(int(sys.argv[1]), _start_watch)
 
 
 def forks_ranks(device: str, env: dict[str, str]) -> bool:
-    """Whether ranks on ``device`` with environment ``env`` are forked from the zygote (CPU ranks, where ``fork``
-    exists, unless ``TPCORE_RANK_START=spawn``)."""
+    """Whether ranks on ``device`` with environment ``env`` are forked from the zygote (CPU ranks on Linux, unless
+    ``TPCORE_RANK_START=spawn``; macOS's system libraries are not safe to use after a fork)."""
     how = env.get(START_ENV, "fork").strip().lower() or "fork"
     if how not in ("fork", "spawn"):
         raise ValueError(f"{START_ENV}={env[START_ENV]!r}: 'fork' (the default) or 'spawn'")
-    return how == "fork" and device == "cpu" and hasattr(os, "fork")
+    return how == "fork" and device == "cpu" and sys.platform.startswith("linux")  # macOS: fork is unsafe there
 
 
 class ForkedRank:
