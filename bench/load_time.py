@@ -45,6 +45,27 @@ def drop_page_cache() -> None:
         control.write("1")
 
 
+def proportional_mib(pid: int) -> float:
+    """A process's proportional set size (its private pages, and its share of those it shares), in MiB (Linux)."""
+    with open(f"/proc/{pid}/smaps_rollup") as rollup:
+        for line in rollup:
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) / 1024
+    raise ValueError(f"no Pss in /proc/{pid}/smaps_rollup")
+
+
+def parent_pid(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as stat:
+        return int(stat.read().rsplit(")", 1)[1].split()[1])
+
+
+def ranks_memory(model) -> tuple[list[float], float]:
+    """Each rank's proportional set size, and their parent's where that is not this process (the zygote)."""
+    pids = model._tpcore_handle.pool.pids
+    parent = parent_pid(pids[0])
+    return [proportional_mib(pid) for pid in pids], (proportional_mib(parent) if parent != os.getpid() else 0.0)
+
+
 def load_and_forward(load, ids: torch.Tensor, cold: bool) -> tuple[float, torch.nn.Module]:
     """Seconds from ``load()`` to the end of the loaded model's one-token forward, and the model."""
     if cold:
@@ -93,6 +114,7 @@ def main(argv: list[str] | None = None) -> None:
             return tpcore.parallelize(str(directory), num_gpus=args.world_size, dtype=options.get("dtype"))
 
         times: dict[str, list[float]] = {"transformers": [], "first": [], "forked": [], "spawned": []}
+        memory: dict[str, tuple[list[float], float]] = {}
         first, model = load_and_forward(split, ids, args.cold)
         times["first"].append(first)
         model.deparallelize()
@@ -102,12 +124,14 @@ def main(argv: list[str] | None = None) -> None:
             del model
             seconds, model = load_and_forward(split, ids, args.cold)
             times["forked"].append(seconds)
+            memory["forked"] = ranks_memory(model)
             model.deparallelize()
         os.environ[START_ENV] = "spawn"
         try:
             for _ in range(args.rounds):
                 seconds, model = load_and_forward(split, ids, args.cold)
                 times["spawned"].append(seconds)
+                memory["spawned"] = ranks_memory(model)
                 model.deparallelize()
         finally:
             del os.environ[START_ENV]
@@ -124,12 +148,20 @@ def main(argv: list[str] | None = None) -> None:
         spread = f"{min(times[way]):.2f}-{max(times[way]):.2f}" if len(times[way]) > 1 else "-"
         rows.append([label, str(len(times[way])), f"{median:.2f}", spread, f"{median / reference:.2f}"])
     header = ["way", "rounds", "load + first forward s (median)", "range s", "vs transformers"]
+    memory_rows = [
+        [labels[way], " / ".join(f"{mib:.0f}" for mib in ranks), f"{zygote:.0f}", f"{sum(ranks) + zygote:.0f}"]
+        for way, (ranks, zygote) in memory.items()
+    ]
+    memory_header = ["way", "PSS MiB of each rank", "PSS MiB of the zygote", "together"]
     sections = [
         f"Llama of SmolLM2-135M's widths, {args.layers} layers, random init, saved as {args.format}: "
         f"{stored / 2**20:.0f} MiB of safetensors, the page cache "
         + ("dropped before every load" if args.cold else "warm")
         + f"; transformers on {args.threads} threads.",
         printed(header, rows),
+        "Memory once loaded (the last round of each way; proportional set sizes: a page shared by k processes "
+        "counts 1/k in each):",
+        printed(memory_header, memory_rows),
     ]
     name = "load_time" + ("" if args.format == FP32 else f"_{args.format}") + ("_cold" if args.cold else "")
     write_result(name, f"Load time from a directory ({args.format})", sections, "gloo", args.note, args.output)
