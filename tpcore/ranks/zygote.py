@@ -191,17 +191,16 @@ class Zygote:
     def _read(self) -> None:
         with self._channel:
             while report := _received(self._channel):
-                rank: ForkedRank | None
+                if "pid" in report:
+                    with self._lock:
+                        forked = self._unforked.pop(report["token"])
+                        self._running[report["pid"]] = forked
+                    forked.forked(report["pid"])
+                    continue
                 with self._lock:
-                    if "pid" in report:
-                        rank = self._unforked.pop(report["token"])
-                        self._running[report["pid"]] = rank
-                    else:
-                        rank = self._running.pop(report["exit"]) if report["exit"] in self._running else None
-                if rank is not None and "pid" in report:
-                    rank.forked(report["pid"])
-                elif rank is not None:
-                    rank.exited(report["code"])
+                    ended = self._running.pop(report["exit"], None)
+                if ended is not None:
+                    ended.exited(report["code"])
         with self._lock:
             left = [*self._unforked.values(), *self._running.values()]
             self._unforked, self._running = {}, {}
@@ -247,14 +246,17 @@ def fork_rank(argv: list[str], env: dict[str, str]) -> ForkedRank:
         if zygote is None or zygote.owner != os.getpid() or zygote.environment != environment or not zygote.alive:
             if zygote is not None and zygote.owner == os.getpid():
                 zygote.retire()
-            zygote = Zygote(environment)
-            _zygote[:] = [zygote]
+            zygote = _started(environment)
         try:
             return zygote.fork(argv, env)
         except OSError:  # it died since it was last asked: once more, from a new one
-            zygote = Zygote(environment)
-            _zygote[:] = [zygote]
-            return zygote.fork(argv, env)
+            return _started(environment).fork(argv, env)
+
+
+def _started(environment: dict[str, str]) -> Zygote:
+    """A new zygote for ``environment``, this process's current one from now on (under ``_zygote_lock``)."""
+    _zygote[:] = [zygote := Zygote(environment)]
+    return zygote
 
 
 def serve_forks(channel: int, start_watch: Callable[[int, str | None], None]) -> None:
