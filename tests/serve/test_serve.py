@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from unittest import mock
 
 import httpx
 import numpy
@@ -350,12 +351,17 @@ def test_a_speech_model_saved_in_a_directory_serves_8_concurrent_transcriptions_
 
 #: the tiny LLaVA's image token (tests/user_path/test_composite.py's), a word its tokenizer keeps whole
 IMAGE_TOKEN = 63
-#: the processor's chat template: each image part becomes the image token (expanded by the processor), text parts
-#: their words
-VISION_TEMPLATE = (
-    "{% for m in messages %}{% for p in m['content'] %}{% if p['type'] == 'image' %}w63 "
-    "{% else %}{{ p['text'] }} {% endif %}{% endfor %}{% endfor %}"
-)
+#: the tiny Qwen2-VL's image, vision start, vision end and video words
+QWEN_IMAGE, QWEN_START, QWEN_END, QWEN_VIDEO = 60, 61, 62, 59
+
+
+def vision_template(image_words: str) -> str:
+    """A processor's chat template: each image part becomes ``image_words`` (its image token expanded by the
+    processor), text parts their words."""
+    return (
+        "{% for m in messages %}{% for p in m['content'] %}{% if p['type'] == 'image' %}" + image_words + " "
+        "{% else %}{{ p['text'] }} {% endif %}{% endfor %}{% endfor %}"
+    )
 
 
 def tiny_llava_directory(directory: Path) -> tuple[transformers.LlavaForConditionalGeneration, object]:
@@ -373,10 +379,48 @@ def tiny_llava_directory(directory: Path) -> tuple[transformers.LlavaForConditio
     images = transformers.CLIPImageProcessor(size={"shortest_edge": 8}, crop_size={"height": 8, "width": 8})
     processor = transformers.LlavaProcessor(
         image_processor=images, tokenizer=words, patch_size=4, vision_feature_select_strategy="default",
-        image_token=f"w{IMAGE_TOKEN}", num_additional_image_tokens=1, chat_template=VISION_TEMPLATE,
+        image_token=f"w{IMAGE_TOKEN}", num_additional_image_tokens=1, chat_template=vision_template(f"w{IMAGE_TOKEN}"),
     )  # fmt: skip
     processor.save_pretrained(directory)
     return model, processor
+
+
+def tiny_qwen2_vl_directory(directory: Path) -> tuple[transformers.Qwen2VLForConditionalGeneration, object]:
+    """A random Qwen2-VL saved with its tokenizer (a vision tower of 4-pixel patches merged 2 x 2; a text model of
+    64 words whose rotary pairs turn by time, height and width: multimodal RoPE; weights drawn wide enough that
+    positions change the answers), and its processor (Qwen2-VL's image processor: images resized to 64-1024 pixels,
+    the word tokenizer, the template above with the vision start and end words around each image); the model whole
+    and the processor."""
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]}
+    text = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "eos_token_id": 1, "initializer_range": 0.3,
+            "rope_parameters": rope}  # fmt: skip
+    vision = {"depth": 2, "embed_dim": 32, "hidden_size": 32, "num_heads": 2, "mlp_ratio": 2, "patch_size": 4,
+              "spatial_merge_size": 2, "temporal_patch_size": 2}  # fmt: skip
+    config = transformers.Qwen2VLConfig(
+        text_config=text, vision_config=vision, image_token_id=QWEN_IMAGE, vision_start_token_id=QWEN_START,
+        vision_end_token_id=QWEN_END, video_token_id=QWEN_VIDEO, initializer_range=0.3,
+    )  # fmt: skip
+    model = ModelSpec(transformers.Qwen2VLForConditionalGeneration, config, seed=3).build()
+    model.save_pretrained(directory)
+    words = word_tokenizer(64)
+    words.add_special_tokens({"additional_special_tokens": [f"w{n}" for n in (QWEN_IMAGE, QWEN_START, QWEN_END,
+                                                                               QWEN_VIDEO)]})  # fmt: skip
+    words.image_token, words.video_token = f"w{QWEN_IMAGE}", f"w{QWEN_VIDEO}"
+    words.save_pretrained(directory)
+    images = transformers.Qwen2VLImageProcessor(min_pixels=64, max_pixels=1024, patch_size=4, merge_size=2)
+    # transformers checks each part of a processor against its class, the video processor's among them, which it
+    # defines only where torchvision is installed (not here): the check is passed over to build the processor
+    with mock.patch.object(transformers.ProcessorMixin, "check_argument_for_proper_class", lambda *args: None):
+        processor = transformers.Qwen2VLProcessor(
+            image_processor=images, tokenizer=words,
+            chat_template=vision_template(f"w{QWEN_START} w{QWEN_IMAGE} w{QWEN_END}"),
+        )  # fmt: skip
+    return model, processor
+
+
+#: each vision-language model served with images: its directory's builder
+VISION_MODELS = {"llava": tiny_llava_directory, "qwen2-vl": tiny_qwen2_vl_directory}
 
 
 def png_url(seed: int, size: tuple[int, int]) -> str:
@@ -390,19 +434,25 @@ def png_url(seed: int, size: tuple[int, int]) -> str:
 
 
 @pytest.mark.slow  # its own 2-rank world
-def test_images_in_chat_are_read_by_a_split_vision_model_and_8_concurrent_chats_get_their_solo_answers(tmp_path):
-    """``tpcore serve`` of a LLaVA directory over 2 ranks: chats with ``image_url`` parts (data URLs, images of
-    different sizes, one or two a message) and chats of text alone, 8 at once, each the unsplit model's greedy
-    answer for the processor's inputs alone; an http URL is refused while the server fetches none, a data URL that
-    is no image is refused, and a text model is told it reads no images."""
-    reference, processor = tiny_llava_directory(tmp_path)
+@pytest.mark.parametrize("family", list(VISION_MODELS))
+def test_images_in_chat_are_read_by_a_split_vision_model_and_8_concurrent_chats_get_their_solo_answers(
+    tmp_path, family
+):
+    """``tpcore serve`` of a LLaVA directory and a Qwen2-VL one (multimodal RoPE: a row with images decodes at
+    positions of its own) over 2 ranks: chats with ``image_url`` parts (data URLs, images of different sizes, one or
+    two a message) and chats of text alone, 8 at once, each the unsplit model's greedy answer for the processor's
+    inputs alone; an http URL is refused while the server fetches none, a data URL that is no image is refused, and
+    a text model is told it reads no images."""
+    reference, processor = VISION_MODELS[family](tmp_path)
     model, tokenizer = load_model(str(tmp_path), 2)
-    service = Service(model, tokenizer, "tiny-llava", Limits(max_model_len=64), directory=str(tmp_path))
+    # LLaVA's processor is loaded from its directory; Qwen2-VL's only with torchvision, so it is handed over
+    given = processor if family == "qwen2-vl" else None
+    service = Service(model, tokenizer, family, Limits(max_model_len=64), directory=str(tmp_path), processor=given)
     running = Server(service, port=free_port()).start()
 
     def content(i: int) -> list[dict]:
-        words = {"type": "text", "text": " ".join(f"w{3 + (i * 7 + j * 5) % 58}" for j in range(1 + i % 4))}
-        pictures = [{"type": "image_url", "image_url": {"url": png_url(10 * i + k, (8 + 3 * i, 8 + 2 * k))}}
+        words = {"type": "text", "text": " ".join(f"w{3 + (i * 7 + j * 5) % 55}" for j in range(1 + i % 4))}
+        pictures = [{"type": "image_url", "image_url": {"url": png_url(10 * i + k, (8 + 3 * i, 12 + 4 * k + i))}}
                     for k in range(0 if i % 4 == 3 else 1 + (i == 2))]  # fmt: skip
         return [*pictures, words] if i % 2 else [words, *pictures]
 
@@ -421,7 +471,7 @@ def test_images_in_chat_are_read_by_a_split_vision_model_and_8_concurrent_chats_
 
         def ask(i: int) -> str:
             messages = [{"role": "user", "content": content(i)}]
-            answer = client.chat.completions.create(model="tiny-llava", messages=messages, max_tokens=6, temperature=0)
+            answer = client.chat.completions.create(model=family, messages=messages, max_tokens=6, temperature=0)
             return answer.choices[0].message.content
 
         with concurrent.futures.ThreadPoolExecutor(8) as pool_:
@@ -436,7 +486,7 @@ def test_images_in_chat_are_read_by_a_split_vision_model_and_8_concurrent_chats_
         for image_url, message in refusals:
             messages = [{"role": "user", "content": [{"type": "image_url", "image_url": image_url}]}]
             with pytest.raises(openai.BadRequestError, match=message):
-                client.chat.completions.create(model="tiny-llava", messages=messages, max_tokens=2)
+                client.chat.completions.create(model=family, messages=messages, max_tokens=2)
     finally:
         running.stop()
         model.deparallelize()

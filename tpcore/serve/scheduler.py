@@ -249,7 +249,7 @@ class Scheduler:
             return
         extras = requests[0].payload.extras if len(requests) == 1 else None
         try:
-            cache, mask, logits = self.batch.prefill([row.ids for row in rows], extras)
+            cache, prefilled, logits = self.batch.prefill([row.ids for row in rows], extras)
         except RANKS_LOST:
             raise
         except Exception as error:
@@ -266,8 +266,8 @@ class Scheduler:
             tokens = [self._accept(row, logits[index : index + 1]) for index, row in enumerate(rows)]
             going_on = [index for index, row in enumerate(rows) if not row.done]
             if going_on:
-                mask = self.batch.select(cache, mask, going_on)
-                self.batch.join([rows[i] for i in going_on], cache, mask, [tokens[i] for i in going_on])
+                prefilled = self.batch.select(cache, prefilled, going_on)
+                self.batch.join([rows[i] for i in going_on], cache, prefilled, [tokens[i] for i in going_on])
         except RANKS_LOST:
             raise
         except Exception as error:

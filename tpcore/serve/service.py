@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tpcore.errors import WorkerDiedError
-from tpcore.serve.batch import check_batching
+from tpcore.serve.batch import check_batching, rope_index, rope_per_axis
 from tpcore.serve.embeddings import EmbeddingScheduler, pooling_mode
 from tpcore.serve.images import ImageChat, has_images
 from tpcore.serve.requests import Delta, Failed, Finished, NotFound, Request, ServeError
@@ -208,7 +208,9 @@ class Service:
 def _image_chat(model: Any, directory: str | None, processor: Any, fetch: bool) -> ImageChat | None:
     """Images in chat for ``model``: through ``processor``, else its directory's, where the model takes
     ``pixel_values`` and the processor has an image processor and a chat template; else ``None``."""
-    if "pixel_values" not in inspect.signature(type(model).forward).parameters or _rope_per_axis(model):
+    if "pixel_values" not in inspect.signature(type(model).forward).parameters:
+        return None
+    if rope_per_axis(model) and rope_index(model) is None:  # positions per axis the running batch cannot give
         return None
     if processor is None and directory:
         from transformers import AutoProcessor
@@ -220,14 +222,6 @@ def _image_chat(model: Any, directory: str | None, processor: Any, fetch: bool) 
     if getattr(processor, "image_processor", None) is None or not getattr(processor, "chat_template", None):
         return None
     return ImageChat(processor, fetch)
-
-
-def _rope_per_axis(model: Any) -> bool:
-    """Whether the model's rotary positions run per axis (Qwen2-VL's multimodal RoPE), which a running batch's
-    one position per row does not give."""
-    text = model.config.get_text_config()
-    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
-    return isinstance(rope, dict) and "mrope_section" in rope
 
 
 def _kind(model: Any) -> str:
