@@ -348,3 +348,10 @@ def write_to_stderr(context, text):
 
 def working_directory(context):
     return os.getcwd()
+
+
+def frozen_objects(context):
+    """The objects this rank's garbage collector passes over (``gc.freeze``)."""
+    import gc
+
+    return gc.get_freeze_count()

@@ -13,7 +13,7 @@ from tpcore.load.precision import cast_dtypes, cast_model, resolve_dtype
 from tpcore.load.quantized_formats import adopt_quantized_model, checkpoint_skeleton
 from tpcore.parallel import shm
 from tpcore.parallel.comm import group_rank
-from tpcore.parallel.cpu_layout import transpose_linear_weights
+from tpcore.parallel.cpu_layout import lay_out, linear_weight_names, transpose_linear_weights
 from tpcore.parallel.quantized_linear import localize_quantized, ready_quantized
 from tpcore.plan import apply_plan, log_plan, plan_for
 from tpcore.progress import LoadBar
@@ -148,11 +148,13 @@ class ParallelEngine:
         return model
 
     def _load(self, checkpoint: Checkpoint, model: nn.Module, reads, plan, rank: int, device, dtype) -> None:
-        """Read this rank's slices into ``model`` (already split); rank 0 shows the bar of its own reads."""
+        """Read this rank's slices into ``model`` (already split), each linear weight laid out for the CPU as it is
+        read; rank 0 shows the bar of its own reads."""
+        layout = {"lay_out": lay_out, "laid_out": linear_weight_names(model)}
         if rank != 0:
-            checkpoint.load_into(model, reads, rank, self.world_size, device, dtype)
+            checkpoint.load_into(model, reads, rank, self.world_size, device, dtype, **layout)
             return
         total = checkpoint.bytes_to_read(reads, plan.shard_shape)
         with LoadBar(total, f"tpcore: rank 0 of {self.world_size} loading") as bar:
-            checkpoint.load_into(model, reads, rank, self.world_size, device, dtype, progress=bar.add)
+            checkpoint.load_into(model, reads, rank, self.world_size, device, dtype, progress=bar.add, **layout)
             bar.done(f"tpcore: rank 0 of {self.world_size} loaded")

@@ -8,7 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from tpcore.parallel.cpu_layout import transpose_linear_weights
+from tpcore.load.checkpoint import Checkpoint
+from tpcore.load.skeleton import empty_model
+from tpcore.parallel.cpu_layout import lay_out, linear_weight_names, transpose_linear_weights
 from tpcore.testing import random_weights, tiny_llama
 
 
@@ -61,3 +63,26 @@ def test_other_weights_and_layers_with_a_forward_of_their_own_are_left_alone():
     weights = [module.weight for module in model]
     assert transpose_linear_weights(model) == 0
     assert all(weight.is_contiguous() for weight in weights)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_checkpoint_read_with_the_layout_lays_out_each_linear_weight_as_it_is_read(tmp_path, tied):
+    """``Checkpoint.load_into(lay_out=, laid_out=linear_weight_names(...))``: each linear weight arrives laid out
+    with the values saved, the other tensors row-major, and the pass after the load finds none left to lay out
+    (a tied head comes with its embedding: read once under one of its names, laid out by that pass if not then)."""
+    reference = random_weights(tiny_llama(tie_word_embeddings=tied), seed=3)
+    reference.save_pretrained(tmp_path)
+    checkpoint = Checkpoint(tmp_path)
+    model = empty_model(checkpoint.config())
+    names = linear_weight_names(model)
+    assert names == {f"{name}.weight" for name, module in model.named_modules() if type(module) is nn.Linear}
+    checkpoint.load_into(model, checkpoint.reads(model, {}), 0, 1, lay_out=lay_out, laid_out=names)
+    saved = dict(reference.named_parameters())
+    for name, tensor in model.named_parameters():
+        assert torch.equal(tensor, saved[name]), name
+        if name in names and not (tied and name == "lm_head.weight"):
+            assert tensor.stride() == (1, tensor.shape[0]), name
+        elif tensor.dim() == 2 and name not in names:
+            assert tensor.is_contiguous(), name
+    left = int(tied and model.lm_head.weight.is_contiguous())  # a tied head read under its embedding's name
+    assert transpose_linear_weights(model) == left

@@ -47,6 +47,7 @@ def test_pools_of_one_environment_are_forked_by_one_zygote_into_sessions_of_thei
         assert pids == first.pids
         sessions = {os.getsid(pid) for pid in pids}
         assert os.getsid(0) not in sessions and os.getsid(forker) not in sessions and len(sessions) == 2
+        assert min(first.run(rank_helpers.frozen_objects)) > 100_000  # the zygote's imports, frozen before the fork
     assert wait_gone(*pids) and not gone(forker)  # the zygote stays for the next pool
     monkeypatch.setattr(logging.getLogger("tpcore"), "level", logging.DEBUG)  # a per-pool variable: the same zygote
     with RankPool(3, "gloo") as second:

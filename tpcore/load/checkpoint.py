@@ -22,7 +22,7 @@ import functools
 import math
 import os
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -385,13 +385,19 @@ class Checkpoint:
         device=None,
         dtype=None,
         progress: Callable[[int], None] | None = None,
+        lay_out: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        laid_out: Collection[str] = (),
     ) -> None:
         """Read this rank's tensors onto ``device`` (see :meth:`read_tensor`) and put them into ``skeleton``
-        (already split, weights on meta); ``progress(nbytes)`` is told the bytes of each tensor once read."""
+        (already split, weights on meta); ``progress(nbytes)`` is told the bytes of each tensor once read.
+        ``lay_out`` is applied to each tensor named in ``laid_out`` as soon as it is read (the memory it leaves
+        is warm for the next read)."""
         expected = {name: tensor.shape for name, tensor in [*skeleton.named_parameters(), *skeleton.named_buffers()]}
         tensors = {}
         for read in reads:
             tensor = self.read_tensor(read, rank, world_size, device, dtype)
+            if lay_out is not None and read.name in laid_out:
+                tensor = lay_out(tensor)
             if read.name in expected and tensor.shape != expected[read.name]:
                 keys = read.sources.all_keys
                 stored = repr(keys[0]) if len(keys) == 1 else f"{keys[0]!r} and {len(keys) - 1} more stored tensors"

@@ -58,13 +58,17 @@ def parameters_on_meta() -> Iterator[None]:
     """While inside, every ``nn.Parameter`` a module registers is moved to the meta device.
 
     Buffers stay real: the ones a checkpoint lacks (rotary frequencies, position ids) are computed
-    by the constructor and would be lost on meta. Affects module construction in all threads.
+    by the constructor and would be lost on meta. A parameter is marked as transformers marks one it has
+    loaded (``_is_hf_initialized``), so that the model's weight init passes over it (drawing values on meta
+    computes nothing, yet costs a dispatch per tensor). Affects module construction in all threads.
     """
     register = nn.Module.register_parameter
 
     def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         if param is not None and param.device.type != "meta":
             param = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+        if param is not None:
+            param._is_hf_initialized = True  # type: ignore[attr-defined]
         register(module, name, param)
 
     nn.Module.register_parameter = register_on_meta

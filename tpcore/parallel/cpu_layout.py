@@ -20,10 +20,34 @@ from torch import nn
 
 from tpcore.parallel.layers import RowParallelLinear, VocabParallelLMHead
 
-__all__ = ["transpose_linear_weights"]
+__all__ = ["lay_out", "linear_weight_names", "transpose_linear_weights"]
 
 #: forwards that use ``weight`` only as ``F.linear`` does (subclasses with a forward of their own are left alone)
 _LINEAR_FORWARDS = (nn.Linear.forward, RowParallelLinear.forward, VocabParallelLMHead.forward)
+
+
+def linear_weight_names(model: nn.Module) -> set[str]:
+    """The names of ``model``'s weights that modules use only as ``F.linear`` does: those :func:`lay_out` may be
+    given as they are read (each still checked there)."""
+    return {
+        f"{name}.weight" if name else "weight"
+        for name, module in model.named_modules()
+        if type(module).forward in _LINEAR_FORWARDS
+    }
+
+
+def lay_out(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` ``[out, in]`` as the transpose of a contiguous ``[in, out]`` tensor where it is a float32 matrix
+    on the CPU, contiguous, neither side 1; else ``weight`` itself."""
+    if (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.float32
+        and weight.dim() == 2
+        and weight.is_contiguous()
+        and min(weight.shape) > 1
+    ):
+        return weight.t().contiguous().t()
+    return weight
 
 
 def transpose_linear_weights(model: nn.Module) -> int:
@@ -31,15 +55,10 @@ def transpose_linear_weights(model: nn.Module) -> int:
     count = 0
     for module in model.modules():
         weight = getattr(module, "weight", None)
-        if (
-            type(module).forward in _LINEAR_FORWARDS
-            and isinstance(weight, torch.Tensor)
-            and weight.device.type == "cpu"
-            and weight.dtype == torch.float32
-            and weight.dim() == 2
-            and weight.is_contiguous()
-            and min(weight.shape) > 1
-        ):
-            weight.data = weight.data.t().contiguous().t()  # the same Parameter: ties to it hold
-            count += 1
+        if type(module).forward in _LINEAR_FORWARDS and isinstance(weight, torch.Tensor):
+            data = weight.data
+            laid_out = lay_out(data)
+            if laid_out is not data:
+                weight.data = laid_out  # the same Parameter: ties to it hold
+                count += 1
     return count

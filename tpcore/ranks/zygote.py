@@ -9,7 +9,9 @@ are at the request, passed along as descriptors), forks a rank for each and send
 ends, its exit code. A forked rank is what a fresh one is: its own session, stdin on ``/dev/null``, its pool's
 environment, the caller's current stdout and stderr, the watch that ends it once its parent is gone (the zygote,
 which itself ends once the caller is gone, so a killed caller still leaves no rank). The zygote only imports: no
-OpenMP region has run in it, so a rank's first product starts a thread pool of its own.
+OpenMP region has run in it, so a rank's first product starts a thread pool of its own. Its objects are then
+frozen (``gc.freeze``): a rank's garbage collections pass over what it inherits, so that a full collection during
+a load takes milliseconds, not a fifth of a second, and leaves the inherited pages shared.
 
 A zygote serves the environment it was started with (less the per-pool variables, :data:`POOL_VARIABLES`): a
 pool whose environment differs (a variable read at import, ``OMP_NUM_THREADS`` say) gets a new zygote, and the old
@@ -72,6 +74,8 @@ for _name in sys.argv[2].split(","):
     except Exception:
         pass
 from tpcore.ranks.zygote import serve_forks
+import gc
+gc.freeze()  # the imports' objects: no rank's collection scans them (nor writes to their pages)
 serve_forks(int(sys.argv[1]), _start_watch)
 """
 

@@ -9,6 +9,7 @@ the functions that use the caches.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import resource
 import time
@@ -24,7 +25,7 @@ from tpcore.load.checkpoint import Checkpoint, Read
 from tpcore.load.precision import cast_model
 from tpcore.load.skeleton import install_tensors, named_tensors, register_output_recording
 from tpcore.parallel import memfd
-from tpcore.parallel.cpu_layout import transpose_linear_weights
+from tpcore.parallel.cpu_layout import lay_out, linear_weight_names, transpose_linear_weights
 from tpcore.parallel.layers import bind_group
 from tpcore.parallel.quantized_linear import QuantizedLayer, localize_quantized, ready_quantized
 from tpcore.plan import format_bytes
@@ -66,8 +67,9 @@ def read_shard(context: RankContext, skeleton: nn.Module, directory: str, reads:
     started = time.monotonic()
     counter = ByteCounter(context.report_progress)
     Checkpoint(directory).load_into(
-        skeleton, reads, context.rank, context.world_size, context.device, dtype, progress=counter
-    )
+        skeleton, reads, context.rank, context.world_size, context.device, dtype, progress=counter,
+        lay_out=lay_out, laid_out=linear_weight_names(skeleton),
+    )  # fmt: skip
     counter.close()
     logger.info("read %s in %.1f s", format_bytes(counter.count), time.monotonic() - started)
     return keep(context, skeleton, dtype)
@@ -83,9 +85,21 @@ def keep(context: RankContext, skeleton: nn.Module, dtype) -> int:
     model = skeleton.to(context.device)
     ready_quantized(model)
     transpose_linear_weights(model)  # CPU weights only
+    _return_free_heap()
     register_output_recording(model)
     context.store["model"] = model
     return sum(t.numel() * t.element_size() for t in named_tensors(model).values())
+
+
+def _return_free_heap() -> None:
+    """Give the C heap's free pages back to the system (glibc's ``malloc_trim``; elsewhere nothing): the buffers a
+    load read through, cast or laid out and freed stay resident otherwise, as holes between the tensors kept (a
+    SmolLM2-shaped rank held 465-595 MiB from one load to the next, 420-455 with them returned)."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError):  # not glibc
+        return
+    trim(0)
 
 
 def rank_state(context: RankContext) -> RankState:
