@@ -21,9 +21,10 @@ import tpcore
 from tpcore.serve import batch as batch_module
 from tpcore.serve import scheduler as scheduler_module
 from tpcore.serve.encoder_decoder_batch import EncoderDecoderBatch
-from tpcore.serve.requests import Delta, Failed, Finished, Request
+from tpcore.serve.requests import Delta, Failed, Finished, Request, Segment, Transcript
 from tpcore.serve.sampling import SamplingParams
 from tpcore.serve.scheduler import Generation, Scheduler, prefill_groups
+from tpcore.serve.schemas import transcription_response
 from tpcore.serve.server import NotServable, load_model, refuse_unbatchable_cache
 from tpcore.served.cache_batches import STATES_COUNT_POSITIONS
 from tpcore.served.compiled import compiled_calls, compiled_graphs
@@ -319,3 +320,21 @@ def test_a_compiled_split_serves_the_solo_texts_without_compiling_again(tmp_path
         assert all(now > then for now, then in zip(pool.run(compiled_calls), warm_up_calls, strict=True))
     finally:
         model.deparallelize()
+
+
+def test_a_transcript_s_segments_become_verbose_json_segments_and_srt_and_vtt_cues():
+    """A segment each (OpenAI's fields), times as ``hh:mm:ss,mmm`` (srt, numbered cues) and ``hh:mm:ss.mmm``
+    (vtt); a transcript without segments is one over the whole audio."""
+    segments = [Segment(0.0, 2.5, "w1 w2", [1, 2]), Segment(2.5, 3725.04, "w3", [3])]
+    timed = Transcript("w1 w2 w3", [1, 2, 3], 3726.0, "en", segments)
+    verbose = transcription_response(timed, "verbose_json", 0.0)
+    assert [(part["id"], part["start"], part["end"], part["text"], part["tokens"]) for part in verbose["segments"]] == [
+        (0, 0.0, 2.5, "w1 w2", [1, 2]), (1, 2.5, 3725.04, "w3", [3])
+    ]  # fmt: skip
+    assert verbose["duration"] == 3726.0 and verbose["language"] == "en" and verbose["text"] == "w1 w2 w3"
+    srt = transcription_response(timed, "srt", 0.0).body.decode()
+    assert srt == "1\n00:00:00,000 --> 00:00:02,500\nw1 w2\n\n2\n00:00:02,500 --> 01:02:05,040\nw3\n"
+    vtt = transcription_response(timed, "vtt", 0.0).body.decode()
+    assert vtt == "WEBVTT\n\n00:00:00.000 --> 00:00:02.500\nw1 w2\n\n00:00:02.500 --> 01:02:05.040\nw3\n"
+    whole = transcription_response(Transcript("w1", [1], 1.5), "verbose_json", 0.5)["segments"]
+    assert whole == [{"id": 0, "seek": 0, "start": 0.0, "end": 1.5, "text": "w1", "tokens": [1], "temperature": 0.5}]

@@ -246,7 +246,7 @@ def test_a_translator_saved_in_a_directory_serves_8_concurrent_completions_each_
 
 #: a tiny Whisper's special tokens (tp-audio's): end of text, start of transcript, English, German, translate,
 #: transcribe, no timestamps
-EOS, START, ENGLISH, GERMAN, TRANSLATE, TRANSCRIBE, NO_TIMESTAMPS = range(50, 57)
+EOS, START, ENGLISH, GERMAN, TRANSLATE, TRANSCRIBE, PREVIOUS, NO_TIMESTAMPS = range(50, 58)
 
 
 def tiny_whisper_directory(directory: Path) -> transformers.WhisperForConditionalGeneration:
@@ -264,7 +264,8 @@ def tiny_whisper_directory(directory: Path) -> transformers.WhisperForConditiona
     model.generation_config = transformers.GenerationConfig(
         decoder_start_token_id=START, eos_token_id=EOS, pad_token_id=EOS, is_multilingual=True,
         lang_to_id={"<|en|>": ENGLISH, "<|de|>": GERMAN}, task_to_id={"translate": TRANSLATE, "transcribe": TRANSCRIBE},
-        no_timestamps_token_id=NO_TIMESTAMPS, max_initial_timestamp_index=8, begin_suppress_tokens=[EOS],
+        no_timestamps_token_id=NO_TIMESTAMPS, prev_sot_token_id=PREVIOUS, max_initial_timestamp_index=8,
+        begin_suppress_tokens=[EOS],
         suppress_tokens=[], max_length=config.max_target_positions,
     )  # fmt: skip
     model.save_pretrained(directory)
@@ -285,59 +286,100 @@ def wav(samples, rate: int = 16000) -> bytes:
     return buffer.getvalue()
 
 
+def prompt_ids(tokenizer):
+    """A ``get_prompt_ids`` as Whisper's tokenizer has: the previous-text token, then the prompt's words."""
+    return lambda text, return_tensors=None: numpy.array([PREVIOUS, *tokenizer.encode(text)])
+
+
 @pytest.mark.slow  # its own 2-rank world
-def test_a_speech_model_saved_in_a_directory_serves_8_concurrent_transcriptions_each_its_solo_text(tmp_path):
-    """``tpcore serve`` of a Whisper directory over 2 ranks: 8 concurrent uploads (WAV at 16 and 8 kHz, in German,
-    English or the model's choice of language; json, text, verbose_json, srt and vtt) transcribed in batched
-    ``generate()`` calls, each the text the unsplit model gives for that audio alone; a file that is no audio,
-    audio over the window, an unknown language and a completion are refused 400 with a message."""
+def test_a_speech_model_saved_in_a_directory_serves_concurrent_transcriptions_each_its_solo_text(tmp_path):
+    """``tpcore serve`` of a Whisper directory over 2 ranks: 10 concurrent uploads (WAV at 16 and 8 kHz, in German,
+    English or the model's choice of language, one with a prompt; json, text, and with the model's timestamps
+    verbose_json, srt and vtt; two longer than the window, transcribed window by window) in batched ``generate()``
+    calls, each the text and segments the unsplit model gives for that audio alone; a file that is no audio, audio
+    over the server's limit, an unknown language, a prompt too long and a completion are refused 400 with a
+    message."""
     from tpcore.serve.transcription import read_audio
 
     reference = tiny_whisper_directory(tmp_path)
     features_of = transformers.WhisperFeatureExtractor.from_pretrained(tmp_path)
     words = transformers.AutoTokenizer.from_pretrained(tmp_path)
     model, tokenizer = load_model(str(tmp_path), 2)
-    service = Service(model, tokenizer, "tiny-whisper", directory=str(tmp_path))
+    tokenizer.get_prompt_ids = prompt_ids(tokenizer)
+    service = Service(model, tokenizer, "tiny-whisper", Limits(max_audio_seconds=3.0), directory=str(tmp_path))
     running = Server(service, port=free_port()).start()
     noise = numpy.random.default_rng(0)
-    rates = [8000 if i % 3 == 0 else 16000 for i in range(8)]
-    uploads = [wav(noise.uniform(-0.5, 0.5, (4000 + 1500 * i) * rates[i] // 16000).astype("float32"), rates[i])
-               for i in range(8)]  # 0.25 to 0.9 s  # fmt: skip
-    languages = [None, "de", "en", "de", None, "en", "de", None]
-    formats = ["json", "text", "verbose_json", "srt", "vtt", "json", "text", "json"]
+    rates = [8000 if i % 3 == 0 else 16000 for i in range(10)]
+    lengths = [4000 + 1500 * i for i in range(8)] + [40000, 27000]  # 0.25 to 0.9 s, then 2.5 and 1.7 s
+    uploads = [wav(noise.uniform(-0.5, 0.5, lengths[i] * rates[i] // 16000).astype("float32"), rates[i])
+               for i in range(10)]  # fmt: skip
+    languages = [None, "de", "en", "de", None, "en", "de", None, "en", None]
+    formats = ["json", "text", "verbose_json", "srt", "vtt", "json", "text", "json", "verbose_json", "json"]
+    prompts = {5: "w7 w9 w11"}
+    first_timestamp = NO_TIMESTAMPS + 1
 
-    def alone(i: int) -> str:
-        features = features_of(read_audio(uploads[i], 16000), sampling_rate=16000, return_tensors="pt")
+    def alone(i: int) -> tuple[str, list[tuple[float, float, str]] | None]:
+        """The unsplit model's text for upload ``i`` and, with timestamps, its segments (start, end, text)."""
+        samples = read_audio(uploads[i], 16000)
+        timed = formats[i] in ("verbose_json", "srt", "vtt") or len(samples) > 16000
         options = {"language": languages[i]} if languages[i] else {}
-        ids = reference.generate(input_features=features.input_features, **options)
-        return words.decode(ids[0], skip_special_tokens=True).strip()
+        if i in prompts:
+            options["prompt_ids"] = torch.tensor(prompt_ids(words)(prompts[i]))
+        if len(samples) > 16000:
+            inputs = features_of(samples, sampling_rate=16000, return_tensors="pt", truncation=False,
+                                 padding="longest", return_attention_mask=True)  # fmt: skip
+            options["attention_mask"] = inputs.attention_mask
+        else:
+            inputs = features_of(samples, sampling_rate=16000, return_tensors="pt")
+        if timed:
+            options.update(return_timestamps=True, return_segments=True)
+        output = reference.generate(input_features=inputs.input_features, **options)
+
+        def text(ids) -> str:
+            kept = [token for token in ids.tolist() if not (timed and token >= first_timestamp)]
+            return words.decode(kept, skip_special_tokens=True).strip()
+
+        if not timed:
+            return text(output[0]), None
+        segments = [(float(part["start"]), float(part["end"]), text(part["tokens"])) for part in output["segments"][0]]
+        return text(output["sequences"][0]), segments
 
     try:
         client = openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0)
 
         def ask(i: int):
             options = {"language": languages[i]} if languages[i] else {}
+            if i in prompts:
+                options["prompt"] = prompts[i]
             return client.audio.transcriptions.create(
                 model="tiny-whisper", file=(f"{i}.wav", uploads[i]), response_format=formats[i], **options
             )
 
-        with concurrent.futures.ThreadPoolExecutor(8) as pool_:
-            answers = list(pool_.map(ask, range(8)))
-        expected = [alone(i) for i in range(8)]
-        assert len(set(expected)) > 5 and service.scheduler.largest_batch > 1  # some shared a generate() call
+        with concurrent.futures.ThreadPoolExecutor(10) as pool_:
+            answers = list(pool_.map(ask, range(10)))
+        expected = [alone(i) for i in range(10)]
+        assert len({text for text, _ in expected}) > 7 and service.scheduler.largest_batch > 1  # some shared a call
         for i, answer in enumerate(answers):
+            text, segments = expected[i]
             if formats[i] in ("json", "verbose_json"):
-                assert answer.text == expected[i], i
-            elif formats[i] == "text":
-                assert answer == expected[i], i
-            else:
-                assert answer.splitlines()[-1] == expected[i] and "00:00:00" in answer, i
-        verbose = answers[2]
-        assert verbose.language == "en" and verbose.duration == pytest.approx(7000 / 16000)
+                assert answer.text == text, i
+            if formats[i] == "text":
+                assert answer == text, i
+            if formats[i] == "verbose_json":
+                got = [(part.start, part.end, part.text) for part in answer.segments]
+                assert got == segments and len(segments) >= 1, i
+            if formats[i] in ("srt", "vtt"):
+                cues = [block.splitlines() for block in answer.split("\n\n") if "-->" in block]
+                assert [cue[-1] if len(cue) > 1 and "-->" not in cue[-1] else "" for cue in cues] == [
+                    part[2] for part in segments
+                ], i
+        assert answers[2].language == "en" and answers[2].duration == pytest.approx(7000 / 16000)
+        assert answers[8].duration == pytest.approx(2.5) and answers[8].segments[-1].end > 1.0  # past the window
         refusals = [
             ({"file": ("x.wav", b"not audio at all")}, "no audio this server reads"),
-            ({"file": ("long.wav", wav(numpy.zeros(20000, "float32")))}, "window of 1 s"),
+            ({"file": ("long.wav", wav(numpy.zeros(64000, "float32")))}, "up to 3 s a request"),
             ({"file": ("a.wav", uploads[0]), "language": "fr"}, "knows no language 'fr'"),
+            ({"file": ("a.wav", uploads[0]), "prompt": " ".join(["w5"] * 30)}, "takes up to 20"),
         ]
         for fields, message in refusals:
             with pytest.raises(openai.BadRequestError, match=message):

@@ -155,7 +155,8 @@ def _add_transcriptions(app: FastAPI, service: Service, guarded: list) -> None:
     ) -> Any:
         service.check_model(model, "transcribe")
         audio = await file.read()
-        payload = await asyncio.to_thread(service.transcription, audio, language, temperature)
+        timestamps = response_format in ("verbose_json", "srt", "vtt")  # their segments need the model's timestamps
+        payload = await asyncio.to_thread(service.transcription, audio, language, temperature, prompt, timestamps)
         async for event in service.events(payload):
             if isinstance(event, Finished) and event.transcript is not None:
                 return transcription_response(event.transcript, response_format, temperature)

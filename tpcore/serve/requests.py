@@ -21,6 +21,7 @@ __all__ = [
     "NotFound",
     "QueueFull",
     "Request",
+    "Segment",
     "ServeError",
     "Transcript",
     "Unavailable",
@@ -69,13 +70,25 @@ class Delta:
 
 @dataclass(frozen=True)
 class Transcript:
-    """A transcription's result: its text, the tokens of it (special ones left out), the audio's seconds and the
-    language asked for."""
+    """A transcription's result: its text, the tokens of it (special ones left out), the audio's seconds, the
+    language asked for and, where timestamps were asked for, its segments."""
 
     text: str
     tokens: list[int]
     seconds: float
     language: str | None = None
+    segments: list[Segment] | None = None
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A stretch of a transcript between two of the model's timestamps: seconds from the audio's start, its text
+    and tokens."""
+
+    start: float
+    end: float
+    text: str
+    tokens: list[int]
 
 
 @dataclass(frozen=True)

@@ -145,22 +145,30 @@ def embedding_response(model: str, vectors: list[list[float]], encoding: str, pr
 
 def transcription_response(transcript: Any, response_format: str, temperature: float) -> Any:
     """A transcription as ``response_format`` asks: ``json`` ``{"text"}``, ``verbose_json`` (the language asked
-    for, the audio's duration, one segment over the whole audio with its tokens), or plain text: ``text``, or one
-    ``srt`` / ``vtt`` cue over the whole audio."""
+    for, the audio's duration, the segments with their tokens: the model's, else one over the whole audio), or plain
+    text: ``text``, or ``srt`` / ``vtt``, a cue a segment."""
     from fastapi.responses import PlainTextResponse
 
     text, seconds = transcript.text, transcript.seconds
     if response_format == "json":
         return {"text": text}
+    spans = [(s.start, s.end, s.text, s.tokens) for s in transcript.segments or ()] or [
+        (0.0, seconds, text, transcript.tokens)
+    ]
     if response_format == "verbose_json":
-        segment = {"id": 0, "seek": 0, "start": 0.0, "end": seconds, "text": text, "tokens": transcript.tokens,
-                   "temperature": temperature}  # fmt: skip
+        segments = [
+            {"id": index, "seek": 0, "start": start, "end": end, "text": words, "tokens": tokens,
+             "temperature": temperature} for index, (start, end, words, tokens) in enumerate(spans)
+        ]  # fmt: skip
         language = transcript.language or ""
-        return {"task": "transcribe", "language": language, "duration": seconds, "text": text, "segments": [segment]}
+        return {"task": "transcribe", "language": language, "duration": seconds, "text": text, "segments": segments}
     if response_format == "srt":
-        return PlainTextResponse(f"1\n{_clock(0.0, ',')} --> {_clock(seconds, ',')}\n{text}\n")
+        cues = [f"{index}\n{_clock(start, ',')} --> {_clock(end, ',')}\n{words}\n"
+                for index, (start, end, words, _) in enumerate(spans, 1)]  # fmt: skip
+        return PlainTextResponse("\n".join(cues))
     if response_format == "vtt":
-        return PlainTextResponse(f"WEBVTT\n\n{_clock(0.0, '.')} --> {_clock(seconds, '.')}\n{text}\n")
+        cues = [f"{_clock(start, '.')} --> {_clock(end, '.')}\n{words}\n" for start, end, words, _ in spans]
+        return PlainTextResponse("WEBVTT\n\n" + "\n".join(cues))
     return PlainTextResponse(text)
 
 

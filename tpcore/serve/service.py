@@ -17,6 +17,8 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from tpcore.errors import WorkerDiedError
 from tpcore.serve.batch import check_batching, rope_index, rope_per_axis
 from tpcore.serve.embeddings import EmbeddingScheduler, pooling_mode
@@ -48,6 +50,8 @@ class Limits:
     default_max_tokens: int = 256
     #: fetch ``http(s)`` image URLs of chat messages (else only ``data:`` URLs are read)
     fetch_images: bool = False
+    #: the longest audio a transcription takes (over the model's window: transcribed alone, window by window)
+    max_audio_seconds: float = 600.0
 
 
 #: what a model serves, by kind, and the endpoints of each
@@ -122,15 +126,19 @@ class Service:
         if kind != self.kind:
             raise ServeError(f"'{self.name}' serves {ENDPOINTS[self.kind]} only", "model")
 
-    def transcription(self, audio: bytes, language: str | None, temperature: float) -> Transcription:
-        """The input of a transcription request: the upload read, resampled and turned into features."""
-        rate = self.feature_extractor.sampling_rate
+    def transcription(
+        self, audio: bytes, language: str | None, temperature: float, prompt: str | None = None,
+        timestamps: bool = False,
+    ) -> Transcription:  # fmt: skip
+        """The input of a transcription request: the upload read, resampled and turned into features (over the
+        model's window: unpadded, with their attention mask); ``prompt`` as the tokenizer's prompt ids."""
+        extractor = self.feature_extractor
+        rate = extractor.sampling_rate
         samples = read_audio(audio, rate)
-        window = self.feature_extractor.n_samples / rate
-        if len(samples) > self.feature_extractor.n_samples:
+        if len(samples) > self.limits.max_audio_seconds * rate:
             raise ServeError(
-                f"the audio is {len(samples) / rate:.1f} s long; this server transcribes up to the model's window of "
-                f"{window:g} s a request",
+                f"the audio is {len(samples) / rate:.1f} s long; this server transcribes up to "
+                f"{self.limits.max_audio_seconds:g} s a request",
                 "file",
             )
         if language is not None:
@@ -138,8 +146,23 @@ class Service:
             if f"<|{language}|>" not in known:
                 raise ServeError(f"'{self.name}' knows no language '{language}' (ISO-639-1 codes: en, de, ...)",
                                  "language")  # fmt: skip
-        features = self.feature_extractor(samples, sampling_rate=rate, return_tensors="pt").input_features[0]
-        return Transcription(features, len(samples) / rate, language, temperature)
+        prompt_ids: tuple[int, ...] = ()
+        if prompt:
+            if not callable(getattr(self.tokenizer, "get_prompt_ids", None)):
+                raise ServeError(f"'{self.name}' takes no prompt: its tokenizer makes no prompt ids", "prompt")
+            prompt_ids = tuple(int(token) for token in self.tokenizer.get_prompt_ids(prompt))
+            most = getattr(self.model.config, "max_target_positions", 448) // 2  # half the decoder's positions
+            if len(prompt_ids) > most:
+                raise ServeError(f"the prompt is {len(prompt_ids)} tokens; '{self.name}' takes up to {most}", "prompt")
+        seconds = len(samples) / rate
+        transcription = Transcription(torch.empty(0), seconds, language, temperature, prompt_ids, timestamps)
+        if len(samples) <= extractor.n_samples:
+            transcription.features = extractor(samples, sampling_rate=rate, return_tensors="pt").input_features[0]
+            return transcription
+        long = extractor(samples, sampling_rate=rate, return_tensors="pt", truncation=False, padding="longest",
+                         return_attention_mask=True)  # fmt: skip
+        transcription.features, transcription.attention_mask = long.input_features[0], long.attention_mask[0]
+        return transcription
 
     def completion(self, body: CompletionRequest) -> Generation:
         prompt: Any = body.prompt

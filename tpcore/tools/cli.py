@@ -175,6 +175,7 @@ def _serve(args: argparse.Namespace) -> int:
         request_timeout=args.timeout,
         max_model_len=args.max_model_len,
         fetch_images=args.allow_image_urls,
+        max_audio_seconds=args.max_audio_seconds,
     )
     try:
         serve(args.model, args.num_gpus, args.host, args.port, api_key=args.api_key, name=args.name, limits=limits,
@@ -202,6 +203,9 @@ def _add_serve(commands: Any) -> None:
     serve.add_argument("--max-queue", type=int, default=64, help="requests waiting before 429")
     serve.add_argument("--timeout", type=float, default=300.0, help="seconds a request may take before 504")
     serve.add_argument("--max-model-len", type=int, help="tokens of prompt and completion (default: the config's)")
+    serve.add_argument(
+        "--max-audio-seconds", type=float, default=600.0, help="the longest audio a transcription takes (default 600)"
+    )
     serve.add_argument(
         "--compile", action="store_true", help="compile the ranks' decode step at load (minutes; faster decode)"
     )
