@@ -12,6 +12,7 @@ together, on the tiny Llama whole and split over 2 ranks.
 from __future__ import annotations
 
 import asyncio
+import queue
 from dataclasses import dataclass, field
 
 import pytest
@@ -26,6 +27,8 @@ from tpcore.serve.sampling import SamplingParams
 from tpcore.serve.scheduler import Generation, Scheduler, prefill_groups
 from tpcore.serve.schemas import transcription_response
 from tpcore.serve.server import NotServable, load_model, refuse_unbatchable_cache
+from tpcore.serve.spmd import TurnPlan
+from tpcore.serve.whole_requests import WholeRequests
 from tpcore.served.cache_batches import STATES_COUNT_POSITIONS
 from tpcore.served.compiled import compiled_calls, compiled_graphs
 from tpcore.testing import compare_outputs, tiny_bert, tiny_llama, tiny_seq2seq, word_tokenizer
@@ -338,3 +341,57 @@ def test_a_transcript_s_segments_become_verbose_json_segments_and_srt_and_vtt_cu
     assert vtt == "WEBVTT\n\n00:00:00.000 --> 00:00:02.500\nw1 w2\n\n00:00:02.500 --> 01:02:05.040\nw3\n"
     whole = transcription_response(Transcript("w1", [1], 1.5), "verbose_json", 0.5)["segments"]
     assert whole == [{"id": 0, "seek": 0, "start": 0.0, "end": 1.5, "text": "w1", "tokens": [1], "temperature": 0.5}]
+
+
+class PlanPipe:
+    """A :class:`~tpcore.serve.spmd.TurnSync` stand-in between two engines of one process: the plans rank 0 sends,
+    queued for the follower."""
+
+    def __init__(self):
+        self.plans: queue.Queue = queue.Queue()
+
+    def send(self, admitted, cancelled, seed=None) -> None:
+        self.plans.put(TurnPlan(list(admitted or ()), set(cancelled), stop=admitted is None, seed=seed))
+
+    def receive(self) -> TurnPlan:
+        return self.plans.get(timeout=30)
+
+
+class Draws(WholeRequests):
+    """An engine whose every call draws from torch's RNG (as a sampled transcription does): each call's draws."""
+
+    def __init__(self):
+        super().__init__(tiny_bert(), word_tokenizer())
+        self.draws: list[torch.Tensor] = []
+
+    def answer(self, requests) -> None:
+        self.draws.append(torch.rand(4))
+        for request in requests:
+            request.push(Finished(None, 0))
+
+
+def test_under_torchrun_a_whole_request_engine_s_follower_makes_each_call_with_rank_0_s_seed():
+    """Rank 0's engine sends each call's requests with a seed and seeds torch with it; the follower replays the
+    plans (empty ones while idle make no call): the same calls, the same random draws, then it stops."""
+    leader, follower, pipe = Draws(), Draws(), PlanPipe()
+    leader.turns = follower.turns = pipe
+    requests = [Collected(f"input {i}", asyncio.new_event_loop()) for i in range(3)]
+    leader.start()
+    try:
+        for request in requests:
+            leader.submit(request)
+            for _ in range(300):
+                if request.got:
+                    break
+                leader.thread.join(0.1)
+        leader.thread.join(1.5)  # at least one idle second: an empty plan
+    finally:
+        leader.stop()
+    assert all(isinstance(request.got[-1], Finished) for request in requests)
+    plans = list(pipe.plans.queue)
+    assert plans[-1].stop and any(not plan.admitted and not plan.stop for plan in plans)
+    assert [request_id for plan in plans for request_id, _ in plan.admitted] == [r.id for r in requests]
+    follower.follow()  # the whole queue, to its stop plan
+    assert len(leader.draws) == len(follower.draws) == len([plan for plan in plans if plan.admitted])
+    assert all(torch.equal(a, b) for a, b in zip(leader.draws, follower.draws, strict=True))
+    assert len({tuple(draw.tolist()) for draw in leader.draws}) == len(leader.draws)  # a new seed a call

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
+import contextlib
 import io
 import json
 import os
@@ -768,6 +769,34 @@ def test_a_dead_rank_gives_503_then_the_ranks_start_again_and_sigterm_stops_them
 
 
 @pytest.mark.slow  # two torchrun agents and their ranks
+def torchrun_serve(directory: Path, logs: Path) -> tuple[list[subprocess.Popen], str]:
+    """``tpcore serve directory`` under ``torchrun --nnodes 2`` (two "nodes" on loopback, one rank each, gloo over
+    TCP), node ``n`` logging to ``logs/node<n>.log``: the two agents and the server's URL."""
+    port, rendezvous = free_port(), free_port()
+    environment = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
+    agents = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank",
+             str(node), "--master-addr", "127.0.0.1", "--master-port", str(rendezvous), "-m", "tpcore", "serve",
+             str(directory), "--num-gpus", "2", "--port", str(port)],
+            stdout=subprocess.DEVNULL, stderr=open(logs / f"node{node}.log", "w"), env=environment,
+        )
+        for node in range(2)
+    ]  # fmt: skip
+    return agents, f"http://127.0.0.1:{port}"
+
+
+def stop_agents(agents: list[subprocess.Popen]) -> None:
+    """Kill what is left of the agents, their ranks first (a killed agent leaves its ranks running)."""
+    for agent in agents:
+        if agent.poll() is None:
+            for pid in children(agent.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            agent.kill()
+            agent.wait()
+
+
 def test_under_torchrun_over_two_nodes_rank_0_serves_and_every_request_gets_its_solo_text(tmp_path):
     """``tpcore serve`` under ``torchrun --nnodes 2`` (two "nodes" on loopback, one rank each, gloo over TCP): the
     model split over both, rank 0 listening, rank 1 following its turns. 8 concurrent requests (greedy, one seeded
@@ -777,18 +806,7 @@ def test_under_torchrun_over_two_nodes_rank_0_serves_and_every_request_gets_its_
     reference = llama()
     reference.save_pretrained(directory)
     chat_tokenizer().save_pretrained(directory)
-    port, rendezvous = free_port(), free_port()
-    environment = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
-    agents = [
-        subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank",
-             str(node), "--master-addr", "127.0.0.1", "--master-port", str(rendezvous), "-m", "tpcore", "serve",
-             str(directory), "--num-gpus", "2", "--port", str(port)],
-            stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"node{node}.log", "w"), env=environment,
-        )
-        for node in range(2)
-    ]  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
+    agents, url = torchrun_serve(directory, tmp_path)
     try:
         wait_healthy(url, agents[0])
         ranks = [pid for agent in agents for pid in children(agent.pid)]
@@ -821,10 +839,84 @@ def test_under_torchrun_over_two_nodes_rank_0_serves_and_every_request_gets_its_
         assert all(f"rank {node} stopped" in logs[node] for node in range(2)), logs
         assert ranks and not [pid for pid in ranks if alive(pid)]
     finally:
-        for agent in agents:
-            if agent.poll() is None:
-                agent.kill()
-                agent.wait()
+        stop_agents(agents)
+
+
+def embeddings_equal_the_unsplit_model_s(client: openai.OpenAI, model: BertModel, words) -> None:
+    """4 concurrent embedding requests, each within float rounding of ``model``'s vectors."""
+    inputs = [["w5 w6 w7"], ["w9", "w40 w41 w42 w43 w44"], ["w20 w21"], ["w30"]]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool_:
+        answers = list(pool_.map(lambda texts: client.embeddings.create(model="bert", input=texts), inputs))
+    for texts, answer in zip(inputs, answers, strict=True):
+        encoded = words(texts, padding=True, return_tensors="pt")
+        with torch.inference_mode():
+            expected = pool(model(**encoded).last_hidden_state, encoded["attention_mask"], "mean")
+        torch.testing.assert_close(torch.tensor([item.embedding for item in answer.data]), expected, atol=1e-5,
+                                   rtol=1e-4)  # fmt: skip
+
+
+def transcripts_equal_the_unsplit_model_s(client: openai.OpenAI, directory: Path, model) -> None:
+    """4 concurrent uploads (one longer than the window, one with timestamps), each ``model``'s text alone; a
+    sampled one answered."""
+    from tpcore.serve.transcription import read_audio
+
+    features_of = transformers.WhisperFeatureExtractor.from_pretrained(directory)
+    words = transformers.AutoTokenizer.from_pretrained(directory)
+    noise = numpy.random.default_rng(1)
+    uploads = [wav(noise.uniform(-0.5, 0.5, n).astype("float32")) for n in (6000, 9000, 30000, 12000)]
+    formats = ["json", "json", "json", "verbose_json"]
+
+    def ask(i: int):
+        return client.audio.transcriptions.create(model="whisper", file=(f"{i}.wav", uploads[i]),
+                                                  response_format=formats[i])  # fmt: skip
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool_:
+        answers = list(pool_.map(ask, range(4)))
+    for i, answer in enumerate(answers):
+        samples = read_audio(uploads[i], 16000)
+        long = len(samples) > 16000
+        timed = formats[i] == "verbose_json" or long
+        inputs = features_of(samples, sampling_rate=16000, return_tensors="pt", truncation=not long,
+                             padding="longest" if long else "max_length", return_attention_mask=True)  # fmt: skip
+        options = {"return_timestamps": True, "return_segments": True} if timed else {}
+        output = model.generate(input_features=inputs.input_features,
+                                attention_mask=inputs.attention_mask if long else None, **options)  # fmt: skip
+        ids = (output["sequences"] if timed else output)[0].tolist()
+        kept = [token for token in ids if not (timed and token > NO_TIMESTAMPS)]
+        assert answer.text == words.decode(kept, skip_special_tokens=True).strip(), i
+    sampled = client.audio.transcriptions.create(model="whisper", file=("s.wav", uploads[0]), temperature=0.8)
+    assert isinstance(sampled.text, str)
+
+
+@pytest.mark.slow  # two torchrun jobs
+def test_under_torchrun_embeddings_and_transcriptions_are_served_each_equal_to_the_unsplit_model_s(tmp_path):
+    """``tpcore serve`` under ``torchrun --nnodes 2`` of a BERT directory and of a Whisper one: rank 1 makes each
+    call rank 0 makes. 4 concurrent embedding requests each within float rounding of the unsplit model's vectors;
+    4 concurrent uploads (one longer than the window, one with timestamps) each the unsplit model's text alone, and
+    a sampled one (temperature 0.8) answered with the server healthy after it (every rank seeds torch alike for it:
+    ``tests/serve/test_engine.py``); SIGTERM stops every rank."""
+    bert, words = bert_and_tokenizer()
+    bert.save_pretrained(tmp_path / "bert")
+    words.save_pretrained(tmp_path / "bert")
+    whisper = tiny_whisper_directory(tmp_path / "whisper")
+    for name in ("bert", "whisper"):
+        agents, url = torchrun_serve(tmp_path / name, tmp_path)
+        try:
+            wait_healthy(url, agents[0])
+            client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+            if name == "bert":
+                embeddings_equal_the_unsplit_model_s(client, bert, words)
+            else:
+                transcripts_equal_the_unsplit_model_s(client, tmp_path / name, whisper)
+            assert httpx.get(url + "/health", timeout=10).status_code == 200
+            for agent in agents:
+                agent.send_signal(signal.SIGTERM)
+            for agent in agents:
+                agent.wait(timeout=60)
+            logs = [(tmp_path / f"node{node}.log").read_text() for node in range(2)]
+            assert all(f"rank {node} stopped" in logs[node] for node in range(2)), logs
+        finally:
+            stop_agents(agents)
 
 
 def test_text_that_may_start_a_stop_string_is_held_back_until_the_next_token_decides():

@@ -90,7 +90,9 @@ def checkpoint_skeleton(
     checkpoint: Checkpoint, config: Any, model_class: Any = None, formats: Sequence[QuantizedFormat] = BUILT_IN_FORMATS
 ) -> nn.Module:
     """The model ``checkpoint`` holds, its parameters on meta (:func:`~tpcore.load.skeleton.empty_model`) as stored:
-    quantized ones too, as their format holds them; a format ``formats`` do not split is refused first."""
+    quantized ones too, as their format holds them; a format ``formats`` do not split is refused first. Its
+    generation config is the directory's where one was saved (as ``from_pretrained`` reads it: Whisper's timestamp
+    and language tokens, a model's own ``max_length``)."""
     where = f"the checkpoint in {checkpoint.directory.name!r}"
     found = check_quantization(config, where, formats)
     model = empty_model(config, model_class)
@@ -100,6 +102,10 @@ def checkpoint_skeleton(
             found.hold(model, checkpoint, quantization)
         except ShardingError as error:
             raise ShardingError(f"{where}, {found.description}: {error}") from None
+    if (checkpoint.directory / "generation_config.json").is_file() and hasattr(model, "generation_config"):
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(checkpoint.directory)  # type: ignore[assignment]
     return model
 
 

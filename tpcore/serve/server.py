@@ -249,8 +249,6 @@ def _serve_under_torchrun(directory: str, num_gpus: int, host: str, port: int, a
 
     from tpcore.engine import ParallelEngine
     from tpcore.ranks.distributed import destroy_process_group
-    from tpcore.serve.scheduler import Scheduler
-    from tpcore.serve.service import check_servable, eos_ids
     from tpcore.serve.spmd import TurnSync
 
     rank, world = torchrun_world() or (0, 1)
@@ -259,26 +257,22 @@ def _serve_under_torchrun(directory: str, num_gpus: int, host: str, port: int, a
                           f"{num_gpus}")  # fmt: skip
     if compile:
         raise NotServable("--compile is not served under torchrun yet")
-    config = transformers.AutoConfig.from_pretrained(directory)
-    if auto_class(config)[1] not in ("decoder", "seq2seq"):
-        raise NotServable("under torchrun tpcore serve generates text (decoders and text encoder-decoders) so far")
-    limits = limits or Limits()
+    auto_class(transformers.AutoConfig.from_pretrained(directory))  # a model the server refuses, before loading
     model = ParallelEngine(num_gpus=world, dtype=dtype).parallelize(directory)
     tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
     turns = TurnSync()
     try:
+        # every rank makes the same service: its start check's forwards are collective, and its engine (generation,
+        # embeddings or transcriptions) is the one whose turns the other ranks follow
+        service = Service(model, tokenizer, name or Path(directory).name, limits, directory=directory)
+        service.scheduler.turns = turns
         if rank == 0:
-            service = Service(model, tokenizer, name or Path(directory).name, limits, directory=directory)
-            service.scheduler.turns = turns
             Server(service, host, port, api_key, exit_on_loss=True).run()
         else:
             # rank 0 alone decides when to stop: its stop plan ends this loop
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             signal.signal(signal.SIGINT, signal.SIG_IGN)
-            check_servable(model)  # the forwards of rank 0's start check (Service), collective
-            follower = Scheduler(model, tokenizer, eos_ids(model, tokenizer), limits.max_batch, limits.max_queue)
-            follower.turns = turns
-            follower.follow()
+            service.scheduler.follow()
     finally:
         destroy_process_group()
         logger.info("rank %d stopped", rank)

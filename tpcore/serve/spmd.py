@@ -8,6 +8,10 @@ clients left; whether it stops), one ``broadcast_object_list`` over a gloo group
 the same prefills, the same step, the same rows retired (a row's end of sequence, stop string or ``max_tokens``
 is decided alike from the same logits, which every rank holds whole). Only rank 0 answers clients. While idle,
 rank 0 sends an empty plan every second, so the others never wait on a collective past its timeout.
+
+Engines that answer requests whole (embeddings, transcriptions: :class:`~tpcore.serve.whole_requests.WholeRequests`)
+send the requests each call answers, with a seed drawn for the call that every rank seeds torch with first, so
+that a sampled transcription samples alike everywhere.
 """
 
 from __future__ import annotations
@@ -33,9 +37,11 @@ class TurnPlan:
     """One turn of rank 0's engine: the requests it admits (id and payload, in its order), the ids of requests
     whose clients left (they are dropped before this turn's step), and whether the engine stops."""
 
-    admitted: list[tuple[str, Generation]] = field(default_factory=list)
+    admitted: list[tuple[str, Any]] = field(default_factory=list)
     cancelled: set[str] = field(default_factory=set)
     stop: bool = False
+    #: the seed of torch's RNG for a call that answers requests whole (``None``: none is set)
+    seed: int | None = None
 
 
 class TurnSync:
@@ -45,11 +51,12 @@ class TurnSync:
         self.group = group if group is not None else dist.new_group(backend="gloo")
         self.leads = dist.get_rank() == 0
 
-    def send(self, admitted: list[tuple[str, Generation]] | None, cancelled: set[str]) -> None:
-        """Rank 0: send this turn's plan: the requests it admits (``None``: it stops), their seeds drawn first so
-        that every rank samples alike, and the ids of those whose clients left."""
+    def send(self, admitted: list[tuple[str, Any]] | None, cancelled: set[str], seed: int | None = None) -> None:
+        """Rank 0: send this turn's plan: the requests it admits (``None``: it stops), the seeds of generations drawn
+        first so that every rank samples alike, the ids of those whose clients left, and ``seed`` (see
+        :class:`TurnPlan`)."""
         admitted_seeded = [(request_id, _seeded(payload)) for request_id, payload in admitted or ()]
-        self._broadcast(TurnPlan(admitted_seeded, cancelled, stop=admitted is None))
+        self._broadcast(TurnPlan(admitted_seeded, cancelled, stop=admitted is None, seed=seed))
 
     def receive(self) -> TurnPlan:
         """A rank other than 0: rank 0's plan of its next turn."""
@@ -61,8 +68,10 @@ class TurnSync:
         return box[0]
 
 
-def _seeded(payload: Generation) -> Generation:
-    """``payload`` with a seed drawn where it asks for none (and samples)."""
+def _seeded(payload: Any) -> Any:
+    """A generation's ``payload`` with a seed drawn where it asks for none (and samples); any other as it is."""
+    if not isinstance(payload, Generation):
+        return payload
     params = payload.params
     if params.seed is not None or params.greedy:
         return payload

@@ -135,13 +135,7 @@ class CheckpointSource:
     @functools.cached_property
     def model(self) -> nn.Module:
         """The checkpoint's model with its parameters on meta, and its generation config if one was saved."""
-        model: Any = checkpoint_skeleton(self.checkpoint, self.config, self.model_class, self.formats)
-        directory = self.checkpoint.directory
-        if (directory / "generation_config.json").is_file() and hasattr(model, "generation_config"):
-            from transformers import GenerationConfig
-
-            model.generation_config = GenerationConfig.from_pretrained(directory)
-        return model
+        return checkpoint_skeleton(self.checkpoint, self.config, self.model_class, self.formats)
 
     def shards(self, plan: ShardPlan, dtype: torch.dtype | None) -> Shards:
         checkpoint = self.checkpoint
