@@ -786,6 +786,16 @@ def torchrun_serve(directory: Path, logs: Path) -> tuple[list[subprocess.Popen],
     return agents, f"http://127.0.0.1:{port}"
 
 
+def sigterm_stops_every_rank(agents: list[subprocess.Popen], logs: Path) -> None:
+    """SIGTERM to every agent: each rank logs that it stopped and every agent ends."""
+    for agent in agents:
+        agent.send_signal(signal.SIGTERM)
+    for agent in agents:
+        agent.wait(timeout=60)
+    texts = [(logs / f"node{node}.log").read_text() for node in range(len(agents))]
+    assert all(f"rank {node} stopped" in texts[node] for node in range(len(agents))), texts
+
+
 def stop_agents(agents: list[subprocess.Popen]) -> None:
     """Kill what is left of the agents, their ranks first (a killed agent leaves its ranks running)."""
     for agent in agents:
@@ -831,12 +841,7 @@ def test_under_torchrun_over_two_nodes_rank_0_serves_and_every_request_gets_its_
             expected = "" if i == 6 else ask(i) if i == 3 else solo(reference, prompts[i], lengths[i])
             assert answers[i] == expected, (i, prompts[i])
         assert httpx.get(url + "/health", timeout=10).status_code == 200
-        for agent in agents:
-            agent.send_signal(signal.SIGTERM)
-        for agent in agents:
-            agent.wait(timeout=60)
-        logs = [(tmp_path / f"node{node}.log").read_text() for node in range(2)]
-        assert all(f"rank {node} stopped" in logs[node] for node in range(2)), logs
+        sigterm_stops_every_rank(agents, tmp_path)
         assert ranks and not [pid for pid in ranks if alive(pid)]
     finally:
         stop_agents(agents)
@@ -909,12 +914,7 @@ def test_under_torchrun_embeddings_and_transcriptions_are_served_each_equal_to_t
             else:
                 transcripts_equal_the_unsplit_model_s(client, tmp_path / name, whisper)
             assert httpx.get(url + "/health", timeout=10).status_code == 200
-            for agent in agents:
-                agent.send_signal(signal.SIGTERM)
-            for agent in agents:
-                agent.wait(timeout=60)
-            logs = [(tmp_path / f"node{node}.log").read_text() for node in range(2)]
-            assert all(f"rank {node} stopped" in logs[node] for node in range(2)), logs
+            sigterm_stops_every_rank(agents, tmp_path)
         finally:
             stop_agents(agents)
 
