@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import contextlib
+import functools
 import io
 import json
 import os
@@ -428,8 +429,9 @@ def tiny_llava_directory(directory: Path) -> tuple[transformers.LlavaForConditio
     return model, processor
 
 
-def tiny_qwen2_vl_directory(directory: Path) -> tuple[transformers.Qwen2VLForConditionalGeneration, object]:
-    """A random Qwen2-VL saved with its tokenizer (a vision tower of 4-pixel patches merged 2 x 2; a text model of
+def tiny_qwen2_vl_directory(directory: Path, version: str = "2") -> tuple[transformers.PreTrainedModel, object]:
+    """A random Qwen2-VL (``version`` ``"2.5"``: Qwen2.5-VL, its tower's windowed attention in one block of two)
+    saved with its tokenizer (a vision tower of 4-pixel patches merged 2 x 2; a text model of
     64 words whose rotary pairs turn by time, height and width: multimodal RoPE; weights drawn wide enough that
     positions change the answers), and its processor (Qwen2-VL's image processor: images resized to 64-1024 pixels,
     the word tokenizer, the template above with the vision start and end words around each image); the model whole
@@ -440,11 +442,19 @@ def tiny_qwen2_vl_directory(directory: Path) -> tuple[transformers.Qwen2VLForCon
             "rope_parameters": rope}  # fmt: skip
     vision = {"depth": 2, "embed_dim": 32, "hidden_size": 32, "num_heads": 2, "mlp_ratio": 2, "patch_size": 4,
               "spatial_merge_size": 2, "temporal_patch_size": 2}  # fmt: skip
-    config = transformers.Qwen2VLConfig(
+    classes = (transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration, transformers.Qwen2VLProcessor)
+    if version == "2.5":
+        vision = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 32,
+                  "patch_size": 4, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 16,
+                  "fullatt_block_indexes": [1]}  # fmt: skip
+        classes = (transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration,
+                   transformers.Qwen2_5_VLProcessor)  # fmt: skip
+    config_class, model_class, processor_class = classes
+    config = config_class(
         text_config=text, vision_config=vision, image_token_id=QWEN_IMAGE, vision_start_token_id=QWEN_START,
         vision_end_token_id=QWEN_END, video_token_id=QWEN_VIDEO, initializer_range=0.3,
     )  # fmt: skip
-    model = ModelSpec(transformers.Qwen2VLForConditionalGeneration, config, seed=3).build()
+    model = ModelSpec(model_class, config, seed=3).build()
     model.save_pretrained(directory)
     words = word_tokenizer(64)
     words.add_special_tokens({"additional_special_tokens": [f"w{n}" for n in (QWEN_IMAGE, QWEN_START, QWEN_END,
@@ -455,15 +465,51 @@ def tiny_qwen2_vl_directory(directory: Path) -> tuple[transformers.Qwen2VLForCon
     # transformers checks each part of a processor against its class, the video processor's among them, which it
     # defines only where torchvision is installed (not here): the check is passed over to build the processor
     with mock.patch.object(transformers.ProcessorMixin, "check_argument_for_proper_class", lambda *args: None):
-        processor = transformers.Qwen2VLProcessor(
+        processor = processor_class(
             image_processor=images, tokenizer=words,
             chat_template=vision_template(f"w{QWEN_START} w{QWEN_IMAGE} w{QWEN_END}"),
         )  # fmt: skip
     return model, processor
 
 
+def tiny_gemma3_directory(directory: Path) -> tuple[transformers.Gemma3ForConditionalGeneration, object]:
+    """A random Gemma 3 saved with its tokenizer (a SigLIP tower of 16 x 16 pixels in 16 patches pooled to 4 image
+    tokens; a text model of 64 words with sliding-window layers), and its processor (Gemma 3's
+    image processor, the word tokenizer with Gemma's begin-image, image and end-image words, the template above with
+    the begin-image word, which the processor expands); the model whole and the processor."""
+    begin, image, end = 60, 61, 62
+    text = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "eos_token_id": 1, "sliding_window": 4,
+            "initializer_range": 0.1}  # fmt: skip
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+              "image_size": 16, "patch_size": 4}  # fmt: skip
+    config = transformers.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, boi_token_index=begin, eoi_token_index=end,
+        image_token_index=image, initializer_range=0.1,
+    )  # fmt: skip
+    model = ModelSpec(transformers.Gemma3ForConditionalGeneration, config, seed=3).build()
+    with torch.no_grad():  # Gemma 3 starts its image projection at zero: drawn, so that images change the answers
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, 0.3)
+    model.save_pretrained(directory)
+    words = word_tokenizer(64)
+    words.add_special_tokens({"additional_special_tokens": [f"w{n}" for n in (begin, image, end)]})
+    words.save_pretrained(directory)
+    words.boi_token, words.image_token, words.eoi_token = f"w{begin}", f"w{image}", f"w{end}"
+    words.boi_token_id, words.image_token_id, words.eoi_token_id = begin, image, end
+    images = transformers.Gemma3ImageProcessor(size={"height": 16, "width": 16})
+    processor = transformers.Gemma3Processor(
+        image_processor=images, tokenizer=words, chat_template=vision_template(f"w{begin}"), image_seq_length=4
+    )
+    return model, processor
+
+
 #: each vision-language model served with images: its directory's builder
-VISION_MODELS = {"llava": tiny_llava_directory, "qwen2-vl": tiny_qwen2_vl_directory}
+VISION_MODELS = {
+    "llava": tiny_llava_directory,
+    "qwen2-vl": tiny_qwen2_vl_directory,
+    "qwen2.5-vl": functools.partial(tiny_qwen2_vl_directory, version="2.5"),
+    "gemma3": tiny_gemma3_directory,
+}
 
 
 def png_url(seed: int, size: tuple[int, int]) -> str:
@@ -481,15 +527,17 @@ def png_url(seed: int, size: tuple[int, int]) -> str:
 def test_images_in_chat_are_read_by_a_split_vision_model_and_8_concurrent_chats_get_their_solo_answers(
     tmp_path, family
 ):
-    """``tpcore serve`` of a LLaVA directory and a Qwen2-VL one (multimodal RoPE: a row with images decodes at
-    positions of its own) over 2 ranks: chats with ``image_url`` parts (data URLs, images of different sizes, one or
+    """``tpcore serve`` of a LLaVA directory, a Qwen2-VL one (multimodal RoPE: a row with images decodes at
+    positions of its own) and a Gemma 3 one (sliding-window layers, image tokens marked by ``token_type_ids``) over
+    2 ranks: chats with ``image_url`` parts (data URLs, images of different sizes, one or
     two a message) and chats of text alone, 8 at once, each the unsplit model's greedy answer for the processor's
     inputs alone; an http URL is refused while the server fetches none, a data URL that is no image is refused, and
     a text model is told it reads no images."""
     reference, processor = VISION_MODELS[family](tmp_path)
     model, tokenizer = load_model(str(tmp_path), 2)
-    # LLaVA's processor is loaded from its directory; Qwen2-VL's only with torchvision, so it is handed over
-    given = processor if family == "qwen2-vl" else None
+    # LLaVA's processor is loaded from its directory; the Qwen VLs' load only with torchvision, Gemma 3's needs its
+    # tokenizer's image words as attributes, which a word tokenizer does not save: those are handed over
+    given = None if family == "llava" else processor
     service = Service(model, tokenizer, family, Limits(max_model_len=64), directory=str(tmp_path), processor=given)
     running = Server(service, port=free_port()).start()
 

@@ -1,4 +1,4 @@
-"""Images in chat messages, for a model that reads them (LLaVA, Gemma 3, SmolVLM, ...): the OpenAI API's
+"""Images in chat messages, for a model that reads them (LLaVA, Qwen2-VL, Gemma 3, ...): the OpenAI API's
 ``image_url`` content parts turned into the model's inputs by its own processor.
 
 A part ``{"type": "image_url", "image_url": {"url": ...}}`` names a ``data:image/...;base64,...`` URL (decoded here)
