@@ -522,6 +522,40 @@ def png_url(seed: int, size: tuple[int, int]) -> str:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
+def image_chat(i: int) -> list[dict]:
+    """The content of chat ``i``: words and none, one or two images (data URLs) of sizes of its own."""
+    words = {"type": "text", "text": " ".join(f"w{3 + (i * 7 + j * 5) % 55}" for j in range(1 + i % 4))}
+    pictures = [{"type": "image_url", "image_url": {"url": png_url(10 * i + k, (8 + 3 * i, 12 + 4 * k + i))}}
+                for k in range(0 if i % 4 == 3 else 1 + (i == 2))]  # fmt: skip
+    return [*pictures, words] if i % 2 else [words, *pictures]
+
+
+def image_chats_get_their_solo_answers(client: openai.OpenAI, name: str, reference, processor, count: int) -> None:
+    """``count`` concurrent chats (:func:`image_chat`), each ``reference``'s greedy answer for the processor's inputs
+    alone, the answers of more than half of them different."""
+    from tpcore.serve.images import ImageChat
+
+    def ask(i: int) -> str:
+        messages = [{"role": "user", "content": image_chat(i)}]
+        answer = client.chat.completions.create(model=name, messages=messages, max_tokens=6, temperature=0)
+        return answer.choices[0].message.content
+
+    def alone(i: int) -> str:
+        parts = image_chat(i)
+        shaped = [{"role": "user", "content": [{"type": "image"} if part["type"] == "image_url" else part
+                                               for part in parts]}]  # fmt: skip
+        pictures = [ImageChat(processor).image(part) for part in parts if part["type"] == "image_url"]
+        text = processor.apply_chat_template(shaped, add_generation_prompt=True, tokenize=False)
+        inputs = processor(text=text, images=pictures or None, return_tensors="pt")
+        out = reference.generate(**inputs, max_new_tokens=6, do_sample=False)
+        return processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+
+    with concurrent.futures.ThreadPoolExecutor(count) as pool_:
+        answers = list(pool_.map(ask, range(count)))
+    expected = [alone(i) for i in range(count)]
+    assert answers == expected and len(set(expected)) > count // 2
+
+
 @pytest.mark.slow  # its own 2-rank world
 @pytest.mark.parametrize("family", list(VISION_MODELS))
 def test_images_in_chat_are_read_by_a_split_vision_model_and_8_concurrent_chats_get_their_solo_answers(
@@ -541,34 +575,10 @@ def test_images_in_chat_are_read_by_a_split_vision_model_and_8_concurrent_chats_
     service = Service(model, tokenizer, family, Limits(max_model_len=64), directory=str(tmp_path), processor=given)
     running = Server(service, port=free_port()).start()
 
-    def content(i: int) -> list[dict]:
-        words = {"type": "text", "text": " ".join(f"w{3 + (i * 7 + j * 5) % 55}" for j in range(1 + i % 4))}
-        pictures = [{"type": "image_url", "image_url": {"url": png_url(10 * i + k, (8 + 3 * i, 12 + 4 * k + i))}}
-                    for k in range(0 if i % 4 == 3 else 1 + (i == 2))]  # fmt: skip
-        return [*pictures, words] if i % 2 else [words, *pictures]
-
-    def alone(i: int) -> str:
-        parts = content(i)
-        shaped = [{"role": "user", "content": [{"type": "image"} if part["type"] == "image_url" else part
-                                               for part in parts]}]  # fmt: skip
-        pictures = [service.images.image(part) for part in parts if part["type"] == "image_url"]
-        text = processor.apply_chat_template(shaped, add_generation_prompt=True, tokenize=False)
-        inputs = processor(text=text, images=pictures or None, return_tensors="pt")
-        out = reference.generate(**inputs, max_new_tokens=6, do_sample=False)
-        return processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
-
     try:
         client = openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0)
 
-        def ask(i: int) -> str:
-            messages = [{"role": "user", "content": content(i)}]
-            answer = client.chat.completions.create(model=family, messages=messages, max_tokens=6, temperature=0)
-            return answer.choices[0].message.content
-
-        with concurrent.futures.ThreadPoolExecutor(8) as pool_:
-            answers = list(pool_.map(ask, range(8)))
-        expected = [alone(i) for i in range(8)]
-        assert answers == expected and len(set(expected)) > 4
+        image_chats_get_their_solo_answers(client, family, reference, processor, 8)
         assert service.scheduler.largest_batch > 1
         refusals = [
             ({"url": "http://127.0.0.1:1/cat.png"}, "fetches no image URLs"),
@@ -941,26 +951,30 @@ def transcripts_equal_the_unsplit_model_s(client: openai.OpenAI, directory: Path
     assert isinstance(sampled.text, str)
 
 
-@pytest.mark.slow  # two torchrun jobs
-def test_under_torchrun_embeddings_and_transcriptions_are_served_each_equal_to_the_unsplit_model_s(tmp_path):
-    """``tpcore serve`` under ``torchrun --nnodes 2`` of a BERT directory and of a Whisper one: rank 1 makes each
-    call rank 0 makes. 4 concurrent embedding requests each within float rounding of the unsplit model's vectors;
-    4 concurrent uploads (one longer than the window, one with timestamps) each the unsplit model's text alone, and
-    a sampled one (temperature 0.8) answered with the server healthy after it (every rank seeds torch alike for it:
-    ``tests/serve/test_engine.py``); SIGTERM stops every rank."""
+@pytest.mark.slow  # three torchrun jobs
+def test_under_torchrun_embeddings_transcriptions_and_images_are_served_each_as_the_unsplit_model_answers(tmp_path):
+    """``tpcore serve`` under ``torchrun --nnodes 2`` of a BERT directory, a Whisper one and a LLaVA one: rank 1 makes
+    each call rank 0 makes. 4 concurrent embedding requests each within float rounding of the unsplit model's
+    vectors; 4 concurrent uploads (one longer than the window, one with timestamps) each the unsplit model's text
+    alone, and a sampled one (temperature 0.8) answered with the server healthy after it (every rank seeds torch
+    alike for it: ``tests/serve/test_engine.py``); 4 concurrent chats with none, one or two images (their pixels
+    travel in the turn's plan) each the unsplit model's answer alone; SIGTERM stops every rank."""
     bert, words = bert_and_tokenizer()
     bert.save_pretrained(tmp_path / "bert")
     words.save_pretrained(tmp_path / "bert")
     whisper = tiny_whisper_directory(tmp_path / "whisper")
-    for name in ("bert", "whisper"):
+    llava, processor = tiny_llava_directory(tmp_path / "llava")
+    for name in ("bert", "whisper", "llava"):
         agents, url = torchrun_serve(tmp_path / name, tmp_path)
         try:
             wait_healthy(url, agents[0])
             client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
             if name == "bert":
                 embeddings_equal_the_unsplit_model_s(client, bert, words)
-            else:
+            elif name == "whisper":
                 transcripts_equal_the_unsplit_model_s(client, tmp_path / name, whisper)
+            else:
+                image_chats_get_their_solo_answers(client, name, llava, processor, 4)
             assert httpx.get(url + "/health", timeout=10).status_code == 200
             sigterm_stops_every_rank(agents, tmp_path)
         finally:
