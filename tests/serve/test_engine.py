@@ -147,10 +147,12 @@ def test_compile_is_refused_for_a_whole_model_and_an_encoder(tmp_path):
         load_model(str(tmp_path / "bert"), 2, compile=True)
 
 
-#: whole tiny decoders whose cache keeps a state per row: Mamba (its mixers take the new positions' mask), Mamba2
-#: (chunked scan), Jamba (Mamba beside attention), Qwen3-Next (gated DeltaNet beside RoPE attention)
+#: whole tiny decoders whose cache keeps a state per row: Mamba (its mixers take the new positions' mask),
+#: Falcon-Mamba (Mamba with its states normalized), Mamba2 (chunked scan), Jamba (Mamba beside attention), Qwen3-Next
+#: (gated DeltaNet beside RoPE attention)
 STATE_CONFIGS = {
     "Mamba": {"state_size": 8, "expand": 2, "conv_kernel": 4},
+    "FalconMamba": {"state_size": 8, "expand": 2, "conv_kernel": 4},
     "Mamba2": {"num_heads": 8, "head_dim": 16, "n_groups": 1, "state_size": 8, "chunk_size": 8},
     "Jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "num_experts": 2,
               "mamba_d_state": 8, "mamba_dt_rank": 8},
