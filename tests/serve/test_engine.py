@@ -227,7 +227,8 @@ def test_a_model_whose_forward_the_batch_cannot_drive_is_refused_before_it_is_se
     assert "\n" not in str(error.value) and "cache of its own" in str(error.value)
 
 
-SEQ2SEQ = ["Bart", "M2M100", "MBart", "Pegasus", "T5"]  # relative bias (T5), learned (BART) or sinusoidal positions
+#: relative bias (T5), learned (BART) or sinusoidal positions (M2M100, Pegasus, Marian)
+SEQ2SEQ = ["Bart", "M2M100", "MBart", "Marian", "Pegasus", "T5"]
 
 
 @pytest.mark.parametrize("name", SEQ2SEQ)

@@ -91,9 +91,9 @@ SEQ2SEQ = {"vocab_size": 100, "pad_token_id": 0, "eos_token_id": 1, "tie_word_em
 
 def tiny_seq2seq(family: str = "T5", *, seed: int = 0, **overrides: Any) -> nn.Module:
     """``<family>ForConditionalGeneration`` (``T5``, or a BART-like family: ``Bart``, ``MBart``, ``M2M100``,
-    ``Pegasus``) of 2 + 2 layers of 4 heads over 32 features, every parameter drawn by :func:`random_weights`
-    (``seed``, scale 0.5). T5's decoder starts from ``w0``; the BART-like ones from ``w2``, which is not their
-    padding (their positions skip padding)."""
+    ``Pegasus``; ``Marian``: ``MarianMTModel``) of 2 + 2 layers of 4 heads over 32 features, every parameter drawn
+    by :func:`random_weights` (``seed``, scale 0.5). T5's decoder starts from ``w0``; the BART-like ones from
+    ``w2``, which is not their padding (their positions skip padding)."""
     import transformers
 
     fields: dict[str, Any]
@@ -105,7 +105,10 @@ def tiny_seq2seq(family: str = "T5", *, seed: int = 0, **overrides: Any) -> nn.M
                   "max_position_embeddings": 64, "bos_token_id": 2, "decoder_start_token_id": 2,
                   "forced_eos_token_id": None}  # fmt: skip
     config = getattr(transformers, f"{family}Config")(**{**SEQ2SEQ, **fields, **overrides})
-    model = getattr(transformers, f"{family}ForConditionalGeneration")(config).eval()
+    model_class = (
+        transformers.MarianMTModel if family == "Marian" else getattr(transformers, f"{family}ForConditionalGeneration")
+    )
+    model = model_class(config).eval()
     return random_weights(model, seed, 0.5)
 
 
