@@ -11,6 +11,8 @@ A random-init Llama of SmolLM2-135M's widths (``--layers``, 30 by default) saved
   compressed-tensors itself;
 - ``fp8-dynamic``: compressed-tensors' ``FP8_DYNAMIC`` (e4m3 weights, a scale a row, each token's input rounded
   through e4m3 as it runs);
+- ``fp8-block``: compressed-tensors' ``FP8_BLOCK`` (e4m3 weights, a scale per block of ``--block`` x ``--block``,
+  each token's input rounded through e4m3 per group of ``--block`` features);
 - ``w8a8``: compressed-tensors' ``W8A8`` (the same with int8);
 - ``int8``: torchao's ``Int8WeightOnlyConfig`` (int8 values, a scale per row), quantized and saved by transformers'
   ``TorchAoConfig``; ``float8``: its ``Float8WeightOnlyConfig`` (e4m3 values, a scale per row), the same way;
@@ -51,6 +53,7 @@ first one-token forward (where transformers decompresses pack-quantized layers),
     python bench/quantized.py --format int8     # -> bench/results/quantized_int8.md
     python bench/quantized.py --format float8   # -> bench/results/quantized_float8.md
     python bench/quantized.py --format fp8-dynamic  # -> bench/results/quantized_fp8-dynamic.md
+    python bench/quantized.py --format fp8-block  # -> bench/results/quantized_fp8-block.md
     python bench/quantized.py --format w8a8     # -> bench/results/quantized_w8a8.md
     python bench/quantized.py --format llm-int8  # -> bench/results/quantized_llm-int8.md
     python bench/quantized.py --format nf4      # -> bench/results/quantized_nf4.md
@@ -79,6 +82,7 @@ from tpcore.testing.quantized_checkpoints import (
     save_block_fp8,
     save_float8_weight_only,
     save_four_bit,
+    save_fp8_block,
     save_fp8_dynamic,
     save_gptq,
     save_int8_weight_only,
@@ -103,6 +107,11 @@ FORMATS = {
     "fp8-dynamic": (
         lambda model, directory, args: save_fp8_dynamic(model, directory),
         "FP8_DYNAMIC",
+        "decompressed in its first forward",
+    ),
+    "fp8-block": (
+        lambda model, directory, args: save_fp8_block(model, directory, args.block),
+        "FP8_BLOCK",
         "decompressed in its first forward",
     ),
     "w8a8": (
@@ -213,7 +222,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = arguments(__doc__, "quantized", "2 layers, 1 round, 4 new tokens")
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--format", choices=sorted(FORMATS), default="fp8")
-    parser.add_argument("--block", type=int, default=64, help="fp8: the blocks' side")
+    parser.add_argument("--block", type=int, default=64, help="fp8 and fp8-block: the blocks' side")
     parser.add_argument("--group", type=int, default=64, help="w4a16 and gptq: input features a scale")
     parser.add_argument("--world-sizes", default="2,3", help="tpcore's rank counts, comma-separated")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of the transformers way")
@@ -292,6 +301,7 @@ def main(argv: list[str] | None = None) -> None:
         + {
             "fp8": f"blocks of {args.block} x {args.block}",
             "fp8-moe": f"blocks of {args.block} x {args.block}, the experts too",
+            "fp8-block": f"blocks of {args.block} x {args.block}, inputs rounded per group of {args.block}",
             "w4a16": f"int4 in groups of {args.group}",
             "nf4": "blocks of 64, nested scales",
             "gptq": f"symmetric int4 in groups of {args.group}, bfloat16",

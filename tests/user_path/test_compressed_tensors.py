@@ -32,7 +32,7 @@ from safetensors.torch import load_file, save_file
 import tpcore
 from tpcore import ShardingError
 from tpcore.testing import compare_outputs
-from tpcore.testing.quantized_checkpoints import save_fp8_dynamic, save_pack_quantized, save_w8a8
+from tpcore.testing.quantized_checkpoints import save_fp8_block, save_fp8_dynamic, save_pack_quantized, save_w8a8
 from tpcore.tools.cli import main
 
 pytest.importorskip("compressed_tensors", reason="compressed-tensors writes the checkpoints")
@@ -124,16 +124,19 @@ def token_layer_classes(context) -> dict[str, str]:
     }
 
 
-#: each preset whose inputs are rounded per token: its writer, its values' dtype and its layer class
+#: each preset whose inputs are rounded per token (FP8_BLOCK: per token and group of 32 features): its writer, its
+#: values' dtype and its layer class
 TOKEN_PRESETS = {
     "fp8-dynamic": (save_fp8_dynamic, "torch.float8_e4m3fn", "TokenFP8Linear"),
+    "fp8-block": (save_fp8_block, "torch.float8_e4m3fn", "GroupFP8Linear"),
     "w8a8": (save_w8a8, "torch.int8", "TokenInt8Linear"),
 }
 
 
 @pytest.fixture(scope="module")
 def token_dirs(tmp_path_factory):
-    """A tiny Llama saved as FP8_DYNAMIC and as W8A8: 8-bit weights, a scale a row, inputs rounded per token."""
+    """A tiny Llama saved as FP8_DYNAMIC and as W8A8 (8-bit weights, a scale a row, inputs rounded per token) and
+    as FP8_BLOCK (e4m3 weights, a scale per 32 x 32 block, inputs rounded per token and group of 32 features)."""
     root = tmp_path_factory.mktemp("token-rounded")
     return {name: save(quantizable_llama(), root / name) for name, (save, _, _) in TOKEN_PRESETS.items()}
 
@@ -145,6 +148,9 @@ def token_dirs(tmp_path_factory):
         ("fp8-dynamic", "directory", 2),
         ("fp8-dynamic", "directory", 3),
         ("fp8-dynamic", "object", 3),
+        ("fp8-block", "directory", 2),
+        ("fp8-block", "directory", 3),
+        ("fp8-block", "object", 2),
         ("w8a8", "directory", 3),
         ("w8a8", "object", 2),
     ],
@@ -152,8 +158,9 @@ def token_dirs(tmp_path_factory):
 def test_token_rounded_presets_split_with_each_token_s_scale_gathered_from_every_rank(
     token_dirs, preset, source, world_size
 ):
-    """Row-parallel layers hold some of each token's features: the token's scale is the maximum over all of them,
-    gathered, so each rank rounds its features as the whole layer does."""
+    """Row-parallel layers hold some of each token's features: the token's scale is the maximum over all of them
+    (FP8_BLOCK: over its group's, a group cut inside by the attention output's heads at 2 ranks), gathered, so each
+    rank rounds its features as the whole layer does."""
     directory, (_, values, layer_class) = token_dirs[preset], TOKEN_PRESETS[preset]
     expected, tokens = transformers_outputs(directory)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
@@ -268,3 +275,15 @@ def test_the_plan_cuts_a_packed_mlp_s_up_rows_and_down_words_at_the_same_feature
         assert plan.shard_shape(mlp + "down_proj.weight_packed", rank)[1] * 8 == rows
         assert rows % 8 == 0
         assert plan.shard_shape(mlp + "down_proj.weight_scale", rank) == (96, 5)  # whole: groups cut inside
+
+
+def test_fp8_block_whose_input_groups_are_not_its_blocks_columns_is_refused(token_dirs, tmp_path, no_process_starts):
+    """FP8_BLOCK rounds each input group with the columns of one weight block; other groups are refused, naming the
+    scheme, before any rank starts."""
+
+    def other_groups(quantization):
+        quantization["config_groups"]["group_0"]["input_activations"]["group_size"] = 16
+
+    directory = with_quantization_changed(token_dirs["fp8-block"], tmp_path / "model", other_groups)
+    with pytest.raises(ShardingError, match=r"float-quantized with input activations \{'group_size': 16\}"):
+        tpcore.parallelize(str(directory), num_gpus=2)

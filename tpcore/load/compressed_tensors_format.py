@@ -1,6 +1,7 @@
 """compressed-tensors checkpoints (llmcompressor's output): ``pack-quantized`` integers (W4A16, W8A16) become
 :class:`~tpcore.parallel.packed_int_linear.PackedIntLinear`, ``float-quantized`` FP8_DYNAMIC
-:class:`~tpcore.parallel.quantized_linear.TokenFP8Linear`, from a directory (:meth:`CompressedTensors.hold`) or from
+:class:`~tpcore.parallel.quantized_linear.TokenFP8Linear` and FP8_BLOCK
+:class:`~tpcore.parallel.quantized_linear.GroupFP8Linear`, from a directory (:meth:`CompressedTensors.hold`) or from
 the object transformers loads (:meth:`CompressedTensors.adopt`); every other variant is refused by name."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from tpcore.authoring.quantized_format import FP8_VALUES, QuantizedFormat, refus
 from tpcore.errors import ShardingError
 from tpcore.parallel.int8_linear import TokenInt8Linear
 from tpcore.parallel.packed_int_linear import BIT_WIDTHS, PackedIntLinear
-from tpcore.parallel.quantized_linear import TokenFP8Linear
+from tpcore.parallel.quantized_linear import GroupFP8Linear, TokenFP8Linear
 
 __all__ = ["CompressedTensors"]
 
@@ -26,12 +27,13 @@ class CompressedTensors(QuantizedFormat):
       features) beside its ``weight_scale`` becomes a :class:`PackedIntLinear`; symmetric, a scale per group or per
       row, activations unquantized;
     - ``float-quantized`` FP8 with dynamic per-token activations (``FP8_DYNAMIC``): an e4m3 ``weight`` beside its
-      per-row ``weight_scale`` becomes a :class:`TokenFP8Linear`;
+      per-row ``weight_scale`` becomes a :class:`TokenFP8Linear`; with a scale per ``(B0, B1)`` block and
+      activations rounded per group of ``B1`` features (``FP8_BLOCK``) a :class:`GroupFP8Linear`;
     - ``int-quantized`` int8 with dynamic per-token activations (``W8A8``): an int8 ``weight`` beside its per-row
       ``weight_scale`` becomes a :class:`TokenInt8Linear`."""
 
     quant_method = "compressed-tensors"
-    description = "compressed-tensors pack-quantized integers (W4A16, W8A16), FP8_DYNAMIC and W8A8"
+    description = "compressed-tensors pack-quantized integers (W4A16, W8A16), FP8_DYNAMIC, FP8_BLOCK and W8A8"
 
     def check(self, quantization: dict[str, Any], where: str) -> None:
         for name in ("sparsity_config", "transform_config", "kv_cache_scheme"):
@@ -77,7 +79,7 @@ class CompressedTensors(QuantizedFormat):
     def hold(self, model: nn.Module, checkpoint: Any, quantization: dict[str, Any]) -> int:
         layout, weights = self.scheme(quantization, "the checkpoint")
         if layout in _TOKEN_ROUNDED:
-            return _hold_token_rounded(model, checkpoint, layout)
+            return _hold_token_rounded(model, checkpoint, layout, weights)
         bits = int(weights["num_bits"])
         keys = checkpoint.stored_keys(model)
         packed_keys = {key for key in checkpoint.files if key.endswith(".weight_packed")}
@@ -113,10 +115,10 @@ _TOKEN_ROUNDED = {
 }
 
 
-def _hold_token_rounded(model: nn.Module, checkpoint: Any, layout: str) -> int:
-    """FP8_DYNAMIC or W8A8: each linear stored in 8-bit values beside its per-row ``weight_scale`` becomes the
-    layout's layer class."""
-    dtypes, hold = _TOKEN_ROUNDED[layout]
+def _hold_token_rounded(model: nn.Module, checkpoint: Any, layout: str, weights: dict[str, Any]) -> int:
+    """FP8_DYNAMIC, FP8_BLOCK or W8A8: each linear stored in 8-bit values beside its ``weight_scale`` (a scale per
+    row, or per block) becomes the layout's layer class."""
+    dtypes = _TOKEN_ROUNDED[layout][0]
     keys = checkpoint.stored_keys(model)
     scale_keys = {key for key in checkpoint.files if key.endswith(".weight_scale")}
     held = 0
@@ -125,14 +127,30 @@ def _hold_token_rounded(model: nn.Module, checkpoint: Any, layout: str) -> int:
         if not isinstance(module, nn.Linear) or key is None or checkpoint.stored_dtype(key) not in dtypes:
             continue
         scale_key = key + "_scale"
-        shape = checkpoint.stored_shape(scale_key) if scale_key in scale_keys else None
-        if shape != [module.out_features, 1]:
-            raise ShardingError(f"{key!r} is stored quantized with {scale_key!r} of shape {shape}, not a scale a row")
-        hold(module, checkpoint.stored_dtype(scale_key))
+        if scale_key not in scale_keys:
+            raise ShardingError(f"{key!r} is stored quantized without its {scale_key!r}")
+        _hold_rounded(module, layout, weights, tuple(checkpoint.stored_shape(scale_key)),
+                      checkpoint.stored_dtype(scale_key), f"{key!r}")  # fmt: skip
         scale_keys.discard(scale_key)
         held += 1
     refuse_untaken(scale_keys, "scales", f"compressed-tensors {layout}")
     return held
+
+
+def _hold_rounded(module: nn.Linear, layout: str, weights: dict[str, Any], scale_shape: tuple[int, ...],
+                  scale_dtype: torch.dtype, where: str) -> None:  # fmt: skip
+    """Make the meta ``module`` hold ``layout``'s values and a ``weight_scale`` of ``scale_shape``: a scale per
+    ``block_structure`` block (FP8_BLOCK), else per row."""
+    if weights.get("strategy") == "block":
+        block = (int(weights["block_structure"][0]), int(weights["block_structure"][1]))
+        try:
+            GroupFP8Linear.hold_blocks(module, block, scale_shape, scale_dtype)
+        except ValueError as error:
+            raise ShardingError(f"{where}: {error}") from None
+        return
+    if scale_shape != (module.out_features, 1):
+        raise ShardingError(f"{where} is stored quantized with a scale of shape {list(scale_shape)}, not one a row")
+    _TOKEN_ROUNDED[layout][1](module, scale_dtype)
 
 
 def _adopt_layer(module: nn.Module, scheme: Any, where: str) -> int:
@@ -156,15 +174,14 @@ def _adopt_layer(module: nn.Module, scheme: Any, where: str) -> int:
     if not isinstance(module, nn.Linear) or scale is None:
         return 0
     if layout in _TOKEN_ROUNDED:
-        dtypes, hold = _TOKEN_ROUNDED[layout]
-        if weight is None or weight.dtype not in dtypes:
+        if weight is None or weight.dtype not in _TOKEN_ROUNDED[layout][0]:
             raise ShardingError(
                 f"{where} was decompressed by a forward, and its inputs are quantized per token: parallelize the "
                 "checkpoint's directory, or the model as transformers loads it, before any forward"
             )
-        hold(module, scale.dtype)
+        _hold_rounded(module, layout, weights, tuple(scale.shape), scale.dtype, where)
         module.weight, module.weight_scale = weight, scale
-        if isinstance(module, TokenFP8Linear):
+        if isinstance(module, TokenFP8Linear | GroupFP8Linear):
             module.weight_scale_inv = scale
         return 1
     if words is None:
@@ -188,7 +205,7 @@ def _checked_group(layout: str | None, group: dict[str, Any], where: str) -> dic
     if layout != "pack-quantized":
         raise ShardingError(
             f"{where} is compressed-tensors {layout!r}: tpcore splits its 'pack-quantized' integers, "
-            "'float-quantized' FP8_DYNAMIC and 'int-quantized' W8A8"
+            "'float-quantized' FP8_DYNAMIC and FP8_BLOCK and 'int-quantized' W8A8"
         )
     for activations in ("input_activations", "output_activations"):
         if group.get(activations):
@@ -201,12 +218,18 @@ def _checked_group(layout: str | None, group: dict[str, Any], where: str) -> dic
 
 def _checked_token_rounded(layout: str, group: dict[str, Any], where: str) -> dict[str, Any]:
     """FP8_DYNAMIC (``float-quantized``) or W8A8 (``int-quantized``): 8-bit weights, a static scale a row; 8-bit
-    inputs of the same kind, a dynamic scale a token; outputs as they are."""
+    inputs of the same kind, a dynamic scale a token; outputs as they are. Or FP8_BLOCK (``float-quantized``): a
+    static scale per ``(B0, B1)`` block of the weight, a dynamic one per token and group of ``B1`` input features."""
     kind = "float" if layout == "float-quantized" else "int"
     name = "FP8_DYNAMIC" if kind == "float" else "W8A8"
     weights, inputs = group.get("weights") or {}, group.get("input_activations") or {}
     wanted_weights = {"type": kind, "num_bits": 8, "strategy": "channel", "symmetric": True, "dynamic": False}
     wanted_inputs = {"type": kind, "num_bits": 8, "strategy": "token", "symmetric": True, "dynamic": True}
+    block = weights.get("block_structure")
+    if kind == "float" and weights.get("strategy") == "block" and isinstance(block, list | tuple) and len(block) == 2:
+        name = "FP8_BLOCK"
+        wanted_weights = {**wanted_weights, "strategy": "block"}
+        wanted_inputs = {**wanted_inputs, "strategy": "group", "group_size": block[1]}
     for what, found, wanted in (("weights", weights, wanted_weights), ("input activations", inputs, wanted_inputs)):
         differing = {key: found.get(key) for key, value in wanted.items() if found.get(key) != value}
         if differing:

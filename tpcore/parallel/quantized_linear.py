@@ -24,10 +24,16 @@ from torch import nn
 from tpcore.cut.scale_blocks import block_index
 from tpcore.cut.split import Split
 from tpcore.parallel.layers import reduce_partial_sums
-from tpcore.parallel.token_rounding import GatheredTokenMaxima, TokenRoundedInputs
+from tpcore.parallel.token_rounding import (
+    GatheredGroupMaxima,
+    GatheredTokenMaxima,
+    GroupRoundedInputs,
+    TokenRoundedInputs,
+)
 
 __all__ = [
     "BlockFP8Linear",
+    "GroupFP8Linear",
     "QuantizedLayer",
     "QuantizedLinear",
     "RowParallelQuantized",
@@ -245,11 +251,7 @@ class TokenFP8Linear(TokenRoundedInputs, BlockFP8Linear):
         """Make the meta ``linear`` hold e4m3 values and a ``weight_scale`` ``(out, 1)`` of ``scale_dtype``."""
         held = cls.hold(linear, (1, linear.in_features), (linear.out_features, 1))
         assert isinstance(held, TokenFP8Linear)
-        scale = held._parameters.pop("weight_scale_inv")
-        assert scale is not None
-        held.weight_scale = nn.Parameter(scale.data.to(scale_dtype), requires_grad=False)  # the stored name first
-        held.weight_scale_inv = held.weight_scale
-        return held
+        return _scale_stored_as_weight_scale(held, scale_dtype)
 
 
 class RowParallelTokenFP8Linear(RowParallelQuantized, GatheredTokenMaxima, TokenFP8Linear):
@@ -258,6 +260,39 @@ class RowParallelTokenFP8Linear(RowParallelQuantized, GatheredTokenMaxima, Token
 
 
 TokenFP8Linear.row_parallel_class = RowParallelTokenFP8Linear
+
+
+class GroupFP8Linear(GroupRoundedInputs, BlockFP8Linear):
+    """compressed-tensors' ``FP8_BLOCK``: e4m3 weights with a scale per ``(B0, B1)`` block (:class:`BlockFP8Linear`,
+    the scale stored as ``weight_scale`` and also known as ``weight_scale_inv``), and each token's input rounded
+    through e4m3 per group of ``B1`` features, a group a column block (:mod:`tpcore.parallel.token_rounding`)."""
+
+    @classmethod
+    def hold_blocks(
+        cls, linear: nn.Linear, block: tuple[int, int], scale_shape: tuple[int, ...], scale_dtype: torch.dtype
+    ) -> GroupFP8Linear:
+        """Make the meta ``linear`` hold e4m3 values and a ``weight_scale`` of ``scale_shape`` and ``scale_dtype``."""
+        held = cls.hold(linear, block, scale_shape)
+        assert isinstance(held, GroupFP8Linear)
+        return _scale_stored_as_weight_scale(held, scale_dtype)
+
+
+class RowParallelGroupFP8Linear(RowParallelQuantized, GatheredGroupMaxima, GroupFP8Linear):
+    """:class:`GroupFP8Linear` holding a shard of the input features: each group's maximum gathered from every rank
+    (a cut may fall inside a group), the output all-reduced, the bias added once."""
+
+
+GroupFP8Linear.row_parallel_class = RowParallelGroupFP8Linear
+
+
+def _scale_stored_as_weight_scale(held, scale_dtype: torch.dtype):
+    """``held``'s ``weight_scale_inv`` as compressed-tensors stores it: ``weight_scale`` of ``scale_dtype``, the old
+    name kept for the same parameter."""
+    scale = held._parameters.pop("weight_scale_inv")
+    assert scale is not None
+    held.weight_scale = nn.Parameter(scale.data.to(scale_dtype), requires_grad=False)  # the stored name first
+    held.weight_scale_inv = held.weight_scale
+    return held
 
 
 def ready_quantized(model: nn.Module) -> None:

@@ -7,6 +7,11 @@
 ``round`` is e4m3's (lo, hi = -448, 448) or the nearest integer (-128, 127). The maximum runs over the token's whole
 input: a row-parallel layer, holding some of its features, gathers every rank's maximum
 (:class:`GatheredTokenMaxima`, one all-gather of a float a token) and rounds its features as the whole layer does.
+
+``FP8_BLOCK`` rounds per group of ``G`` input features instead (:class:`GroupRoundedInputs`): ``s_{t,g}`` is the
+maximum over the features ``j`` of group ``g = j // G``, the group of each feature a rank holds given by its layer
+(``scale_cols``); a row-parallel layer, whose cut may fall inside a group, gathers every rank's group maxima
+(:class:`GatheredGroupMaxima`, one all-gather of ``in / G`` floats a token).
 """
 
 from __future__ import annotations
@@ -16,7 +21,10 @@ from torch import nn
 
 from tpcore.parallel.comm import all_gather
 
-__all__ = ["E4M3_MAX", "GatheredTokenMaxima", "TokenRoundedInputs", "rounded_per_token"]
+__all__ = [
+    "E4M3_MAX", "GatheredGroupMaxima", "GatheredTokenMaxima", "GroupRoundedInputs", "TokenRoundedInputs",
+    "rounded_per_token",
+]  # fmt: skip
 
 #: the largest finite float8_e4m3fn value
 E4M3_MAX = 448.0
@@ -56,3 +64,38 @@ class GatheredTokenMaxima(TokenRoundedInputs):
 
     def token_maxima(self, x: torch.Tensor) -> torch.Tensor:
         return all_gather(super().token_maxima(x), self.tp_group).amax(dim=-1, keepdim=True)
+
+
+class GroupRoundedInputs(nn.Module):
+    """Mixin before a :class:`~tpcore.parallel.quantized_linear.BlockFP8Linear`: its input rounded through
+    :attr:`token_values` per token and group of input features, a group being a column block of its weight
+    (``scale_cols``: the block of each feature this rank holds, out of ``weight_scale_inv``'s columns)."""
+
+    token_values = "e4m3"
+    scale_cols: torch.Tensor
+    weight_scale_inv: nn.Parameter
+    whole_column_blocks: bool
+
+    def group_maxima(self, x: torch.Tensor) -> torch.Tensor:
+        """``max |x[..., j]|`` over each group's features this rank holds, ``(..., groups)``."""
+        magnitudes = x.abs()
+        groups = self.weight_scale_inv.shape[1]
+        if self.whole_column_blocks:  # every group whole, in order
+            return magnitudes.view(*x.shape[:-1], groups, -1).amax(dim=-1)
+        maxima = magnitudes.new_zeros(*x.shape[:-1], groups)
+        return maxima.scatter_reduce_(-1, self.scale_cols.expand_as(magnitudes), magnitudes, "amax")
+
+    def quantized_input(self, x: torch.Tensor) -> torch.Tensor:
+        maxima = self.group_maxima(x).index_select(-1, self.scale_cols)  # each feature's group maximum
+        return rounded_per_token(x, maxima, self.token_values)
+
+
+class GatheredGroupMaxima(GroupRoundedInputs):
+    """Mixin for a row-parallel layer's class: each group's maximum over every rank's features."""
+
+    tp_group = None
+
+    def group_maxima(self, x: torch.Tensor) -> torch.Tensor:
+        local = super().group_maxima(x)
+        gathered = all_gather(local, self.tp_group)  # (..., world * groups), rank by rank
+        return gathered.view(*local.shape[:-1], -1, local.shape[-1]).amax(dim=-2)

@@ -46,6 +46,7 @@ __all__ = [
     "save_awq",
     "save_four_bit",
     "save_gptq",
+    "save_fp8_block",
     "save_fp8_dynamic",
     "save_int8_weight_only",
     "save_llm_int8",
@@ -148,6 +149,21 @@ def save_fp8_dynamic(model: nn.Module, directory: str | Path, keep: tuple[str, .
     return _save_preset(model, directory, "FP8_DYNAMIC", keep, "float-quantized")
 
 
+def save_fp8_block(
+    model: nn.Module, directory: str | Path, block: int = 32, keep: tuple[str, ...] = ("lm_head",)
+) -> Path:
+    """Save ``model`` (changed in place) in ``directory`` as compressed-tensors' ``FP8_BLOCK`` with blocks of
+    ``block`` x ``block`` (the preset's 128 shrunk for tiny models): every ``nn.Linear`` but those named in ``keep``
+    in e4m3 with a scale per block, inputs rounded per token and group of ``block`` features through e4m3 at run
+    time. Needs ``compressed-tensors``."""
+    from compressed_tensors.quantization import preset_name_to_scheme
+
+    scheme = preset_name_to_scheme("FP8_BLOCK", ["Linear"])
+    scheme.weights.block_structure = [block, block]
+    scheme.input_activations.group_size = block
+    return _save_compressed(model, directory, scheme, None, keep, "float-quantized")
+
+
 def save_w8a8(model: nn.Module, directory: str | Path, keep: tuple[str, ...] = ("lm_head",)) -> Path:
     """Save ``model`` (changed in place) in ``directory`` as compressed-tensors' ``W8A8``: every ``nn.Linear`` but
     those named in ``keep`` in int8 with a scale per row, inputs rounded per token through int8 at run time. Needs
@@ -162,8 +178,8 @@ def _save_preset(model: nn.Module, directory: str | Path, preset: str, keep: tup
 
 
 def _save_compressed(model, directory, scheme, group_size: int | None, keep: tuple[str, ...], layout: str):
-    """compressed-tensors' ``scheme`` applied to ``model``'s linears, each scale from its group's (or row's)
-    absolute maximum, compressed and saved in ``layout``."""
+    """compressed-tensors' ``scheme`` applied to ``model``'s linears, each scale from its group's (or row's, or
+    block's) absolute maximum, compressed and saved in ``layout``."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
     from compressed_tensors.quantization.utils import calculate_qparams
@@ -174,6 +190,9 @@ def _save_compressed(model, directory, scheme, group_size: int | None, keep: tup
         if getattr(module, "quantization_scheme", None) is not None:
             weight, scales = module.get_parameter("weight").detach(), module.get_parameter("weight_scale")
             groups = weight.view(weight.shape[0], -1, group_size or weight.shape[1])
+            if scheme.weights.strategy == "block":  # (out / B0, in / B1) blocks of B0 * B1 values
+                (rows, columns), (b0, b1) = weight.shape, scheme.weights.block_structure
+                groups = weight.view(rows // b0, b0, columns // b1, b1).transpose(1, 2).reshape(rows // b0, -1, b0 * b1)
             scale, _ = calculate_qparams(groups.amin(-1), groups.amax(-1), scheme.weights)
             scales.data.copy_(scale.to(scales.dtype).view_as(scales))
     compressor = ModelCompressor.from_pretrained_model(model, layout)
