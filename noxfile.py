@@ -166,6 +166,7 @@ BENCH_SCRIPTS = (
     "quantized.py --format int8",
     "quantized.py --format float8",
     "quantized.py --format fp8-dynamic",
+    "quantized.py --format fp8-block",
     "quantized.py --format w8a8",
     "quantized.py --format llm-int8",
     "quantized.py --format nf4",
