@@ -33,9 +33,12 @@ def test_only_one_position_calls_go_to_the_compiled_forward():
 
 
 @pytest.mark.parametrize("model", [tiny_bert, lambda: tiny_llama().model], ids=["encoder", "base"])
-def test_a_model_without_a_decode_step_is_refused_before_any_rank_starts(model, no_process_starts):
+def test_a_model_without_a_decode_step_is_refused_before_any_rank_starts(model, spawned):
+    """Refused before any rank is forked or spawned (the process's other children may come and go meanwhile:
+    torch's compile workers, the ranks of earlier tests' pools ending)."""
     with pytest.raises(ValueError, match="compile=True compiles a decoder's decode step"):
         tpcore.parallelize(model(), num_gpus=2, compile=True)
+    assert spawned == []
 
 
 @pytest.mark.slow  # ~40 s: two ranks compile three graphs each with inductor
