@@ -50,6 +50,8 @@ class RunningBatch:
         self.masks_past = attends(model.config)  # else a step's mask is its new column alone
         self.new_cache = cache_maker(model.config)
         self.rope_index = rope_index(model)
+        #: the arguments ``rope_index`` takes by name (the image inputs it is given of a prompt's extras)
+        self.rope_index_takes = set(inspect.signature(self.rope_index).parameters) if self.rope_index else set()
         self.rows: list[Any] = []
         self.cache: Any = None
         self.mask = torch.zeros(0, 0, dtype=torch.long)
@@ -119,8 +121,7 @@ class RunningBatch:
         """The multimodal RoPE positions ``(3, k, L)`` of prompts with images and each row's offset ``(k,)``: the
         next position past its prompt less its length."""
         assert self.rope_index is not None
-        taken = inspect.signature(self.rope_index).parameters
-        named = {key: value for key, value in extras.items() if key in taken}
+        named = {key: value for key, value in extras.items() if key in self.rope_index_takes}
         positions, deltas = self.rope_index(input_ids, attention_mask=mask, **named)
         return positions, deltas.reshape(-1).long()
 

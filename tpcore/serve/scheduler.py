@@ -149,9 +149,7 @@ class Scheduler:
                     try:
                         admitted = self._shared(admitted)
                     except Exception as error:  # the other ranks are gone: nothing can be computed any more
-                        self._die(f"the other ranks are lost: {error}", admitted or ())
-                        if self.when_dead is not None:
-                            self.when_dead(str(error))
+                        self._others_lost(error, admitted or ())
                         return False
                 if admitted is None:
                     return False
@@ -194,6 +192,13 @@ class Scheduler:
     def _left_client(self, request: Request) -> bool:
         """Whether ``request``'s client left, as this turn sees it (every rank alike under torchrun)."""
         return request.id in self._left if self._left is not None else request.cancelled
+
+    def _others_lost(self, error: Exception, admitted: Sequence[Request] = ()) -> None:
+        """Rank 0 under torchrun could not reach the other ranks (``error``): every request fails with 503 and the
+        server is told (:attr:`when_dead`)."""
+        self._die(f"the other ranks are lost: {error}", admitted)
+        if self.when_dead is not None:
+            self.when_dead(str(error))
 
     def _lost(self, reason: str, admitted: Sequence[Request] = ()) -> bool:
         """The ranks are lost: every request in flight (``admitted`` ones too) fails with 503; with :attr:`reload`

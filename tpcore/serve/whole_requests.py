@@ -93,9 +93,7 @@ class WholeRequests(Scheduler):
             self.turns.send(None if requests is None else [(request.id, request.payload) for request in requests],
                             set(), seed)  # fmt: skip
         except Exception as error:  # the other ranks are gone: nothing can be computed any more
-            self._die(f"the other ranks are lost: {error}", requests or ())
-            if self.when_dead is not None:
-                self.when_dead(str(error))
+            self._others_lost(error, requests or ())
             return False
         if seed is not None:
             torch.manual_seed(seed)
