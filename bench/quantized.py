@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> None:
         held = sum(tensor_bytes(t) for t in reference.state_dict().values())  # once it has computed
         load = statistics.median(seconds for seconds, _ in loads)
         rows.append([f"transformers ({held_as})", "1", f"{held / 2**20:.0f}", f"{held / stored:.2f}",
-                     f"{load:.1f}", "1.00", f"{speed:.1f}", "-"])  # fmt: skip
+                     f"{load:.2f}", "1.00", f"{speed:.1f}", "-"])  # fmt: skip
         del reference, loads
         if args.format in DEFAULT_KERNELS:  # what transformers computes by default, where the reference is another
             kernel, kernel_options = DEFAULT_KERNELS[args.format]
@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> None:
                 model.deparallelize()
             split_load = statistics.median(times)
             same = str(torch.equal(tokens, expected)) if source == directory else "-"
-            rows.append([way, str(world_size), f"{largest / 2**20:.0f}", f"{largest / stored:.2f}", f"{split_load:.1f}",
+            rows.append([way, str(world_size), f"{largest / 2**20:.0f}", f"{largest / stored:.2f}", f"{split_load:.2f}",
                          f"{split_load / load:.2f}", f"{speed:.1f}", same])  # fmt: skip
             print(rows[-1], flush=True)
     header = [
