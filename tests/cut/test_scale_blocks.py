@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from tpcore.cut.scale_blocks import block_index, first_whole_block
+from tpcore.cut.scale_blocks import block_index, deals_whole_elements, first_whole_block
 from tpcore.cut.split import Split
 from tpcore.parallel.quantized_linear import BlockFP8Linear, e4m3_as_scaled_float32, localize_quantized
 from tpcore.testing.quantized_checkpoints import block_fp8
@@ -165,3 +165,30 @@ def test_a_row_fp8_layer_is_torchao_s_float8_weight_only_product_bit_for_bit(dty
     layer.bias = nn.Parameter(bias, requires_grad=False)
     localize_quantized(layer, 0, 1)
     assert torch.equal(layer(x), F.linear(x, reference, bias))
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    heads=st.integers(1, 8),
+    n_fused=st.integers(1, 3),
+    unit=st.integers(1, 24),
+    packing=st.sampled_from([1, 2, 4, 8, 16]),
+    world=st.integers(1, 4),
+    interleaved=st.booleans(),
+)
+def test_a_tensor_packed_along_a_dimension_takes_its_cut_exactly_where_whole_elements_are_dealt(
+    heads, n_fused, unit, packing, world, interleaved
+):
+    """Where :func:`deals_whole_elements` says so, the split cuts a tensor packing the dimension ``packing`` values an
+    element into exactly the elements holding each rank's values; where it does not, some unit is no whole elements."""
+    size = heads * n_fused * unit
+    split = Split(0, heads=heads, n_fused=n_fused, interleaved=interleaved)
+    follows = deals_whole_elements(split, size, packing)
+    assert follows == (unit % packing == 0)
+    if follows:
+        values, elements = torch.arange(size), torch.arange(size // packing)
+        for rank in range(world):
+            own = split.shard(elements, rank, world)
+            spelled = (own.unsqueeze(-1) * packing + torch.arange(packing)).flatten()
+            assert torch.equal(spelled, split.shard(values, rank, world))
+    assert not deals_whole_elements(Split(0, parts=(2, 1, 1)), 32, 8)

@@ -28,11 +28,29 @@ def packed(values: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
-def layer(words: torch.Tensor, scales: torch.Tensor, bits: int, group: int, split: Split | None, rank: int, world: int):
-    """Rank ``rank``'s layer of ``world``: its words (and scale rows where the rows are cut) under ``split``."""
+def packed_rows(fields: torch.Tensor, bits: int) -> torch.Tensor:
+    """Unsigned ``bits``-bit ``fields (rows, columns)`` packed along the rows, as compressed-tensors packs zero points:
+    ``(ceil(rows / p), columns)`` words, the rows padded with zeros."""
+    per_word = 32 // bits
+    padded = torch.cat([fields, fields.new_zeros(-fields.shape[0] % per_word, fields.shape[1])])
+    return packed(padded.T.long() - 2 ** (bits - 1), bits).T.contiguous()
+
+
+def layer(
+    words: torch.Tensor,
+    scales: torch.Tensor,
+    bits: int,
+    group: int,
+    split: Split | None,
+    rank: int,
+    world: int,
+    zeros: torch.Tensor | None = None,
+):
+    """Rank ``rank``'s layer of ``world``: its words (and scale rows where the rows are cut) under ``split``; with
+    packed ``zeros``, those too, cut with the rows where the layer says they follow, else whole."""
     out_features, in_features = words.shape[0], words.shape[1] * 32 // bits
     linear = nn.Linear(in_features, out_features, bias=False, device="meta")
-    PackedIntLinear.hold(linear, bits, group, tuple(scales.shape), scales.dtype)
+    PackedIntLinear.hold(linear, bits, group, tuple(scales.shape), scales.dtype, zero_points=zeros is not None)
     linear.weight_packed = nn.Parameter(
         words if split is None else split.shard(words, rank, world), requires_grad=False
     )
@@ -40,6 +58,14 @@ def layer(words: torch.Tensor, scales: torch.Tensor, bits: int, group: int, spli
     own_scales = scales if split is None or split.dim == 1 else split.shard(scales, rank, world)
     linear.weight_scale = nn.Parameter(own_scales, requires_grad=False)
     linear.cuts = {} if split is None else {"weight_packed": split.resolved(2)}
+    if zeros is not None:
+        assert linear.weight_zero_point.shape == zeros.shape
+        follows = split is not None and "weight_zero_point" in linear.follower_cuts(split.resolved(2))
+        linear.weight_zero_point = nn.Parameter(
+            split.shard(zeros, rank, world) if follows else zeros, requires_grad=False
+        )
+        if follows:
+            linear.cuts["weight_zero_point"] = split.resolved(2)
     localize_quantized(linear, rank, world)
     ready_quantized(linear)
     return linear
@@ -80,6 +106,68 @@ def test_a_rank_s_dequantized_words_are_its_shard_of_the_dequantized_weight(
     value_split = split if split.dim == 0 else split._replace(heads=(split.heads or in_features // per_word))
     for rank, piece in enumerate(pieces):
         assert torch.equal(piece, value_split.shard(whole, rank, world))
+
+
+@FAST
+@given(
+    bits=st.sampled_from([2, 4, 8]),
+    split=st.sampled_from([None, Split(0), Split(0, heads=3), Split(0, parts=(4, 2, 2)), Split(1), Split(1, heads=2)]),
+    world=st.integers(1, 4),
+    out_features=st.integers(1, 40),
+    groups_per_row=st.integers(1, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_with_zero_points_a_rank_s_words_are_its_shard_of_the_dequantized_weight(
+    bits, split, world, out_features, groups_per_row, seed
+):
+    """Asymmetric words ``(u - z) s``: the zero points packed along the rows (padded to whole words), cut with the
+    rows where every unit is whole words of them (``heads=3`` of 8-row heads at 4 bits), else whole on every rank;
+    each rank's dequantized words are its shard of the whole dequantized weight."""
+    per_word, group, out_features = 32 // bits, 32, max(out_features, world)
+    if split is not None and split.dim == 0 and (split.heads or split.parts):
+        out_features = 8 * sum(split.parts or (split.heads,))
+    in_features = group * groups_per_row * 2 * world
+    generator = torch.Generator().manual_seed(seed)
+    fields = torch.randint(0, 2**bits, (out_features, in_features), generator=generator)
+    zeros = torch.randint(0, 2**bits, (out_features, groups_per_row * 2 * world), generator=generator)
+    scales = torch.rand(zeros.shape, generator=generator) + 0.01
+    whole = (fields - zeros.repeat_interleave(group, dim=1)).float() * scales.repeat_interleave(group, dim=1)
+    words, zero_words = packed(fields - 2 ** (bits - 1), bits), packed_rows(zeros, bits)
+    follows = split == Split(0, heads=3) and bits >= 4
+    for rank in range(world):
+        linear = layer(words, scales, bits, group, split, rank, world, zero_words)
+        assert ("weight_zero_point" in linear.cuts) == follows
+        value_split = (
+            split if split is None or split.dim == 0 else split._replace(heads=split.heads or in_features // per_word)
+        )
+        expected = whole if value_split is None else value_split.shard(whole, rank, world)
+        assert torch.equal(linear.dequantized(torch.float32), expected)
+
+
+@pytest.mark.parametrize("group", [32, 64])
+def test_with_zero_points_the_whole_weight_is_compressed_tensors_decompression_bit_for_bit(group):
+    """compressed-tensors' own packing of asymmetric int4 (zero points packed along the rows, 20 rows: padded) and its
+    decompression, in bfloat16; and the int4 product's result within bfloat16's rounding of it."""
+    pack = pytest.importorskip("compressed_tensors.compressors.pack_quantized")
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    generator = torch.Generator().manual_seed(8)
+    q = torch.randint(-8, 8, (20, 128), generator=generator, dtype=torch.int8)
+    zero_point = torch.randint(-8, 8, (20, 128 // group), generator=generator, dtype=torch.int8)
+    scales = (torch.rand(20, 128 // group, generator=generator) + 0.01).bfloat16()
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=False, strategy="group", group_size=group)
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    stored = {"weight_packed": pack.pack_to_int32(q, 4), "weight_scale": scales,
+              "weight_zero_point": pack.pack_to_int32(zero_point, 4, packed_dim=0),
+              "weight_shape": torch.tensor(q.shape)}  # fmt: skip
+    expected = pack.PackedQuantizationCompressor.decompress(stored, scheme)["weight"]
+    linear = layer(stored["weight_packed"], scales, 4, group, None, 0, 1, stored["weight_zero_point"])
+    assert linear.int4 is not None  # bfloat16 scales, groups the product takes
+    got = linear.dequantized(torch.bfloat16)
+    assert got.dtype == expected.dtype and torch.equal(got, expected)
+    x = torch.randn(3, 128, generator=generator).bfloat16()
+    reference = x.float() @ expected.float().T
+    torch.testing.assert_close(linear(x).float(), reference, rtol=2**-7, atol=2e-2 * reference.abs().max())
 
 
 @pytest.mark.parametrize("style", ["column", "row"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import re
 import shutil
+from typing import Any
 
 import pytest
 import torch
@@ -38,8 +39,8 @@ from tpcore.tools.cli import main
 pytest.importorskip("compressed_tensors", reason="compressed-tensors writes the checkpoints")
 
 
-def saved(directory, bits: int, group_size: int | None):
-    return save_pack_quantized(quantizable_llama(), directory, bits=bits, group_size=group_size)
+def saved(directory, bits: int, group_size: int | None, symmetric: bool = True):
+    return save_pack_quantized(quantizable_llama(), directory, bits=bits, group_size=group_size, symmetric=symmetric)
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +56,13 @@ def weight_layout(context) -> dict[str, str]:
     attention = layer.self_attn
     found = {name: str(tensor.dtype) for name, tensor in attention.q_proj.named_parameters()}
     return {**found, "o_proj": type(attention.o_proj).__name__, "down_proj": type(layer.mlp.down_proj).__name__}
+
+
+@pytest.fixture(scope="module")
+def w4_asym_dir(tmp_path_factory):
+    """The same Llama saved as W4A16_ASYM: min-max groups of 32, a zero point each, packed 8 rows a word. Its 16-feature
+    heads are 2 words of zero points, which follow the heads' cut."""
+    return saved(tmp_path_factory.mktemp("w4a16-asym") / "model", 4, 32, symmetric=False)
 
 
 def check_split(model, expected, tokens, world_size):
@@ -75,6 +83,71 @@ def test_a_pack_quantized_directory_splits_and_gives_transformers_outputs(tmp_pa
     expected, tokens = transformers_outputs(directory)
     with split(str(directory), world_size) as model:
         check_split(model, expected, tokens, world_size)
+
+
+def decompressed_outputs(directory, dtype: torch.dtype = torch.float32) -> tuple[Any, torch.Tensor]:
+    """The unsplit model as compressed-tensors itself decompresses ``directory`` (each packed linear's weight from
+    ``PackedQuantizationCompressor.decompress``, its scales cast to ``dtype`` first, as transformers casts them), its
+    outputs for :data:`IDS` and greedy tokens: the reference where transformers cannot load the checkpoint."""
+    from compressed_tensors.compressors.pack_quantized import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+
+    config = transformers.AutoConfig.from_pretrained(directory)
+    scheme = QuantizationScheme.model_validate(config.quantization_config["config_groups"]["group_0"])
+    del config.quantization_config
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    stored, state = load_file(directory / "model.safetensors"), {}
+    for key, tensor in stored.items():
+        prefix, _, name = key.rpartition(".")
+        if name == "weight_packed":
+            module = {n: stored[f"{prefix}.{n}"] for n in ("weight_packed", "weight_zero_point", "weight_shape")}
+            module["weight_scale"] = stored[f"{prefix}.weight_scale"].to(dtype)
+            state[f"{prefix}.weight"] = PackedQuantizationCompressor.decompress(module, scheme)["weight"]
+        elif name not in ("weight_scale", "weight_zero_point", "weight_shape"):
+            state[key] = tensor.to(dtype)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and not [key for key in missing if key != "lm_head.weight"]
+    return greedy_outputs(model)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_an_asymmetric_directory_splits_with_its_zero_points(w4_asym_dir, world_size):
+    """W4A16_ASYM (llmcompressor's AWQ output): each rank holds its words and the packed zero points of its rows (the
+    heads' cut deals whole words of them) and computes ``(u - z) s``: the logits and greedy tokens of the unsplit model
+    as compressed-tensors decompresses it (transformers cannot load this layout), at an even and an uneven size."""
+    expected, tokens = decompressed_outputs(w4_asym_dir)
+    with split(str(w4_asym_dir), world_size) as model:
+        check_split(model, expected, tokens, world_size)
+        plan = model._tpcore_handle.plan
+        assert plan.splits["model.layers.0.self_attn.q_proj.weight_zero_point"].dim == 0
+        assert plan.dtypes["model.layers.0.self_attn.q_proj.weight_zero_point"] == torch.int32
+
+
+@pytest.mark.slow
+def test_an_asymmetric_bfloat16_load_takes_the_zero_points_into_the_int4_product(w4_asym_dir):
+    """In bfloat16 each rank's int4 product takes the zero points as its offsets: within bfloat16's tolerance of the
+    decompressed model in bfloat16, the same greedy tokens."""
+    expected, tokens = decompressed_outputs(w4_asym_dir, torch.bfloat16)
+    with split(str(w4_asym_dir), 3, dtype=torch.bfloat16) as model:
+        check_split_outputs(model, expected, tokens, 3, HALF_RTOL[torch.bfloat16])
+        check_kernels(model, int4=True)
+
+
+def test_an_asymmetric_object_with_reinitialized_zero_points_is_refused(w4_asym_dir, no_process_starts):
+    """transformers (with compressed-tensors 0.20) expects zero points one a row where the checkpoint packs them 8 rows
+    a word, and loads it only with ``ignore_mismatched_sizes=True``, the zero points then random: refused, naming the
+    layer and the shapes, before any rank starts."""
+    try:
+        reference = transformers.AutoModelForCausalLM.from_pretrained(w4_asym_dir, ignore_mismatched_sizes=True)
+    except Exception as error:  # a transformers that loads no such checkpoint at all
+        pytest.skip(f"transformers does not load it: {error}")
+    zeros = reference.model.layers[0].self_attn.q_proj.weight_zero_point
+    if zeros.shape[0] == 12:
+        pytest.skip("this transformers holds the zero points packed, as stored")
+    message = r"q_proj'.*zero points of shape \[96, 3\], not the packed \[12, 3\].*the checkpoint's directory"
+    with pytest.raises(ShardingError, match=message):
+        tpcore.parallelize(reference, num_gpus=2)
 
 
 @pytest.mark.slow
@@ -208,7 +281,7 @@ def weights(**values):
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        (weights(symmetric=False), "asymmetric values with zero points"),
+        (weights(symmetric=False, strategy="tensor"), "a 'tensor' strategy"),
         (weights(num_bits=3), "3-bit values"),
         (weights(strategy="tensor"), "a 'tensor' strategy"),
         (weights(actorder="group"), r"activation-ordered groups \('group', g_idx\)"),

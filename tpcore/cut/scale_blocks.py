@@ -17,7 +17,9 @@ A packed format stores ``p`` values an element along a dimension (eight 4-bit in
 of its stored tensor deals whole elements: index ``i`` of a piece holds the values ``[p g(i), p g(i) + p)``.
 ``block_index(..., packing=p)`` gives the block of each of those values, for a dimension of ``size`` stored elements.
 Where a piece is whole blocks in order (:func:`first_whole_block`), a layer scales it by a slice of the scales
-instead of looking each value's block up.
+instead of looking each value's block up. A small tensor packed along the *other* dimension (zero points packed
+``p`` outputs a word) can take the weight's cut where every unit it deals is whole words (:func:`deals_whole_elements`);
+else every rank holds it whole and picks its own.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch
 
 from tpcore.cut.split import Split
 
-__all__ = ["block_index", "first_whole_block"]
+__all__ = ["block_index", "deals_whole_elements", "first_whole_block"]
 
 
 def block_index(
@@ -51,3 +53,11 @@ def first_whole_block(blocks: torch.Tensor, block: int) -> int | None:
     first = int(blocks[0]) if len(blocks) else 0
     whole = torch.arange(first, first + len(blocks) // block).repeat_interleave(block)
     return first if len(blocks) % block == 0 and torch.equal(blocks, whole) else None
+
+
+def deals_whole_elements(split: Split, size: int, packing: int) -> bool:
+    """Whether every unit ``split`` deals of a dimension of ``size`` values (``heads`` of each of ``n_fused`` tensors)
+    is whole elements of ``packing`` values, so that a tensor packing this dimension ``packing`` values an element
+    can be cut by the same split."""
+    units = (split.heads or 0) * split.n_fused
+    return split.parts is None and units > 0 and size % units == 0 and (size // units) % packing == 0

@@ -24,8 +24,8 @@ class CompressedTensors(QuantizedFormat):
     """compressed-tensors checkpoints (llmcompressor's output), in two of its layouts:
 
     - ``pack-quantized`` integers (W4A16, W8A16): a linear stored as ``weight_packed`` (int32 words along the input
-      features) beside its ``weight_scale`` becomes a :class:`PackedIntLinear`; symmetric, a scale per group or per
-      row, activations unquantized;
+      features) beside its ``weight_scale`` (and, asymmetric, its packed ``weight_zero_point``) becomes a
+      :class:`PackedIntLinear`; a scale per group or per row, activations unquantized;
     - ``float-quantized`` FP8 with dynamic per-token activations (``FP8_DYNAMIC``): an e4m3 ``weight`` beside its
       per-row ``weight_scale`` becomes a :class:`TokenFP8Linear`; with a scale per ``(B0, B1)`` block and
       activations rounded per group of ``B1`` features (``FP8_BLOCK``) a :class:`GroupFP8Linear`;
@@ -33,7 +33,9 @@ class CompressedTensors(QuantizedFormat):
       ``weight_scale`` becomes a :class:`TokenInt8Linear`."""
 
     quant_method = "compressed-tensors"
-    description = "compressed-tensors pack-quantized integers (W4A16, W8A16), FP8_DYNAMIC, FP8_BLOCK and W8A8"
+    description = (
+        "compressed-tensors pack-quantized integers (W4A16, W4A16_ASYM, W8A16), FP8_DYNAMIC, FP8_BLOCK and W8A8"
+    )
 
     def check(self, quantization: dict[str, Any], where: str) -> None:
         for name in ("sparsity_config", "transform_config", "kv_cache_scheme"):
@@ -95,11 +97,16 @@ class CompressedTensors(QuantizedFormat):
             scale_key = packed_key.removesuffix("packed") + "scale"
             if scale_key not in checkpoint.files:
                 raise ShardingError(f"{packed_key!r} is stored without its {scale_key!r}")
+            zero_key = packed_key.removesuffix("packed") + "zero_point"
+            asymmetric = weights.get("symmetric") is False
+            if asymmetric and zero_key not in checkpoint.files:
+                raise ShardingError(f"{packed_key!r} is asymmetric and stored without its {zero_key!r}")
             group = module.in_features if weights["strategy"] == "channel" else int(weights["group_size"])
             try:
-                PackedIntLinear.hold(
-                    module, bits, group, tuple(checkpoint.stored_shape(scale_key)), checkpoint.stored_dtype(scale_key)
-                )
+                packed = PackedIntLinear.hold(module, bits, group, tuple(checkpoint.stored_shape(scale_key)),
+                                              checkpoint.stored_dtype(scale_key), zero_points=asymmetric)  # fmt: skip
+                if asymmetric:
+                    _check_zero_points(packed, tuple(checkpoint.stored_shape(zero_key)))
             except ValueError as error:
                 raise ShardingError(f"{packed_key!r}: {error}") from None
             packed_keys.discard(packed_key)
@@ -137,6 +144,13 @@ def _hold_token_rounded(model: nn.Module, checkpoint: Any, layout: str, weights:
     return held
 
 
+def _check_zero_points(module: PackedIntLinear, shape: tuple[int, ...]) -> None:
+    """Refuse zero points of any shape but the packed one ``module`` holds (ValueError)."""
+    packed = tuple(module.weight_zero_point.shape)
+    if shape != packed:
+        raise ValueError(f"zero points of shape {list(shape)}, not the packed {list(packed)}")
+
+
 def _hold_rounded(module: nn.Linear, layout: str, weights: dict[str, Any], scale_shape: tuple[int, ...],
                   scale_dtype: torch.dtype, where: str) -> None:  # fmt: skip
     """Make the meta ``module`` hold ``layout``'s values and a ``weight_scale`` of ``scale_shape``: a scale per
@@ -169,6 +183,7 @@ def _adopt_layer(module: nn.Module, scheme: Any, where: str) -> int:
         module.__dict__.pop(attribute, None)
     parameters = module._parameters
     words, scale, weight = parameters.get("weight_packed"), parameters.get("weight_scale"), parameters.get("weight")
+    zeros = parameters.get("weight_zero_point")
     for name in ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx"):
         parameters.pop(name, None)
     if not isinstance(module, nn.Linear) or scale is None:
@@ -187,14 +202,32 @@ def _adopt_layer(module: nn.Module, scheme: Any, where: str) -> int:
     if words is None:
         return 0  # decompressed: a plain linear again
     assert not quantizes_tokens
-    group_size = module.in_features if weights["strategy"] == "channel" else int(weights["group_size"])
-    try:
-        PackedIntLinear.hold(module, int(weights["num_bits"]), group_size, tuple(scale.shape), scale.dtype)
-    except ValueError as error:
-        raise ShardingError(f"{where}: {error}") from None
-    module.weight_packed = words
-    module.weight, module.weight_scale = words, scale
+    _adopt_packed(module, weights, words, scale, zeros, where)
     return 1
+
+
+def _adopt_packed(module: nn.Linear, weights: dict[str, Any], words: nn.Parameter, scale: nn.Parameter,
+                  zeros: nn.Parameter | None, where: str) -> None:  # fmt: skip
+    """A still-packed layer made a :class:`PackedIntLinear` holding its words, scales and (asymmetric) zero points."""
+    group_size = module.in_features if weights["strategy"] == "channel" else int(weights["group_size"])
+    asymmetric = weights.get("symmetric") is False
+    try:
+        packed = PackedIntLinear.hold(
+            module, int(weights["num_bits"]), group_size, tuple(scale.shape), scale.dtype, asymmetric
+        )
+        if asymmetric:
+            if zeros is None:
+                raise ValueError("asymmetric, without its weight_zero_point")
+            _check_zero_points(packed, tuple(zeros.shape))
+    except ValueError as error:
+        hint = ""
+        if asymmetric and zeros is not None:  # transformers expects them one a row and reinitializes the packed ones
+            hint = " (transformers reinitialized them: parallelize the checkpoint's directory)"
+        raise ShardingError(f"{where}: {error}{hint}") from None
+    packed.weight_packed = words
+    packed.weight, packed.weight_scale = words, scale
+    if asymmetric and zeros is not None:
+        packed.weight_zero_point = zeros
 
 
 def _checked_group(layout: str | None, group: dict[str, Any], where: str) -> dict[str, Any]:
@@ -249,10 +282,6 @@ def _checked_weights(weights: dict[str, Any], where: str) -> dict[str, Any]:
         "num_bits": (
             weights.get("num_bits") in BIT_WIDTHS,
             f"{weights.get('num_bits')}-bit values (tpcore unpacks {', '.join(map(str, BIT_WIDTHS))} bits)",
-        ),
-        "symmetric": (
-            weights.get("symmetric", True) is True,
-            "asymmetric values with zero points (tpcore splits symmetric ones)",
         ),
         "strategy": (
             weights.get("strategy") in ("group", "channel"),

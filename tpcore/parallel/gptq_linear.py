@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tpcore.cut.scale_blocks import block_index
+from tpcore.cut.scale_blocks import block_index, deals_whole_elements
 from tpcore.cut.split import Split
 from tpcore.parallel.comm import all_reduce
 from tpcore.parallel.int4pack import Int4Packed, int4pack_available
@@ -124,9 +124,7 @@ class GPTQLinear(QuantizedLinear):
             proportional = (split.heads is not None or split.parts is not None) and split.widths is None
             return {"g_idx": split} if proportional else {}
         follows = {"scales": split}
-        units = (split.heads or 0) * split.n_fused
-        out_features, per_word = self.whole_shape[0], self.packing[0]
-        if split.parts is None and units and out_features % units == 0 and (out_features // units) % per_word == 0:
+        if deals_whole_elements(split, self.whole_shape[0], self.packing[0]):
             follows["qzeros"] = split
         return follows
 

@@ -130,15 +130,16 @@ def save_pack_quantized(
     bits: int = 4,
     group_size: int | None = 32,
     keep: tuple[str, ...] = ("lm_head",),
+    symmetric: bool = True,
 ) -> Path:
     """Save ``model`` (changed in place: quantized and packed) in ``directory`` as compressed-tensors'
-    ``pack-quantized`` symmetric ``bits``-bit integers, a scale per ``group_size`` input features (``None``: per
-    row), every ``nn.Linear`` but those named in ``keep``. Needs the ``compressed-tensors`` package. Returns the
-    directory."""
+    ``pack-quantized`` ``bits``-bit integers, a scale per ``group_size`` input features (``None``: per row), every
+    ``nn.Linear`` but those named in ``keep``; ``symmetric=False``: min-max ranges with a zero point each (W4A16_ASYM).
+    Needs the ``compressed-tensors`` package. Returns the directory."""
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
     strategy = "channel" if group_size is None else "group"
-    weights = QuantizationArgs(num_bits=bits, type="int", symmetric=True, strategy=strategy, group_size=group_size)
+    weights = QuantizationArgs(num_bits=bits, type="int", symmetric=symmetric, strategy=strategy, group_size=group_size)
     scheme = QuantizationScheme(targets=["Linear"], weights=weights)
     return _save_compressed(model, directory, scheme, group_size, keep, "pack-quantized")
 
@@ -178,8 +179,8 @@ def _save_preset(model: nn.Module, directory: str | Path, preset: str, keep: tup
 
 
 def _save_compressed(model, directory, scheme, group_size: int | None, keep: tuple[str, ...], layout: str):
-    """compressed-tensors' ``scheme`` applied to ``model``'s linears, each scale from its group's (or row's, or
-    block's) absolute maximum, compressed and saved in ``layout``."""
+    """compressed-tensors' ``scheme`` applied to ``model``'s linears, each scale (and zero point, asymmetric) from
+    its group's (or row's, or block's) range, compressed and saved in ``layout``."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
     from compressed_tensors.quantization.utils import calculate_qparams
@@ -193,8 +194,11 @@ def _save_compressed(model, directory, scheme, group_size: int | None, keep: tup
             if scheme.weights.strategy == "block":  # (out / B0, in / B1) blocks of B0 * B1 values
                 (rows, columns), (b0, b1) = weight.shape, scheme.weights.block_structure
                 groups = weight.view(rows // b0, b0, columns // b1, b1).transpose(1, 2).reshape(rows // b0, -1, b0 * b1)
-            scale, _ = calculate_qparams(groups.amin(-1), groups.amax(-1), scheme.weights)
+            scale, zero_point = calculate_qparams(groups.amin(-1), groups.amax(-1), scheme.weights)
             scales.data.copy_(scale.to(scales.dtype).view_as(scales))
+            if not scheme.weights.symmetric:
+                zeros = module.get_parameter("weight_zero_point")
+                zeros.data.copy_(zero_point.to(zeros.dtype).view_as(zeros))
     compressor = ModelCompressor.from_pretrained_model(model, layout)
     compressor.compress_model(model)
     directory = Path(directory)
