@@ -165,6 +165,7 @@ BENCH_SCRIPTS = (
     "quantized.py --format w4a16",
     "quantized.py --format int8",
     "quantized.py --format float8",
+    "quantized.py --format nvfp4",
     "quantized.py --format fp8-dynamic",
     "quantized.py --format fp8-block",
     "quantized.py --format w8a8",

@@ -9,6 +9,8 @@ A random-init Llama of SmolLM2-135M's widths (``--layers``, 30 by default) saved
 - ``w4a16``: compressed-tensors' pack-quantized int4 (``save_pack_quantized``: llmcompressor's W4A16 layout,
   groups of ``--group``, 64 by default since 576 features are not whole groups of 128), written by
   compressed-tensors itself;
+- ``nvfp4``: compressed-tensors' ``NVFP4A16`` (e2m1 values two a byte, an e4m3 scale per 16 features, a global
+  scale per tensor), both ways in bfloat16;
 - ``fp8-dynamic``: compressed-tensors' ``FP8_DYNAMIC`` (e4m3 weights, a scale a row, each token's input rounded
   through e4m3 as it runs);
 - ``fp8-block``: compressed-tensors' ``FP8_BLOCK`` (e4m3 weights, a scale per block of ``--block`` x ``--block``,
@@ -52,6 +54,7 @@ first one-token forward (where transformers decompresses pack-quantized layers),
     python bench/quantized.py --format w4a16 --bfloat16  # -> bench/results/quantized_w4a16_bf16.md
     python bench/quantized.py --format int8     # -> bench/results/quantized_int8.md
     python bench/quantized.py --format float8   # -> bench/results/quantized_float8.md
+    python bench/quantized.py --format nvfp4    # -> bench/results/quantized_nvfp4.md
     python bench/quantized.py --format fp8-dynamic  # -> bench/results/quantized_fp8-dynamic.md
     python bench/quantized.py --format fp8-block  # -> bench/results/quantized_fp8-block.md
     python bench/quantized.py --format w8a8     # -> bench/results/quantized_w8a8.md
@@ -88,6 +91,7 @@ from tpcore.testing.quantized_checkpoints import (
     save_int8_weight_only,
     save_llm_int8,
     save_mxfp4,
+    save_nvfp4,
     save_pack_quantized,
     save_w8a8,
 )
@@ -103,6 +107,11 @@ FORMATS = {
         lambda model, directory, args: save_pack_quantized(model, directory, 4, args.group),
         "W4A16",
         "decompressed in its first forward",
+    ),
+    "nvfp4": (
+        lambda model, directory, args: save_nvfp4(model, directory),
+        "NVFP4A16",
+        "decompressed in its first forward, bfloat16",
     ),
     "fp8-dynamic": (
         lambda model, directory, args: save_fp8_dynamic(model, directory),
@@ -166,13 +175,16 @@ MODELS = {
 def reference_options(form: str) -> dict:
     """``from_pretrained`` options of the transformers way: GPTQ and AWQ through GPTQModel's torch kernels in
     bfloat16 (the dequantizing products; a further row decodes with the default kernel, whose product tpcore's ranks
-    compute), every other format as transformers loads it by default."""
+    compute), NVFP4 in bfloat16 (transformers' float32 forward fails on it), every other format as transformers loads it
+    by default."""
     import transformers
 
     kernels = {
         "gptq": lambda: transformers.GPTQConfig(bits=4, backend="torch"),
         "awq": lambda: transformers.AwqConfig(bits=4, backend="torch_awq"),
     }
+    if form == "nvfp4":  # transformers decompresses NVFP4 to bfloat16 and runs in float32 with it no further
+        return {"dtype": torch.bfloat16}
     return {"dtype": torch.bfloat16, "quantization_config": kernels[form]()} if form in kernels else {}
 
 
@@ -303,6 +315,7 @@ def main(argv: list[str] | None = None) -> None:
             "fp8-moe": f"blocks of {args.block} x {args.block}, the experts too",
             "fp8-block": f"blocks of {args.block} x {args.block}, inputs rounded per group of {args.block}",
             "w4a16": f"int4 in groups of {args.group}",
+            "nvfp4": "e2m1 in groups of 16, a global scale per tensor",
             "nf4": "blocks of 64, nested scales",
             "gptq": f"symmetric int4 in groups of {args.group}, bfloat16",
             "awq": f"int4 with zero points in groups of {args.group}, bfloat16",

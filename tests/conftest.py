@@ -46,9 +46,9 @@ def spawned(monkeypatch) -> list:
             commands.append(args)
         return real_popen(*args, **kwargs)
 
-    def fork(argv, env):
+    def fork(argv, env, warm=()):
         commands.append((argv,))
-        return real_fork(argv, env)
+        return real_fork(argv, env, warm)
 
     monkeypatch.setattr(subprocess, "Popen", popen)
     monkeypatch.setattr(rank_processes, "fork_rank", fork)

@@ -6,6 +6,7 @@ import gc
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 import weakref
@@ -348,6 +349,11 @@ def write_to_stderr(context, text):
 
 def working_directory(context):
     return os.getcwd()
+
+
+def importing_pid(context, module: str) -> tuple[int, int]:
+    """The pid that imported ``module`` (its ``PID``, set at import) and this rank's."""
+    return sys.modules[module].PID, os.getpid()
 
 
 def frozen_objects(context):

@@ -56,6 +56,20 @@ def test_pools_of_one_environment_are_forked_by_one_zygote_into_sessions_of_thei
         assert second.run(rank_helpers.environment_variable, "TPCORE_WORKER_AUTHKEY") == [None] * 3
 
 
+def test_a_pool_s_preloads_are_imported_by_the_zygote_once_for_every_later_rank(tmp_path, monkeypatch):
+    """A module a pool preloads (a model's modeling module, a format's kernel library) is imported in the zygote, not
+    in each rank; a module that fails to import is left for the rank's own code to report."""
+    monkeypatch.delenv(zygote.START_ENV, raising=False)
+    (tmp_path / "preloaded_here.py").write_text("import os\nPID = os.getpid()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # the ranks' PYTHONPATH: a zygote of its own
+    preload = ("preloaded_here", "tpcore_no_such_module")
+    for _ in range(2):
+        with RankPool(2, "gloo", preload=preload) as pool:
+            imported = pool.run(rank_helpers.importing_pid, "preloaded_here")
+            forker = parent_of(imported[0][1])
+            assert is_zygote(forker) and [by for by, _ in imported] == [forker, forker]
+
+
 def test_a_changed_environment_gets_a_zygote_of_its_own_and_the_old_one_ends_after_its_ranks(monkeypatch):
     monkeypatch.delenv(zygote.START_ENV, raising=False)
     monkeypatch.setenv("TPCORE_TEST_MARK", "old")  # a zygote serving this test's first pool alone

@@ -33,7 +33,13 @@ from safetensors.torch import load_file, save_file
 import tpcore
 from tpcore import ShardingError
 from tpcore.testing import compare_outputs
-from tpcore.testing.quantized_checkpoints import save_fp8_block, save_fp8_dynamic, save_pack_quantized, save_w8a8
+from tpcore.testing.quantized_checkpoints import (
+    save_fp8_block,
+    save_fp8_dynamic,
+    save_nvfp4,
+    save_pack_quantized,
+    save_w8a8,
+)
 from tpcore.tools.cli import main
 
 pytest.importorskip("compressed_tensors", reason="compressed-tensors writes the checkpoints")
@@ -86,24 +92,28 @@ def test_a_pack_quantized_directory_splits_and_gives_transformers_outputs(tmp_pa
 
 
 def decompressed_outputs(directory, dtype: torch.dtype = torch.float32) -> tuple[Any, torch.Tensor]:
-    """The unsplit model as compressed-tensors itself decompresses ``directory`` (each packed linear's weight from
-    ``PackedQuantizationCompressor.decompress``, its scales cast to ``dtype`` first, as transformers casts them), its
+    """The unsplit model as compressed-tensors itself decompresses ``directory`` (each packed linear's weight from its
+    layout's compressor's ``decompress``; integer scales cast to ``dtype`` first, as transformers casts them), its
     outputs for :data:`IDS` and greedy tokens: the reference where transformers cannot load the checkpoint."""
-    from compressed_tensors.compressors.pack_quantized import PackedQuantizationCompressor
+    from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationScheme
 
     config = transformers.AutoConfig.from_pretrained(directory)
-    scheme = QuantizationScheme.model_validate(config.quantization_config["config_groups"]["group_0"])
+    quantization = config.quantization_config
+    compressor = BaseCompressor.get_value_from_registry(quantization["format"])
+    scheme = QuantizationScheme.model_validate(quantization["config_groups"]["group_0"])
     del config.quantization_config
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     stored, state = load_file(directory / "model.safetensors"), {}
     for key, tensor in stored.items():
         prefix, _, name = key.rpartition(".")
         if name == "weight_packed":
-            module = {n: stored[f"{prefix}.{n}"] for n in ("weight_packed", "weight_zero_point", "weight_shape")}
-            module["weight_scale"] = stored[f"{prefix}.weight_scale"].to(dtype)
-            state[f"{prefix}.weight"] = PackedQuantizationCompressor.decompress(module, scheme)["weight"]
-        elif name not in ("weight_scale", "weight_zero_point", "weight_shape"):
+            module = {n: t for n, t in stored.items() if n.startswith(f"{prefix}.weight_")}
+            module = {n.removeprefix(f"{prefix}."): t for n, t in module.items()}
+            if module["weight_scale"].is_floating_point() and module["weight_scale"].itemsize > 1:
+                module["weight_scale"] = module["weight_scale"].to(dtype)
+            state[f"{prefix}.weight"] = compressor.decompress(module, scheme)["weight"].to(dtype)
+        elif not name.startswith("weight_"):
             state[key] = tensor.to(dtype)
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected and not [key for key in missing if key != "lm_head.weight"]
@@ -148,6 +158,50 @@ def test_an_asymmetric_object_with_reinitialized_zero_points_is_refused(w4_asym_
     message = r"q_proj'.*zero points of shape \[96, 3\], not the packed \[12, 3\].*the checkpoint's directory"
     with pytest.raises(ShardingError, match=message):
         tpcore.parallelize(reference, num_gpus=2)
+
+
+@pytest.fixture(scope="module")
+def nvfp4_dir(tmp_path_factory):
+    """The same Llama saved as NVFP4A16: e2m1 values two a byte, an e4m3 scale per 16 features, a global scale per
+    tensor. At 3 ranks its MLP's 160 features are 80 bytes dealt 27 + 27 + 26: the down projection's groups are cut
+    inside."""
+    return save_nvfp4(quantizable_llama(), tmp_path_factory.mktemp("nvfp4") / "model")
+
+
+def nvfp4_layout(context) -> dict[str, str]:
+    """On a rank: one layer's NVFP4 tensors' dtypes and the class of its down projection."""
+    layer = context.store["model"].model.layers[0]
+    found = {name: str(tensor.dtype) for name, tensor in layer.mlp.up_proj.named_parameters()}
+    return {**found, "down_proj": type(layer.mlp.down_proj).__name__}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_an_nvfp4_directory_splits_and_gives_transformers_outputs_in_bfloat16(nvfp4_dir, world_size):
+    """NVFP4A16 in bfloat16 (transformers decompresses it in bfloat16 whatever the dtype asked): each rank keeps its
+    bytes and e4m3 scales and dequantizes them as compressed-tensors does; transformers' logits within bfloat16's
+    tolerance, its greedy tokens."""
+    expected, tokens = transformers_outputs(nvfp4_dir, dtype=torch.bfloat16)
+    with split(str(nvfp4_dir), world_size, dtype=torch.bfloat16) as model:
+        check_split_outputs(model, expected, tokens, world_size, HALF_RTOL[torch.bfloat16])
+        on_rank = model._tpcore_handle.pool.run(nvfp4_layout)[0]
+        assert on_rank == {"weight_packed": "torch.uint8", "weight_scale": "torch.float8_e4m3fn",
+                           "weight_global_scale": "torch.float32", "down_proj": "RowParallelNVFP4Linear"}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_an_nvfp4_object_and_a_float32_load_split_with_their_bytes(nvfp4_dir):
+    """The object transformers loads (still packed) splits with its bytes; and in float32, where transformers' own
+    forward fails (its decompressed bfloat16 weights against float32 inputs), the split computes with those same
+    weights: the outputs of the model compressed-tensors decompresses, run in float32."""
+    reference = transformers.AutoModelForCausalLM.from_pretrained(nvfp4_dir, dtype=torch.bfloat16).eval()
+    assert reference.model.layers[0].mlp.up_proj.weight_packed.dtype == torch.uint8
+    expected, tokens = transformers_outputs(nvfp4_dir, dtype=torch.bfloat16)
+    with split(reference, 3) as model:
+        check_split_outputs(model, expected, tokens, 3, HALF_RTOL[torch.bfloat16])
+    expected, tokens = decompressed_outputs(nvfp4_dir)
+    with split(str(nvfp4_dir), 2) as model:
+        check_split_outputs(model, expected, tokens, 2)
 
 
 @pytest.mark.slow
@@ -295,7 +349,8 @@ def weights(**values):
             lambda q: q.update(format="int-quantized"),
             r"int-quantized with weights \{'num_bits': 4, 'strategy': 'group'\}",
         ),
-        (lambda q: q.update(format="nvfp4-pack-quantized"), "'nvfp4-pack-quantized'"),
+        (lambda q: q.update(format="nvfp4-pack-quantized"), r"nvfp4-pack-quantized with weights \{'type': 'int'"),
+        (lambda q: q.update(format="mxfp4-pack-quantized"), "'mxfp4-pack-quantized'"),
         (lambda q: q.update(sparsity_config={"format": "sparse-24-bitmask"}), "with a sparsity_config"),
         (lambda q: q.update(config_groups={}), "without config groups"),
     ],

@@ -38,6 +38,9 @@ class QuantizedFormat:
     quant_method: ClassVar[str] = ""
     #: what the format stores, for messages and ``tpcore plugins``
     description: ClassVar[str] = ""
+    #: the modules a rank imports to compute the format's layers (a kernel library): imported while the ranks start,
+    #: beside the caller's planning, so that their first forward does not wait for them
+    rank_modules: ClassVar[tuple[str, ...]] = ()
 
     def check(self, quantization: dict[str, Any], where: str) -> None:
         """Raise :class:`~tpcore.ShardingError` naming ``where`` for a variant of the format that is not split."""

@@ -40,6 +40,7 @@ class BitsAndBytes(QuantizedFormat):
 
     quant_method = "bitsandbytes"
     description = "bitsandbytes 8-bit (LLM.int8()) and 4-bit (NF4, FP4, nested scales or not)"
+    rank_modules = ("bitsandbytes",)  # its 4-bit dequantizing operator
 
     def check(self, quantization: dict[str, Any], where: str) -> None:
         if _four_bit(quantization):

@@ -1,5 +1,6 @@
 """compressed-tensors checkpoints (llmcompressor's output): ``pack-quantized`` integers (W4A16, W8A16) become
-:class:`~tpcore.parallel.packed_int_linear.PackedIntLinear`, ``float-quantized`` FP8_DYNAMIC
+:class:`~tpcore.parallel.packed_int_linear.PackedIntLinear`, ``nvfp4-pack-quantized`` NVFP4A16
+:class:`~tpcore.parallel.nvfp4_linear.NVFP4Linear`, ``float-quantized`` FP8_DYNAMIC
 :class:`~tpcore.parallel.quantized_linear.TokenFP8Linear` and FP8_BLOCK
 :class:`~tpcore.parallel.quantized_linear.GroupFP8Linear`, from a directory (:meth:`CompressedTensors.hold`) or from
 the object transformers loads (:meth:`CompressedTensors.adopt`); every other variant is refused by name."""
@@ -14,6 +15,7 @@ from torch import nn
 from tpcore.authoring.quantized_format import FP8_VALUES, QuantizedFormat, refuse_untaken
 from tpcore.errors import ShardingError
 from tpcore.parallel.int8_linear import TokenInt8Linear
+from tpcore.parallel.nvfp4_linear import NVFP4Linear
 from tpcore.parallel.packed_int_linear import BIT_WIDTHS, PackedIntLinear
 from tpcore.parallel.quantized_linear import GroupFP8Linear, TokenFP8Linear
 
@@ -21,11 +23,13 @@ __all__ = ["CompressedTensors"]
 
 
 class CompressedTensors(QuantizedFormat):
-    """compressed-tensors checkpoints (llmcompressor's output), in two of its layouts:
+    """compressed-tensors checkpoints (llmcompressor's output), in these layouts:
 
     - ``pack-quantized`` integers (W4A16, W8A16): a linear stored as ``weight_packed`` (int32 words along the input
       features) beside its ``weight_scale`` (and, asymmetric, its packed ``weight_zero_point``) becomes a
       :class:`PackedIntLinear`; a scale per group or per row, activations unquantized;
+    - ``nvfp4-pack-quantized`` (NVFP4A16): e2m1 values two a byte in ``weight_packed``, e4m3 group scales and a
+      ``weight_global_scale`` become an :class:`NVFP4Linear`, activations unquantized;
     - ``float-quantized`` FP8 with dynamic per-token activations (``FP8_DYNAMIC``): an e4m3 ``weight`` beside its
       per-row ``weight_scale`` becomes a :class:`TokenFP8Linear`; with a scale per ``(B0, B1)`` block and
       activations rounded per group of ``B1`` features (``FP8_BLOCK``) a :class:`GroupFP8Linear`;
@@ -34,7 +38,8 @@ class CompressedTensors(QuantizedFormat):
 
     quant_method = "compressed-tensors"
     description = (
-        "compressed-tensors pack-quantized integers (W4A16, W4A16_ASYM, W8A16), FP8_DYNAMIC, FP8_BLOCK and W8A8"
+        "compressed-tensors pack-quantized integers (W4A16, W4A16_ASYM, W8A16), NVFP4A16, FP8_DYNAMIC, FP8_BLOCK "
+        "and W8A8"
     )
 
     def check(self, quantization: dict[str, Any], where: str) -> None:
@@ -82,7 +87,6 @@ class CompressedTensors(QuantizedFormat):
         layout, weights = self.scheme(quantization, "the checkpoint")
         if layout in _TOKEN_ROUNDED:
             return _hold_token_rounded(model, checkpoint, layout, weights)
-        bits = int(weights["num_bits"])
         keys = checkpoint.stored_keys(model)
         packed_keys = {key for key in checkpoint.files if key.endswith(".weight_packed")}
         for key in checkpoint.files:
@@ -94,25 +98,40 @@ class CompressedTensors(QuantizedFormat):
             packed_key = key.removesuffix("weight") + "weight_packed"
             if not isinstance(module, nn.Linear) or packed_key not in packed_keys:
                 continue
-            scale_key = packed_key.removesuffix("packed") + "scale"
-            if scale_key not in checkpoint.files:
-                raise ShardingError(f"{packed_key!r} is stored without its {scale_key!r}")
-            zero_key = packed_key.removesuffix("packed") + "zero_point"
-            asymmetric = weights.get("symmetric") is False
-            if asymmetric and zero_key not in checkpoint.files:
-                raise ShardingError(f"{packed_key!r} is asymmetric and stored without its {zero_key!r}")
-            group = module.in_features if weights["strategy"] == "channel" else int(weights["group_size"])
             try:
-                packed = PackedIntLinear.hold(module, bits, group, tuple(checkpoint.stored_shape(scale_key)),
-                                              checkpoint.stored_dtype(scale_key), zero_points=asymmetric)  # fmt: skip
-                if asymmetric:
-                    _check_zero_points(packed, tuple(checkpoint.stored_shape(zero_key)))
+                _hold_packed(module, layout, weights, checkpoint, packed_key.removesuffix("packed"))
             except ValueError as error:
                 raise ShardingError(f"{packed_key!r}: {error}") from None
             packed_keys.discard(packed_key)
             held += 1
         refuse_untaken(packed_keys, "packs", "compressed-tensors")
         return held
+
+
+#: compressed-tensors' layout of NVFP4 (e2m1 values two a byte, e4m3 group scales, a float32 global scale)
+NVFP4 = "nvfp4-pack-quantized"
+
+
+def _hold_packed(module: nn.Linear, layout: str | None, weights: dict[str, Any], checkpoint: Any, prefix: str) -> None:
+    """Make the meta ``module`` hold what ``checkpoint`` stores under ``prefix`` (``"...weight_"``) in ``layout``:
+    NVFP4, or packed integers (with their zero points where asymmetric); ValueError naming what does not fit."""
+    scale_key = prefix + "scale"
+    if scale_key not in checkpoint.files:
+        raise ValueError(f"stored without its {scale_key!r}")
+    scale_shape, scale_dtype = tuple(checkpoint.stored_shape(scale_key)), checkpoint.stored_dtype(scale_key)
+    if layout == NVFP4:
+        if prefix + "global_scale" not in checkpoint.files:
+            raise ValueError(f"stored without its {prefix + 'global_scale'!r}")
+        NVFP4Linear.hold_fp4(module, int(weights["group_size"]), scale_shape, scale_dtype)
+        return
+    zero_key, asymmetric = prefix + "zero_point", weights.get("symmetric") is False
+    if asymmetric and zero_key not in checkpoint.files:
+        raise ValueError(f"asymmetric, stored without its {zero_key!r}")
+    group = module.in_features if weights["strategy"] == "channel" else int(weights["group_size"])
+    bits = int(weights["num_bits"])
+    packed = PackedIntLinear.hold(module, bits, group, scale_shape, scale_dtype, zero_points=asymmetric)
+    if asymmetric:
+        _check_zero_points(packed, tuple(checkpoint.stored_shape(zero_key)))
 
 
 #: the layouts whose inputs are rounded per token: the dtype each stores its values in, and its layer class
@@ -171,7 +190,7 @@ def _adopt_layer(module: nn.Module, scheme: Any, where: str) -> int:
     """One layer compressed-tensors set up (its ``quantization_scheme``) made tpcore's in place; 1 if it holds
     quantized tensors still, else 0."""
     if getattr(scheme.weights, "type", None) == "float":
-        layout = "float-quantized"
+        layout = NVFP4 if getattr(scheme.weights, "num_bits", None) == 4 else "float-quantized"
     elif scheme.input_activations is not None:
         layout = "int-quantized"
     else:
@@ -183,8 +202,9 @@ def _adopt_layer(module: nn.Module, scheme: Any, where: str) -> int:
         module.__dict__.pop(attribute, None)
     parameters = module._parameters
     words, scale, weight = parameters.get("weight_packed"), parameters.get("weight_scale"), parameters.get("weight")
-    zeros = parameters.get("weight_zero_point")
-    for name in ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx"):
+    zeros, global_scale = parameters.get("weight_zero_point"), parameters.get("weight_global_scale")
+    for name in ("weight_packed", "weight_scale", "weight_zero_point", "weight_global_scale", "weight_shape",
+                 "weight_g_idx"):  # fmt: skip
         parameters.pop(name, None)
     if not isinstance(module, nn.Linear) or scale is None:
         return 0
@@ -202,13 +222,26 @@ def _adopt_layer(module: nn.Module, scheme: Any, where: str) -> int:
     if words is None:
         return 0  # decompressed: a plain linear again
     assert not quantizes_tokens
-    _adopt_packed(module, weights, words, scale, zeros, where)
+    extra = global_scale if layout == NVFP4 else zeros
+    _adopt_packed(module, layout, weights, words, scale, extra, where)
     return 1
 
 
-def _adopt_packed(module: nn.Linear, weights: dict[str, Any], words: nn.Parameter, scale: nn.Parameter,
-                  zeros: nn.Parameter | None, where: str) -> None:  # fmt: skip
-    """A still-packed layer made a :class:`PackedIntLinear` holding its words, scales and (asymmetric) zero points."""
+def _adopt_packed(module: nn.Linear, layout: str, weights: dict[str, Any], words: nn.Parameter, scale: nn.Parameter,
+                  extra: nn.Parameter | None, where: str) -> None:  # fmt: skip
+    """A still-packed layer made an :class:`NVFP4Linear` holding its bytes, scales and global scale (``extra``), or a
+    :class:`PackedIntLinear` holding its words, scales and (asymmetric) zero points (``extra``)."""
+    if layout == NVFP4:
+        try:
+            if extra is None:
+                raise ValueError("NVFP4 without its weight_global_scale")
+            fp4 = NVFP4Linear.hold_fp4(module, int(weights["group_size"]), tuple(scale.shape), scale.dtype)
+        except ValueError as error:
+            raise ShardingError(f"{where}: {error}") from None
+        fp4.weight_packed, fp4.weight_scale, fp4.weight_global_scale = words, scale, extra
+        fp4.weight = words
+        return
+    zeros = extra
     group_size = module.in_features if weights["strategy"] == "channel" else int(weights["group_size"])
     asymmetric = weights.get("symmetric") is False
     try:
@@ -235,18 +268,29 @@ def _checked_group(layout: str | None, group: dict[str, Any], where: str) -> dic
     naming what it does not."""
     if layout in _TOKEN_ROUNDED:
         return _checked_token_rounded(layout, group, where)
-    if layout != "pack-quantized":
+    if layout not in ("pack-quantized", NVFP4):
         raise ShardingError(
             f"{where} is compressed-tensors {layout!r}: tpcore splits its 'pack-quantized' integers, "
-            "'float-quantized' FP8_DYNAMIC and FP8_BLOCK and 'int-quantized' W8A8"
+            f"{NVFP4!r} NVFP4A16, 'float-quantized' FP8_DYNAMIC and FP8_BLOCK and 'int-quantized' W8A8"
         )
     for activations in ("input_activations", "output_activations"):
         if group.get(activations):
             raise ShardingError(
-                f"{where} quantizes {activations.replace('_', ' ')}: tpcore splits packed integers with weights "
-                "quantized only (W4A16, W8A16)"
+                f"{where} quantizes {activations.replace('_', ' ')}: tpcore splits packed values with weights "
+                "quantized only (W4A16, W8A16, NVFP4A16)"
             )
-    return _checked_weights(group.get("weights") or {}, where)
+    weights = group.get("weights") or {}
+    return _checked_nvfp4(weights, where) if layout == NVFP4 else _checked_weights(weights, where)
+
+
+def _checked_nvfp4(weights: dict[str, Any], where: str) -> dict[str, Any]:
+    """NVFP4's weight scheme (e2m1 values, a scale per group, a global scale: ``tensor_group``), or
+    :class:`ShardingError` naming what differs."""
+    wanted = {"type": "float", "num_bits": 4, "strategy": "tensor_group", "symmetric": True, "dynamic": False}
+    differing = {key: weights.get(key) for key, value in wanted.items() if weights.get(key) != value}
+    if differing or not isinstance(weights.get("group_size"), int):
+        raise ShardingError(f"{where} is {NVFP4} with weights {differing or weights}: tpcore splits NVFP4 ({wanted})")
+    return weights
 
 
 def _checked_token_rounded(layout: str, group: dict[str, Any], where: str) -> dict[str, Any]:

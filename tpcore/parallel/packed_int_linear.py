@@ -39,7 +39,7 @@ from tpcore.cut.split import Split
 from tpcore.parallel.int4pack import Int4Packed, int4pack_available
 from tpcore.parallel.quantized_linear import QuantizedLinear, RowParallelQuantized
 
-__all__ = ["PackedIntLinear", "RowParallelPackedIntLinear", "pack_words", "unpack_words"]
+__all__ = ["PackedIntLinear", "RowParallelPackedIntLinear", "check_groups", "pack_words", "unpack_words"]
 
 #: the bit widths whose values never straddle a byte
 BIT_WIDTHS = (1, 2, 4, 8)
@@ -51,7 +51,7 @@ class PackedIntLinear(QuantizedLinear):
     :func:`~tpcore.parallel.quantized_linear.localize_quantized`."""
 
     #: a model-wide cast casts the scales (and bias), as transformers does for these checkpoints; words stay int32
-    keeps_stored_dtypes = False
+    keeps_stored_dtypes: bool | tuple[str, ...] = False
     bits = 4
     group_size = 1
     #: the whole weight's ``(out, in)``, in values
@@ -86,15 +86,7 @@ class PackedIntLinear(QuantizedLinear):
         if bits not in BIT_WIDTHS:
             raise ValueError(f"{bits}-bit values straddle bytes; tpcore unpacks {', '.join(map(str, BIT_WIDTHS))} bits")
         per_word = 32 // bits
-        if in_features % per_word or in_features % group_size:
-            raise ValueError(
-                f"{in_features} input features are not whole words of {per_word} values and groups of {group_size}"
-            )
-        if tuple(scale_shape) != (out_features, in_features // group_size):
-            raise ValueError(
-                f"a ({out_features}, {in_features}) weight in groups of {group_size} has "
-                f"{(out_features, in_features // group_size)} scales, not {tuple(scale_shape)}"
-            )
+        check_groups(linear, ("words", per_word), group_size, scale_shape)
         linear.__class__ = cls
         assert isinstance(linear, PackedIntLinear)
         linear._parameters.pop("weight", None)
@@ -205,6 +197,22 @@ class RowParallelPackedIntLinear(RowParallelQuantized, PackedIntLinear):
 
 
 PackedIntLinear.row_parallel_class = RowParallelPackedIntLinear
+
+
+def check_groups(linear: nn.Linear, element: tuple[str, int], group_size: int, scale_shape: tuple[int, ...]) -> None:
+    """Refuse (ValueError) a ``linear`` whose input features are no whole stored elements (``element``: their name
+    and values each) and groups of ``group_size``, or whose scales are not ``(out, in / group_size)``."""
+    out_features, in_features = linear.out_features, linear.in_features
+    (name, per_element) = element
+    if in_features % per_element or in_features % group_size:
+        raise ValueError(
+            f"{in_features} input features are not whole {name} of {per_element} values and groups of {group_size}"
+        )
+    if tuple(scale_shape) != (out_features, in_features // group_size):
+        raise ValueError(
+            f"a ({out_features}, {in_features}) weight in groups of {group_size} has "
+            f"{(out_features, in_features // group_size)} scales, not {tuple(scale_shape)}"
+        )
 
 
 def unpack_words(words: torch.Tensor, bits: int) -> torch.Tensor:

@@ -61,7 +61,7 @@ def spawn_ranks(
     for rank in range(world_size):
         command = worker_command(address, rank, world_size, backend, device, master_addr, master_port, threads, preload)
         if forked:
-            yield fork_rank(command[3:], env)
+            yield fork_rank(command[3:], env, preload)
         else:
             yield subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
 

@@ -3,12 +3,15 @@ side: about three seconds a rank) is imported once per caller, by a *zygote*, an
 
 The zygote is a fresh interpreter (:data:`ZYGOTE_CODE`) that the caller starts at its first pool of CPU ranks and
 keeps for the next ones. It imports :data:`WARM_MODULES`, then reads requests on a Unix socket of messages shared
-with the caller, one JSON message each (``{"token", "argv", "env", "stdio"}``: a rank's
-:func:`~tpcore.ranks.worker.worker_command` arguments, its environment, and the caller's stdout and stderr as they
-are at the request, passed along as descriptors), forks a rank for each and sends back its pid, and, as each rank
-ends, its exit code. A forked rank is what a fresh one is: its own session, stdin on ``/dev/null``, its pool's
-environment, the caller's current stdout and stderr, the watch that ends it once its parent is gone (the zygote,
-which itself ends once the caller is gone, so a killed caller still leaves no rank). The zygote only imports: no
+with the caller, one JSON message each (``{"token", "argv", "env", "stdio", "warm"}``: a rank's
+:func:`~tpcore.ranks.worker.worker_command` arguments, its environment, the caller's stdout and stderr as they are
+at the request, passed along as descriptors, and the modules the rank preloads), forks a rank for each and sends
+back its pid, and, as each rank ends, its exit code. It imports a request's preloads itself before forking
+(:func:`_warmed`), so that they cost the first pool that names them (a model's modeling module, a format's kernel
+library: bitsandbytes takes a second) and not every later rank. A forked rank is what a fresh one is: its own
+session, stdin on ``/dev/null``, its pool's environment, the caller's current stdout and stderr, the watch that
+ends it once its parent is gone (the zygote, which itself ends once the caller is gone, so a killed caller still
+leaves no rank). The zygote only imports: no
 OpenMP region has run in it, so a rank's first product starts a thread pool of its own. Its objects are then
 frozen (``gc.freeze``): a rank's garbage collections pass over what it inherits, so that a full collection during
 a load takes milliseconds, not a fifth of a second, and leaves the inherited pages shared.
@@ -36,7 +39,7 @@ import subprocess
 import sys
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from tpcore import log
 from tpcore.ranks.worker import AUTHKEY_ENV, PARENT_ENV, PARENT_WATCH_CODE
@@ -170,15 +173,16 @@ class Zygote:
     def alive(self) -> bool:
         return not self._retired and self.process.poll() is None
 
-    def fork(self, argv: list[str], env: dict[str, str]) -> ForkedRank:
+    def fork(self, argv: list[str], env: dict[str, str], warm: Sequence[str] = ()) -> ForkedRank:
         """Ask for a rank running :func:`~tpcore.ranks.worker.worker_entry` on ``argv`` in environment ``env``, its
-        stdout and stderr this process's."""
+        stdout and stderr this process's, once the zygote has imported the modules ``warm`` names."""
         rank = ForkedRank(self.process.pid)
         stdio = [fd for fd in (1, 2) if _is_open(fd)]
         with self._lock:
             token = next(self._tokens)
             self._unforked[token] = rank
-            request = {"token": token, "argv": argv, "env": env, "stdio": stdio, "cwd": _working_directory()}
+            request = {"token": token, "argv": argv, "env": env, "stdio": stdio, "cwd": _working_directory(),
+                       "warm": list(warm)}  # fmt: skip
             try:
                 socket.send_fds(self._channel, [json.dumps(request).encode()], stdio)
             except OSError:
@@ -242,8 +246,9 @@ _zygote: list[Zygote] = []  # this process's current zygote, if any
 _zygote_lock = threading.Lock()
 
 
-def fork_rank(argv: list[str], env: dict[str, str]) -> ForkedRank:
-    """A rank forked by this process's zygote for ``env`` (started here, the first time, or for a new environment)."""
+def fork_rank(argv: list[str], env: dict[str, str], warm: Sequence[str] = ()) -> ForkedRank:
+    """A rank forked by this process's zygote for ``env`` (started here, the first time, or for a new environment),
+    the modules ``warm`` names imported there first."""
     environment = {name: value for name, value in env.items() if name not in POOL_VARIABLES}
     with _zygote_lock:
         zygote = _zygote[0] if _zygote else None
@@ -252,9 +257,9 @@ def fork_rank(argv: list[str], env: dict[str, str]) -> ForkedRank:
                 zygote.retire()
             zygote = _started(environment)
         try:
-            return zygote.fork(argv, env)
+            return zygote.fork(argv, env, warm)
         except OSError:  # it died since it was last asked: once more, from a new one
-            return _started(environment).fork(argv, env)
+            return _started(environment).fork(argv, env, warm)
 
 
 def _started(environment: dict[str, str]) -> Zygote:
@@ -290,6 +295,7 @@ def serve_forks(channel: int, start_watch: Callable[[int, str | None], None]) ->
             reading = bool(message)
             if reading:
                 request = json.loads(message)
+                _warmed(request.get("warm", ()))
                 pid = _fork(
                     request,
                     dict(zip(request["stdio"], stdio, strict=True)),
@@ -302,6 +308,20 @@ def serve_forks(channel: int, start_watch: Callable[[int, str | None], None]) ->
                 os.close(fd)
         for pid, code in _reaped(ranks):
             _report(requests, {"exit": pid, "code": code})
+
+
+def _warmed(modules: list[str]) -> None:
+    """In the zygote: import the ``modules`` not yet imported (one that fails is left for the rank to report), and
+    freeze what they made, as the zygote's first imports are."""
+    import gc
+    import importlib
+
+    missing = [name for name in modules if name not in sys.modules]
+    for name in missing:
+        with contextlib.suppress(Exception):
+            importlib.import_module(name)
+    if missing:
+        gc.freeze()
 
 
 def _fork(request: dict, stdio: dict[int, int], zygote_fds: tuple[int, ...], start_watch) -> int:

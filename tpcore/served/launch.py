@@ -97,7 +97,7 @@ class ModelSource:
         def send(pool: RankPool, timeout: float, bar: LoadBar) -> None:
             def arguments(rank: int) -> tuple:
                 metas = [(name, plan.shard_shape(name, rank), tensor.dtype) for name, tensor in tensors.items()]
-                return skeleton_for(rank), metas, dtype
+                return *skeleton_for(rank), metas, dtype
 
             def shares(rank: int) -> Iterator[torch.Tensor]:
                 for name, tensor in tensors.items():  # a model on a GPU: one share at a time goes through the CPU
@@ -129,8 +129,9 @@ class CheckpointSource:
         self.model_class = model_class
         if quantized is not None:  # built now: its format refuses a tensor it cannot split before any rank starts
             _ = self.model
-        #: the module that defines the model, which the ranks import while the caller builds it
-        self.preload = _modeling_modules(self.config, model_class)
+        #: the module that defines the model and those its format computes with, which the ranks import while the
+        #: caller builds it
+        self.preload = _modeling_modules(self.config, model_class) + (quantized.rank_modules if quantized else ())
 
     @functools.cached_property
     def model(self) -> nn.Module:
@@ -152,7 +153,7 @@ class CheckpointSource:
 
         def send(pool: RankPool, timeout: float, bar: LoadBar) -> None:
             def arguments(rank: int) -> tuple:
-                return skeleton_for(rank), directory, reads, dtype
+                return *skeleton_for(rank), directory, reads, dtype
 
             pool.scatter(read_shard, arguments, timeout=timeout, on_progress=bar.rank_loaded)
 
@@ -206,13 +207,17 @@ class Launch:
         return self.pool
 
 
-def _skeletons(plan: ShardPlan, skeleton: nn.Module) -> Callable[[int], nn.Module]:
-    """``skeleton_for(rank)``: the split meta skeleton rank ``rank`` fills. One serves every rank when the
-    plan is uniform (each rank binds its own group and rows); uneven shares give each rank its own."""
+def _skeletons(plan: ShardPlan, skeleton: nn.Module) -> Callable[[int], tuple[nn.Module, ShardPlan | None]]:
+    """``skeleton_for(rank)``: the meta skeleton rank ``rank`` fills and the plan it still applies to it
+    (:func:`~tpcore.served.rank_side.own_skeleton`). Split here once where the plan is uniform (each rank binds
+    its own group and rows); with uneven shares every rank gets the unsplit skeleton and the plan, and splits its
+    own copy, all at once, where copying and splitting one per rank here would hold each rank for the ones
+    before it."""
+    portable(skeleton)
     if plan.uniform:
-        apply_plan(plan, portable(skeleton), 0)
-        return lambda rank: skeleton
-    return lambda rank: portable(apply_plan(plan, copy.deepcopy(skeleton), rank))
+        apply_plan(plan, skeleton, 0)
+        return lambda rank: (skeleton, None)
+    return lambda rank: (skeleton, plan)
 
 
 def _modeling_modules(config: Any, model_class: type[nn.Module] | None) -> tuple[str, ...]:

@@ -28,7 +28,7 @@ from tpcore.parallel import memfd
 from tpcore.parallel.cpu_layout import lay_out, linear_weight_names, transpose_linear_weights
 from tpcore.parallel.layers import bind_group
 from tpcore.parallel.quantized_linear import QuantizedLayer, localize_quantized, ready_quantized
-from tpcore.plan import format_bytes
+from tpcore.plan import ShardPlan, apply_plan, format_bytes
 from tpcore.progress import ByteCounter
 from tpcore.ranks.process import RankContext
 from tpcore.ranks.transfer import to_cpu, to_device
@@ -52,8 +52,16 @@ __all__ = [
 logger = logging.getLogger("tpcore.parallelize")
 
 
-def load_shard(context: RankContext, skeleton: nn.Module, metas: list, dtype) -> int:
-    """On a rank: receive this rank's tensors, give them to the (already split) meta skeleton, keep it."""
+def own_skeleton(context: RankContext, skeleton: nn.Module, plan: ShardPlan | None) -> nn.Module:
+    """On a rank: the meta ``skeleton`` split for this rank: as sent where ``plan`` is ``None`` (split by the caller),
+    else split here by ``plan``."""
+    return skeleton if plan is None else apply_plan(plan, skeleton, context.rank)
+
+
+def load_shard(context: RankContext, skeleton: nn.Module, plan: ShardPlan | None, metas: list, dtype) -> int:
+    """On a rank: receive this rank's tensors, give them to its split meta skeleton (:func:`own_skeleton`), keep
+    it."""
+    skeleton = own_skeleton(context, skeleton, plan)
     received = context.receive_tensors([(shape, tensor_dtype) for _, shape, tensor_dtype in metas])
     tensors = {name: tensor for (name, _, _), tensor in zip(metas, received, strict=True)}
     del received
@@ -61,10 +69,13 @@ def load_shard(context: RankContext, skeleton: nn.Module, metas: list, dtype) ->
     return keep(context, skeleton, dtype)
 
 
-def read_shard(context: RankContext, skeleton: nn.Module, directory: str, reads: list[Read], dtype) -> int:
-    """On a rank: read this rank's slices from the checkpoint, onto its device, into the (already split)
-    meta skeleton, keep it; the caller is told the bytes read as they grow."""
+def read_shard(
+    context: RankContext, skeleton: nn.Module, plan: ShardPlan | None, directory: str, reads: list[Read], dtype
+) -> int:
+    """On a rank: read this rank's slices from the checkpoint, onto its device, into its split meta skeleton
+    (:func:`own_skeleton`), keep it; the caller is told the bytes read as they grow."""
     started = time.monotonic()
+    skeleton = own_skeleton(context, skeleton, plan)
     counter = ByteCounter(context.report_progress)
     Checkpoint(directory).load_into(
         skeleton, reads, context.rank, context.world_size, context.device, dtype, progress=counter,

@@ -51,6 +51,7 @@ __all__ = [
     "save_int8_weight_only",
     "save_llm_int8",
     "save_mxfp4",
+    "save_nvfp4",
     "save_pack_quantized",
     "save_w8a8",
 ]
@@ -144,6 +145,17 @@ def save_pack_quantized(
     return _save_compressed(model, directory, scheme, group_size, keep, "pack-quantized")
 
 
+def save_nvfp4(model: nn.Module, directory: str | Path, keep: tuple[str, ...] = ("lm_head",)) -> Path:
+    """Save ``model`` (changed in place) in ``directory`` as compressed-tensors' ``NVFP4A16``
+    (``nvfp4-pack-quantized``): every ``nn.Linear`` but those named in ``keep`` in e2m1 values, an e4m3 scale per
+    group of 16 input features and a float32 global scale per tensor; activations as they are. Needs
+    ``compressed-tensors``."""
+    from compressed_tensors.quantization import preset_name_to_scheme
+
+    scheme = preset_name_to_scheme("NVFP4A16", ["Linear"])
+    return _save_compressed(model, directory, scheme, scheme.weights.group_size, keep, "nvfp4-pack-quantized")
+
+
 def save_fp8_dynamic(model: nn.Module, directory: str | Path, keep: tuple[str, ...] = ("lm_head",)) -> Path:
     """Save ``model`` (changed in place) in ``directory`` as compressed-tensors' ``FP8_DYNAMIC``: every
     ``nn.Linear`` but those named in ``keep`` in e4m3 with a scale per row. Needs ``compressed-tensors``."""
@@ -180,10 +192,11 @@ def _save_preset(model: nn.Module, directory: str | Path, preset: str, keep: tup
 
 def _save_compressed(model, directory, scheme, group_size: int | None, keep: tuple[str, ...], layout: str):
     """compressed-tensors' ``scheme`` applied to ``model``'s linears, each scale (and zero point, asymmetric) from
-    its group's (or row's, or block's) range, compressed and saved in ``layout``."""
+    its group's (or row's, or block's) range, within a global scale from the tensor's (NVFP4's ``tensor_group``),
+    compressed and saved in ``layout``."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
-    from compressed_tensors.quantization.utils import calculate_qparams
+    from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
 
     config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=list(keep), format=layout)
     apply_quantization_config(model, config)
@@ -194,7 +207,11 @@ def _save_compressed(model, directory, scheme, group_size: int | None, keep: tup
             if scheme.weights.strategy == "block":  # (out / B0, in / B1) blocks of B0 * B1 values
                 (rows, columns), (b0, b1) = weight.shape, scheme.weights.block_structure
                 groups = weight.view(rows // b0, b0, columns // b1, b1).transpose(1, 2).reshape(rows // b0, -1, b0 * b1)
-            scale, zero_point = calculate_qparams(groups.amin(-1), groups.amax(-1), scheme.weights)
+            global_scale = None
+            if scheme.weights.strategy == "tensor_group":
+                global_scale = generate_gparam(weight.amin().reshape(1), weight.amax().reshape(1))
+                module.get_parameter("weight_global_scale").data.copy_(global_scale)
+            scale, zero_point = calculate_qparams(groups.amin(-1), groups.amax(-1), scheme.weights, global_scale)
             scales.data.copy_(scale.to(scales.dtype).view_as(scales))
             if not scheme.weights.symmetric:
                 zeros = module.get_parameter("weight_zero_point")
