@@ -17,12 +17,24 @@ def gone(pid: int) -> bool:
 
 
 def children(pid: int | None = None) -> set[int]:
-    """The running processes that ``pid`` (this process by default) started: its children, where the CPU ranks'
-    zygote (:mod:`tpcore.ranks.zygote`, kept for the next pools) stands for the ranks it forked."""
+    """The running processes that ``pid`` started: its children, where the CPU ranks' zygote
+    (:mod:`tpcore.ranks.zygote`, kept for the next pools) stands for the ranks it forked. Of this process's own
+    (``pid`` ``None``) only tpcore's count: ranks and zygotes, not what libraries start in the background meanwhile
+    (torch's compile workers)."""
     found = set()
     for child in _direct_children(os.getpid() if pid is None else pid):
-        found |= _direct_children(child) if is_zygote(child) else {child}
+        if is_zygote(child):
+            found |= _direct_children(child)
+        elif pid is not None or _runs_tpcore(child):
+            found.add(child)
     return found
+
+
+def _runs_tpcore(pid: int) -> bool:
+    """A rank started as a fresh interpreter (its command imports tpcore's worker), or another tpcore command."""
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+        return b"tpcore" in cmdline.read()
+    return False
 
 
 def parent_of(pid: int) -> int:
