@@ -222,26 +222,28 @@ def _adopt_layer(module: nn.Module, scheme: Any, where: str) -> int:
     if words is None:
         return 0  # decompressed: a plain linear again
     assert not quantizes_tokens
-    extra = global_scale if layout == NVFP4 else zeros
-    _adopt_packed(module, layout, weights, words, scale, extra, where)
+    adopt = _adopt_nvfp4 if layout == NVFP4 else _adopt_packed
+    adopt(module, weights, words, scale, global_scale if layout == NVFP4 else zeros, where)
     return 1
 
 
-def _adopt_packed(module: nn.Linear, layout: str, weights: dict[str, Any], words: nn.Parameter, scale: nn.Parameter,
-                  extra: nn.Parameter | None, where: str) -> None:  # fmt: skip
-    """A still-packed layer made an :class:`NVFP4Linear` holding its bytes, scales and global scale (``extra``), or a
-    :class:`PackedIntLinear` holding its words, scales and (asymmetric) zero points (``extra``)."""
-    if layout == NVFP4:
-        try:
-            if extra is None:
-                raise ValueError("NVFP4 without its weight_global_scale")
-            fp4 = NVFP4Linear.hold_fp4(module, int(weights["group_size"]), tuple(scale.shape), scale.dtype)
-        except ValueError as error:
-            raise ShardingError(f"{where}: {error}") from None
-        fp4.weight_packed, fp4.weight_scale, fp4.weight_global_scale = words, scale, extra
-        fp4.weight = words
-        return
-    zeros = extra
+def _adopt_nvfp4(module: nn.Linear, weights: dict[str, Any], words: nn.Parameter, scale: nn.Parameter,
+                 global_scale: nn.Parameter | None, where: str) -> None:  # fmt: skip
+    """A still-packed NVFP4 layer made an :class:`NVFP4Linear` holding its bytes, scales and global scale."""
+    try:
+        if global_scale is None:
+            raise ValueError("NVFP4 without its weight_global_scale")
+        fp4 = NVFP4Linear.hold_fp4(module, int(weights["group_size"]), tuple(scale.shape), scale.dtype)
+    except ValueError as error:
+        raise ShardingError(f"{where}: {error}") from None
+    fp4.weight_packed, fp4.weight_scale, fp4.weight_global_scale = words, scale, global_scale
+    fp4.weight = words
+
+
+def _adopt_packed(module: nn.Linear, weights: dict[str, Any], words: nn.Parameter, scale: nn.Parameter,
+                  zeros: nn.Parameter | None, where: str) -> None:  # fmt: skip
+    """A still-packed integer layer made a :class:`PackedIntLinear` holding its words, scales and (asymmetric) zero
+    points."""
     group_size = module.in_features if weights["strategy"] == "channel" else int(weights["group_size"])
     asymmetric = weights.get("symmetric") is False
     try:
